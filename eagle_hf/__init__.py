@@ -1,0 +1,35 @@
+"""eagle_hf: EAGLE-3 / EAGLE-3.1 speculative decoding inside Hugging Face `model.generate()`.
+
+    import eagle_hf
+    drafter = eagle_hf.EagleDrafter.from_pretrained("yuhuili/EAGLE3-LLaMA3.1-Instruct-8B")
+    out = target.generate(**inputs, assistant_model=drafter)   # same tokens as without the drafter
+    print(eagle_hf.last_stats().summary())
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .config import EagleConfig
+from .default import DEFAULT_DRAFTER, DEFAULT_TARGET_NAME, load_default_target
+from .hf_integration import EagleCompatibilityError, install
+from .modeling import EagleDrafter
+from .checkpoint import DrafterLoadError
+from .stats import SpecDecodeStats, last_stats
+
+__version__ = "0.1.0"
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+install()
+
+__all__ = [
+    "DEFAULT_DRAFTER",
+    "DEFAULT_TARGET_NAME",
+    "DrafterLoadError",
+    "EagleCompatibilityError",
+    "EagleConfig",
+    "EagleDrafter",
+    "SpecDecodeStats",
+    "last_stats",
+    "load_default_target",
+]

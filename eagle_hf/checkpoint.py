@@ -1,0 +1,298 @@
+"""Loading every published EAGLE-3 drafter layout, and saving the one vLLM and SGLang read.
+
+Layouts (eagle_spec.md §2-3):
+
+* ``eagle``: the EAGLE reference / SpecForge / TorchSpec flat Llama config (``LlamaForCausalLMEagle3``), weights
+  ``midlayer.*`` in ``pytorch_model.bin`` or ``model.safetensors`` (possibly sharded, possibly ``model.``-prefixed).
+  Explicit aux ids whose first id is 1 are in the "output of layer" convention (SpecForge/TorchSpec).
+* ``speculators``: vllm-project/speculators (``Eagle3DraftModel``, ``transformer_layer_config``), weights
+  ``layers.0.*``, usually with ``embed_tokens.weight``.
+* ``eagle_hf``: ours, which is the ``eagle`` layout plus provenance; aux ids in the boundary convention.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .capture import CONVENTIONS, guess_convention
+from .config import EAGLE3_ARCHITECTURES, SPECULATORS_ARCHITECTURES, EagleConfig
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+#: Tensors some trainers ship that inference never reads; dropped with a log line, never silently.
+TRAINING_ONLY_PREFIXES = ("verifier_lm_head.", "verifier_norm.", "verifier.")
+
+
+class DrafterLoadError(ValueError):
+    """A drafter checkpoint that cannot be loaded; the message names the problem and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------- files
+def resolve_folder(name_or_path: str | os.PathLike, revision: str | None = None, **hub_kwargs) -> Path:
+    """A local folder, or a Hub repo id fetched (or found in the cache) with huggingface_hub."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise DrafterLoadError(f"{path} is a file; pass the folder that holds config.json and the weights.")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(
+            str(name_or_path),
+            revision=revision,
+            allow_patterns=["*.json", "*.safetensors", "*.bin", "*.md"],
+            **hub_kwargs,
+        )
+    except LocalEntryNotFoundError as err:
+        raise DrafterLoadError(
+            f"Drafter {name_or_path!r} (revision {revision or 'main'}) is neither a local folder nor in the Hugging "
+            "Face cache, and the Hub cannot be reached (offline, or HF_HUB_OFFLINE=1). Download it once with "
+            f"`huggingface-cli download {name_or_path}` on a connected machine, or pass a local folder."
+        ) from err
+    except (HfHubHTTPError, ValueError) as err:
+        raise DrafterLoadError(f"Could not fetch drafter {name_or_path!r} from the Hub: {err}") from err
+    return Path(folder)
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise DrafterLoadError(f"{folder} has no config.json; it is not a drafter checkpoint folder.")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DrafterLoadError(f"{path} is not valid JSON ({err}); the download may be corrupt: fetch it again.") from err
+
+
+def _load_file(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        return torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as err:  # safetensors, pickle and zip errors differ in type
+        raise DrafterLoadError(
+            f"Cannot read weight file {path} ({type(err).__name__}: {err}). The file is truncated or corrupt: "
+            "delete it and download the drafter again (e.g. `snapshot_download(..., force_download=True)`)."
+        ) from err
+
+
+def load_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder: single file or sharded (index json), safetensors or torch pickle."""
+    for index_name in INDEX_FILES:
+        index = folder / index_name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError) as err:
+                raise DrafterLoadError(f"{index} is not a valid shard index: {err}") from err
+            state = {}
+            for shard in shards:
+                if not (folder / shard).is_file():
+                    raise DrafterLoadError(f"{index} lists shard {shard}, which is missing from {folder}.")
+                state.update(_load_file(folder / shard))
+            return state
+    for name in WEIGHT_FILES:
+        if (folder / name).is_file():
+            return _load_file(folder / name)
+    others = sorted(folder.glob("*.safetensors"))
+    if len(others) == 1:
+        return _load_file(others[0])
+    raise DrafterLoadError(
+        f"No weights in {folder}: expected model.safetensors, pytorch_model.bin or a sharded index."
+    )
+
+
+# ---------------------------------------------------------------------------------------------- config
+def detect_layout(raw: dict[str, Any]) -> str:
+    archs = raw.get("architectures") or []
+    if "speculators_model_type" in raw or "transformer_layer_config" in raw or set(archs) & set(SPECULATORS_ARCHITECTURES):
+        return "speculators"
+    if "eagle_hf" in raw:
+        return "eagle_hf"
+    if set(archs) & set(EAGLE3_ARCHITECTURES) or "draft_vocab_size" in raw or "eagle_config" in raw:
+        return "eagle"
+    if any(a.startswith("Eagle3Deepseek") for a in archs):
+        raise DrafterLoadError(
+            f"{archs[0]} drafters use multi-head latent attention (MLA), which eagle_hf does not implement yet."
+        )
+    raise DrafterLoadError(
+        f"This config.json is not an EAGLE-3 drafter (architectures={archs}, model_type={raw.get('model_type')}). "
+        "Pass the drafter's repo (e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B), not the target model."
+    )
+
+
+def _first(*values):
+    for v in values:
+        if v is not None:
+            return v
+    return None
+
+
+def normalize_config(raw: dict[str, Any], layout: str) -> tuple[dict[str, Any], list[int] | None, str]:
+    """EagleConfig kwargs from a raw config, plus the raw aux ids and their convention."""
+    if layout == "speculators":
+        layer = raw.get("transformer_layer_config") or {}
+        base = dict(layer)
+        for key in ("draft_vocab_size", "target_hidden_size", "norm_before_residual", "fc_norm", "norm_output"):
+            if raw.get(key) is not None:
+                base[key] = raw[key]
+        eagle = {}
+        ids = raw.get("eagle_aux_hidden_state_layer_ids")
+        norm_before_fc = raw.get("norm_before_fc")
+        convention = "boundary"
+    else:
+        base = dict(raw)
+        eagle = raw.get("eagle_config") or {}
+        ids = _first(raw.get("eagle_aux_hidden_state_layer_ids"), eagle.get("eagle_aux_hidden_state_layer_ids"))
+        norm_before_fc = _first(eagle.get("norm_before_fc"), raw.get("norm_before_fc"))
+        ours = raw.get("eagle_hf") or {}
+        convention = ours.get("aux_layer_convention") or guess_convention(ids or [], layout)
+        if eagle.get("use_aux_hidden_state") is False:
+            raise DrafterLoadError("Drafters with `use_aux_hidden_state: false` (EAGLE-1 style) are not supported.")
+    keys = (
+        "hidden_size intermediate_size num_attention_heads num_key_value_heads head_dim num_hidden_layers vocab_size "
+        "draft_vocab_size target_hidden_size rms_norm_eps hidden_act rope_theta rope_scaling rope_parameters "
+        "max_position_embeddings attention_bias bias norm_before_residual norm_output draft_settings target_model "
+        "torch_dtype dtype"
+    ).split()
+    kwargs = {k: base[k] for k in keys if base.get(k) is not None}
+    kwargs["fc_norm"] = bool(_first(base.get("fc_norm"), eagle.get("fc_norm"), base.get("use_aux_norm"), False))
+    kwargs["norm_before_fc"] = bool(norm_before_fc or False)
+    if ids is not None:
+        kwargs["num_aux_hidden_states"] = len(ids)
+    elif raw.get("num_aux_hidden_states"):
+        kwargs["num_aux_hidden_states"] = raw["num_aux_hidden_states"]
+    if kwargs.get("head_dim") is None and kwargs.get("hidden_size") and kwargs.get("num_attention_heads"):
+        kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    return kwargs, (list(ids) if ids is not None else None), convention
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def normalize_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map ``model.`` prefixes and ``layers.0.`` onto our (= the EAGLE reference) names."""
+    out = {}
+    for key, value in state.items():
+        name = key[len("model.") :] if key.startswith("model.") else key
+        if name.startswith("layers.0."):
+            name = "midlayer." + name[len("layers.0.") :]
+        elif name.startswith("layers."):
+            raise DrafterLoadError(f"Tensor {key} belongs to a second decoder layer; multi-layer drafters are not supported.")
+        if name.startswith(TRAINING_ONLY_PREFIXES):
+            logger.info("Dropping training-only tensor %s", key)
+            continue
+        if name in out:
+            raise DrafterLoadError(f"The checkpoint holds {name} twice (as {key} and another spelling).")
+        out[name] = value
+    return out
+
+
+def validate_d2t(d2t: torch.Tensor, vocab_size: int) -> None:
+    target_ids = torch.arange(d2t.shape[0]) + d2t.long().cpu()
+    if bool((target_ids < 0).any()) or bool((target_ids >= vocab_size).any()):
+        raise DrafterLoadError(
+            f"d2t maps draft ids outside the target vocabulary (0..{vocab_size - 1}); the checkpoint is corrupt or "
+            "its config's vocab_size is wrong."
+        )
+    if d2t.shape[0] > 1 and not bool((target_ids[1:] > target_ids[:-1]).all()):
+        raise DrafterLoadError("d2t does not map draft ids to strictly increasing target ids; the checkpoint is corrupt.")
+
+
+def load_drafter(
+    cls,
+    name_or_path,
+    *,
+    revision: str | None = None,
+    aux_layer_ids: list[int] | None = None,
+    aux_layer_convention: str | None = None,
+    dtype: torch.dtype | None = None,
+    config_overrides: dict[str, Any] | None = None,
+    **hub_kwargs,
+):
+    folder = resolve_folder(name_or_path, revision=revision, **hub_kwargs)
+    raw = read_config(folder)
+    layout = detect_layout(raw)
+    kwargs, raw_ids, convention = normalize_config(raw, layout)
+    if aux_layer_ids is not None:
+        raw_ids = list(aux_layer_ids)
+        convention = aux_layer_convention or "boundary"
+        kwargs["num_aux_hidden_states"] = len(raw_ids)
+    elif aux_layer_convention is not None:
+        convention = aux_layer_convention
+    if convention not in CONVENTIONS:
+        raise DrafterLoadError(f"aux_layer_convention must be one of {CONVENTIONS}, got {convention!r}.")
+    boundary_ids = None if raw_ids is None else [i + (1 if convention == "output" else 0) for i in raw_ids]
+    logger.info(
+        "Drafter %s: layout %s, aux layer ids %s (%s convention) -> target hidden_states indices %s",
+        name_or_path, layout, raw_ids, convention, boundary_ids if boundary_ids is not None else "default [2, L//2, L-3]",
+    )
+    state = normalize_keys(load_weights(folder))
+    kwargs["own_embedding"] = "embed_tokens.weight" in state
+    kwargs.update(config_overrides or {})
+    ckpt_dtype = kwargs.pop("torch_dtype", None) or kwargs.pop("dtype", None)
+    kwargs.pop("dtype", None)
+    try:
+        config = EagleConfig(aux_layer_ids=boundary_ids, **kwargs)
+    except (ValueError, NotImplementedError) as err:
+        raise DrafterLoadError(f"Drafter {name_or_path}: {err}") from err
+    config.name_or_path = str(name_or_path)
+    if config.draft_vocab_size == config.vocab_size:
+        for name in ("d2t", "t2d"):
+            if name in state and name == "d2t" and bool(state[name].any()):
+                raise DrafterLoadError("draft_vocab_size equals vocab_size but d2t is not the identity.")
+            state.pop(name, None)
+    elif "d2t" not in state:
+        raise DrafterLoadError(
+            f"The drafter's draft vocabulary ({config.draft_vocab_size}) is smaller than the target's "
+            f"({config.vocab_size}) but the checkpoint has no d2t map."
+        )
+    else:
+        validate_d2t(state["d2t"], config.vocab_size)
+        state.setdefault("t2d", _t2d_from_d2t(state["d2t"], config.vocab_size))
+    model = cls(config)
+    model.eval()
+    expected = set(model.state_dict().keys())
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise DrafterLoadError(
+            f"Drafter {name_or_path} ({layout} layout) does not match its config: missing tensors "
+            f"{sorted(missing)[:8]}, unexpected tensors {sorted(unexpected)[:8]}. Check that config.json belongs to "
+            "these weights; if the checkpoint uses a variant eagle_hf does not know yet, please report it."
+        )
+    for key, tensor in state.items():
+        want = model.state_dict()[key].shape
+        if tuple(tensor.shape) != tuple(want):
+            raise DrafterLoadError(
+                f"Tensor {key} has shape {tuple(tensor.shape)} but the config implies {tuple(want)}; "
+                "config.json and the weights do not belong together."
+            )
+    model.load_state_dict({k: v for k, v in state.items()}, strict=True)
+    target_dtype = dtype or _as_dtype(ckpt_dtype) or next(iter(v for v in state.values() if v.is_floating_point())).dtype
+    model.to(target_dtype)
+    model._eagle_layout = layout
+    return model
+
+
+def _t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[torch.arange(d2t.shape[0]) + d2t.long()] = True
+    return t2d
+
+
+def _as_dtype(value) -> torch.dtype | None:
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and hasattr(torch, value):
+        return getattr(torch, value)
+    return None

@@ -1,0 +1,86 @@
+"""`eagle-hf` command line: generate (and later train, bench, demo)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def _load_target(name: str, dtype_name: str):
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    if name == "default":
+        from .default import load_default_target
+
+        return load_default_target(dtype=dtype)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(name)
+    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval(), tok
+
+
+def load_drafter_for(target, name: str):
+    """`default` (the shipped drafter, or a random one when none is shipped), `random`, a folder or a Hub id."""
+    from .default import DEFAULT_DRAFTER
+    from .modeling import EagleDrafter
+
+    if name == "default" and Path(DEFAULT_DRAFTER, "config.json").is_file():
+        return EagleDrafter.from_pretrained(DEFAULT_DRAFTER), "shipped EAGLE-3.1 drafter"
+    if name in ("default", "random"):
+        import torch
+
+        torch.manual_seed(0)
+        return EagleDrafter.for_target(target), "RANDOM drafter (untrained: expect almost no accepted drafts)"
+    return EagleDrafter.from_pretrained(name), name
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from . import last_stats
+
+    target, tok = _load_target(args.target, args.dtype)
+    drafter, label = load_drafter_for(target, args.drafter)
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": args.prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    sample = args.temperature > 0
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=sample, num_assistant_tokens=args.num_draft_tokens)
+    if sample:
+        kwargs["temperature"] = args.temperature
+        torch.manual_seed(args.seed)
+    out = target.generate(**enc, assistant_model=drafter, **kwargs)
+    print(tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True))
+    print(f"\n[drafter: {label}]")
+    print(f"[{last_stats().summary()}]")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="eagle-hf", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate with EAGLE drafting and print the text and acceptance stats")
+    g.add_argument("--prompt", default="Write a short poem about speculative decoding.")
+    g.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct, offline) or a Hub id")
+    g.add_argument("--drafter", default="default", help="'default', 'random', a folder or a Hub id")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--num-draft-tokens", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    g.set_defaults(func=cmd_generate)
+
+    from .training.cli import add_train_parser
+
+    add_train_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

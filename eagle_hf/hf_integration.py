@@ -1,0 +1,315 @@
+"""Everything that touches transformers internals lives here.
+
+After ``import eagle_hf``, ``target.generate(..., assistant_model=drafter)`` with an :class:`EagleDrafter` runs
+transformers' own assisted-decoding loop with :class:`EagleCandidateGenerator` drafting from the target's hidden
+states. Two hooks make that happen, both pass-through for every other call:
+
+* ``GenerationMixin.generate`` is wrapped to validate the drafter against the target before anything runs, to
+  resolve the per-call draft settings and to collect :class:`SpecDecodeStats`;
+* ``GenerationMixin._get_candidate_generator`` returns our generator when the assistant is an EAGLE drafter.
+
+Tested against transformers 5.23 (``SUPPORTED_TRANSFORMERS``); other versions raise a clear error on use.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+import transformers
+from packaging.version import Version
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.utils import GenerationMixin
+
+from .capture import gather_aux, hidden_state_request, num_decoder_layers, resolve_aux_layer_ids
+from .config import DEFAULT_DRAFT_SETTINGS
+from .drafting import DraftState, draft_chain
+from .modeling import EagleDrafter
+from .stats import SpecDecodeStats, _set_last
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_TRANSFORMERS = (Version("5.20.0"), Version("6.0.0"))  # [min, max)
+MAX_DRAFT_TOKENS = 32
+
+#: generate() keyword -> draft setting; transformers' own assisted-generation names where one exists.
+CALL_SETTINGS = {
+    "num_assistant_tokens": "num_draft_tokens",
+    "num_assistant_tokens_schedule": "schedule",
+    "assistant_confidence_threshold": "confidence_threshold",
+}
+
+_call = threading.local()  # the EAGLE call in flight in this thread: settings and stats
+
+
+class EagleCompatibilityError(ValueError):
+    """The drafter cannot serve this target or this generate() call; the message names the fix."""
+
+
+def check_transformers_version(version: str | None = None) -> None:
+    v = Version(version or transformers.__version__)
+    low, high = SUPPORTED_TRANSFORMERS
+    if not (low <= v < high):
+        raise EagleCompatibilityError(
+            f"eagle_hf hooks into transformers' assisted-generation loop and supports transformers >={low},<{high}; "
+            f"found {v}. Install a supported version: pip install 'transformers>={low},<{high}'."
+        )
+
+
+def check_compatible(target, drafter: EagleDrafter) -> list[int]:
+    """Validate that `drafter` can draft for `target`; return the boundary aux ids it reads."""
+    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    cfg = drafter.config
+    where = f"drafter {cfg.name_or_path or '(unnamed)'} and target {getattr(target, 'name_or_path', '?')}"
+    if cfg.vocab_size != text.vocab_size:
+        raise EagleCompatibilityError(
+            f"Vocabulary mismatch between {where}: the drafter was built for a {cfg.vocab_size}-token vocabulary, "
+            f"the target has {text.vocab_size}. This drafter belongs to another target model; use the drafter "
+            "trained for this target (or train one with `eagle-hf train`)."
+        )
+    if cfg.target_hidden_size != text.hidden_size:
+        raise EagleCompatibilityError(
+            f"Hidden-size mismatch between {where}: the drafter reads {cfg.target_hidden_size}-wide target hidden "
+            f"states, the target's are {text.hidden_size}-wide. This drafter belongs to another target model."
+        )
+    if drafter.embed_tokens is None:
+        emb = target.get_input_embeddings()
+        if emb.weight.shape[-1] != cfg.hidden_size:
+            raise EagleCompatibilityError(
+                f"The drafter ships no embedding and its width {cfg.hidden_size} differs from the target's "
+                f"embedding width {emb.weight.shape[-1]}; it cannot share the target's embedding."
+            )
+    return resolve_aux_layer_ids(cfg.aux_layer_ids, num_decoder_layers(target), "boundary")
+
+
+def resolve_settings(drafter: EagleDrafter, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Draft settings: defaults < the drafter's saved settings < this call's keywords."""
+    settings = {**DEFAULT_DRAFT_SETTINGS, **(drafter.config.draft_settings or {})}
+    gen_config = kwargs.get("generation_config")
+    for key, name in CALL_SETTINGS.items():
+        if gen_config is not None and getattr(gen_config, key, None) is not None:
+            settings[name] = getattr(gen_config, key)
+        if kwargs.get(key) is not None:
+            settings[name] = kwargs[key]
+    k = int(settings["num_draft_tokens"])
+    if not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise EagleCompatibilityError(f"num_assistant_tokens must be in 1..{MAX_DRAFT_TOKENS}, got {k}.")
+    if settings["schedule"] not in ("constant", "heuristic", "heuristic_transient"):
+        raise EagleCompatibilityError(
+            f"num_assistant_tokens_schedule must be 'constant' or 'heuristic', got {settings['schedule']!r}."
+        )
+    return settings
+
+
+def _check_call(target, args, kwargs) -> None:
+    inputs = kwargs.get("inputs", kwargs.get("input_ids"))
+    if inputs is None and args:
+        inputs = args[0]
+    if isinstance(inputs, torch.Tensor):
+        if inputs.dim() == 2 and inputs.shape[0] > 1:
+            raise EagleCompatibilityError(
+                f"EAGLE drafting supports batch size 1; got {inputs.shape[0]} sequences. Call generate() once per "
+                "prompt (or generate without the drafter for batched throughput)."
+            )
+        if inputs.shape[-1] == 0:
+            raise EagleCompatibilityError("The prompt is empty: pass at least one token (e.g. the chat template's).")
+    gen_config = kwargs.get("generation_config")
+    nrs = kwargs.get("num_return_sequences", getattr(gen_config, "num_return_sequences", None)) or 1
+    if nrs > 1:
+        raise EagleCompatibilityError(
+            f"num_return_sequences={nrs} is not supported with EAGLE drafting; call generate() {nrs} times."
+        )
+    if (kwargs.get("num_beams") or getattr(gen_config, "num_beams", 1) or 1) > 1:
+        raise EagleCompatibilityError("Beam search cannot be combined with speculative decoding; drop num_beams.")
+
+
+def prepare_drafter(target, drafter: EagleDrafter) -> None:
+    """Put the drafter on the target's device and dtype and give it the target's embedding when it has none."""
+    emb = target.get_input_embeddings()
+    device, dtype = emb.weight.device, emb.weight.dtype
+    if not dtype.is_floating_point:  # quantized embeddings
+        dtype = getattr(target, "dtype", torch.float32)
+    if drafter.fc.weight.device != device or drafter.fc.weight.dtype != dtype:
+        logger.info("Moving the drafter to %s / %s to match the target", device, dtype)
+        drafter.to(device=device, dtype=dtype)
+    if drafter.embed_tokens is None:
+        drafter.bind_target_embedding(emb)
+    drafter.eval()
+
+
+class EagleCandidateGenerator(CandidateGenerator):
+    """Chain drafting for transformers' assisted-decoding loop, from the target's own hidden states.
+
+    Round r: the target's last forward returned aux taps for the positions it verified; the accepted ones become
+    real drafter rows, then the drafter proposes up to K tokens. With ``do_sample`` the drafts are sampled from
+    the drafter's distribution after the same logits processors as the target, and those exact distributions
+    are returned as ``candidate_logits`` for lossless rejection sampling.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, target, drafter, generation_config, logits_processor, aux_ids, settings, stats):
+        self.drafter = drafter
+        self.aux_ids = list(aux_ids)
+        self.model_kwargs_overrides = {"output_hidden_states": hidden_state_request(self.aux_ids)}
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor
+        self.max_length = generation_config.max_length
+        self.settings = settings
+        self.num_draft_tokens = int(settings["num_draft_tokens"])
+        self.stats: SpecDecodeStats = stats
+        self.state = DraftState()
+        self._last_drafted = 0
+        self.listeners = list(settings.get("listeners") or [])
+        self._last_draft: list[int] = []
+
+    # -- choosing a draft token -------------------------------------------------------------------------
+    def _choose(self, draft_logits: torch.Tensor, prefix: torch.Tensor, drafted: list[int]):
+        """draft_logits: [1, Vd] -> (target id, processed target logits [1, V] or None, its probability)."""
+        if not self.do_sample and len(self.logits_processor) == 0:
+            probs = torch.softmax(draft_logits.float(), dim=-1)
+            p, idx = probs.max(dim=-1)
+            return self.drafter.draft_to_target(idx)[0], None, float(p)
+        logits = self.drafter.target_logits(draft_logits.float())  # [1, V]
+        if len(self.logits_processor) > 0:
+            ids = torch.cat([prefix, torch.tensor([drafted], dtype=prefix.dtype, device=prefix.device)], 1) if drafted else prefix
+            logits = self.logits_processor(ids, logits)
+        probs = torch.softmax(logits, dim=-1)
+        token = torch.multinomial(probs, 1)[0, 0] if self.do_sample else probs.argmax(-1)[0]
+        return token, (logits if self.do_sample else None), float(probs[0, token])
+
+    # -- CandidateGenerator API ---------------------------------------------------------------------------
+    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, n_last_matches=0):
+        if is_first_iteration or model_outputs is None:
+            return input_ids, None  # the target prefills; drafting starts from its hidden states
+        start = time.perf_counter()
+        with torch.no_grad():
+            aux = gather_aux(model_outputs.hidden_states, self.aux_ids)  # [1, t, A*H_t]
+            n_new = aux.shape[1] if self.state.length == 0 else n_last_matches + 1
+            aux = aux[:, :n_new].to(self.drafter.fc.weight.dtype)
+            logits, hidden = self.state.extend(self.drafter, aux, input_ids[:, -n_new:])
+            budget = self.max_length - input_ids.shape[1] - 1
+            k = min(self.num_draft_tokens, budget)
+            if k <= 0:
+                self._last_drafted = 0
+                self.stats.drafter_time += time.perf_counter() - start
+                return input_ids, None
+            tokens, q_logits = draft_chain(
+                self.drafter,
+                self.state,
+                logits,
+                hidden,
+                k,
+                lambda lg, drafted: self._choose(lg, input_ids, drafted),
+                float(self.settings.get("confidence_threshold") or 0.0),
+            )
+        self._last_drafted = len(tokens)
+        self._last_draft = tokens
+        candidates = torch.cat([input_ids, torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)], 1)
+        candidate_logits = torch.stack(q_logits, dim=1) if q_logits else None  # [1, k, V]
+        self.stats.drafter_time += time.perf_counter() - start
+        return candidates, candidate_logits
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        if self._last_drafted == 0:
+            return
+        num_matches = int(num_matches)
+        self.stats.record_cycle(self._last_drafted, num_matches)
+        for listener in self.listeners:
+            listener(self._last_draft, num_matches, int(input_ids[0, -1]))
+        if self.settings["schedule"] in ("heuristic", "heuristic_transient"):
+            if num_matches == self._last_drafted:
+                self.num_draft_tokens = min(self.num_draft_tokens + 2, MAX_DRAFT_TOKENS)
+            else:
+                self.num_draft_tokens = max(1, self.num_draft_tokens - 1)
+
+
+# ------------------------------------------------------------------------------------------------- hooks
+_original_generate = GenerationMixin.generate
+_original_get_candidate_generator = GenerationMixin._get_candidate_generator
+_GENERATE_SIGNATURE = inspect.signature(_original_generate)
+
+
+def _assistant_of(args, kwargs):
+    if "assistant_model" in kwargs:
+        return kwargs["assistant_model"]
+    try:
+        bound = _GENERATE_SIGNATURE.bind_partial(None, *args)
+    except TypeError:
+        return None
+    return bound.arguments.get("assistant_model")
+
+
+@functools.wraps(_original_generate)
+def generate(self, *args, **kwargs):
+    drafter = _assistant_of(args, kwargs)
+    if not isinstance(drafter, EagleDrafter):
+        return _original_generate(self, *args, **kwargs)
+    check_transformers_version()
+    aux_ids = check_compatible(self, drafter)
+    _check_call(self, args, kwargs)
+    settings = resolve_settings(drafter, kwargs)
+    listeners = kwargs.pop("draft_listeners", None)
+    if listeners:
+        settings["listeners"] = list(listeners)
+    prepare_drafter(self, drafter)
+    stats = SpecDecodeStats()
+    _call.active = {"aux_ids": aux_ids, "settings": settings, "stats": stats}
+    start = time.perf_counter()
+    try:
+        out = _original_generate(self, *args, **kwargs)
+    finally:
+        _call.active = None
+        stats.total_time = time.perf_counter() - start
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    prompt_len = _prompt_length(args, kwargs)
+    if prompt_len is not None:
+        stats.new_tokens = int(sequences.shape[-1] - prompt_len)
+    _set_last(stats)
+    logger.info("EAGLE generate: %s", stats.summary())
+    return out
+
+
+def _prompt_length(args, kwargs) -> int | None:
+    inputs = kwargs.get("inputs", kwargs.get("input_ids"))
+    if inputs is None and args:
+        inputs = args[0]
+    return int(inputs.shape[-1]) if isinstance(inputs, torch.Tensor) else None
+
+
+def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, assistant_model=None, **kwargs):
+    active = getattr(_call, "active", None)
+    if isinstance(assistant_model, EagleDrafter) and active is not None:
+        return EagleCandidateGenerator(
+            self, assistant_model, generation_config, logits_processor, active["aux_ids"], active["settings"], active["stats"]
+        )
+    return _original_get_candidate_generator(
+        self,
+        generation_config=generation_config,
+        input_ids=input_ids,
+        inputs_tensor=inputs_tensor,
+        logits_processor=logits_processor,
+        model_kwargs=model_kwargs,
+        assistant_model=assistant_model,
+        **kwargs,
+    )
+
+
+def install() -> None:
+    """Install the two hooks (idempotent). Called by ``import eagle_hf``."""
+    if getattr(GenerationMixin, "_eagle_hf_installed", False):
+        return
+    GenerationMixin.generate = generate
+    GenerationMixin._get_candidate_generator = _get_candidate_generator
+    GenerationMixin._eagle_hf_installed = True
+
+
+def uninstall() -> None:
+    GenerationMixin.generate = _original_generate
+    GenerationMixin._get_candidate_generator = _original_get_candidate_generator
+    GenerationMixin._eagle_hf_installed = False

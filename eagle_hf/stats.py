@@ -1,0 +1,94 @@
+"""Per-call speculative decoding statistics (`SpecDecodeStats`), retrievable after `generate()`."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class SpecDecodeStats:
+    """What one `generate()` call did.
+
+    A *cycle* is one draft-and-verify round; each yields ``accepted + 1`` tokens (the accepted drafts plus the
+    target's own bonus or recovered token). The prefill round drafts nothing and is not a cycle.
+    """
+
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    accepted_per_cycle: list[int] = field(default_factory=list)
+    draft_length_per_cycle: list[int] = field(default_factory=list)
+    new_tokens: int = 0
+    drafter_time: float = 0.0  # seconds in the drafter
+    total_time: float = 0.0  # wall time of the whole generate() call
+
+    def record_cycle(self, drafted: int, accepted: int) -> None:
+        self.cycles += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.accepted_per_cycle.append(accepted)
+        self.draft_length_per_cycle.append(drafted)
+        grow = drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for i in range(drafted):
+            self.drafted_per_position[i] += 1
+            if i < accepted:
+                self.accepted_per_position[i] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per cycle, bonus token counted (the EAGLE papers' tau)."""
+        return (self.accepted + self.cycles) / self.cycles if self.cycles else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """P(draft i accepted | draft i was proposed), i = 0..max drafted - 1."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def target_time(self) -> float:
+        return max(self.total_time - self.drafter_time, 0.0)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_time if self.total_time else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(
+            mean_acceptance_length=self.mean_acceptance_length,
+            acceptance_rate=self.acceptance_rate,
+            acceptance_per_position=self.acceptance_per_position,
+            target_time=self.target_time,
+            tokens_per_second=self.tokens_per_second,
+        )
+        return out
+
+    def summary(self) -> str:
+        per_pos = ", ".join(f"{p:.2f}" for p in self.acceptance_per_position)
+        return (
+            f"{self.new_tokens} new tokens in {self.total_time:.2f}s ({self.tokens_per_second:.1f} tok/s); "
+            f"{self.cycles} cycles, mean acceptance length {self.mean_acceptance_length:.2f}, "
+            f"acceptance per position [{per_pos}]; drafter {self.drafter_time:.2f}s, target {self.target_time:.2f}s"
+        )
+
+
+_local = threading.local()
+
+
+def last_stats() -> SpecDecodeStats | None:
+    """Stats of the most recent EAGLE `generate()` call made *in this thread* (None before the first)."""
+    return getattr(_local, "last", None)
+
+
+def _set_last(stats: SpecDecodeStats) -> None:
+    _local.last = stats

@@ -1,0 +1,1 @@
+"""Drafter training: prompts -> regenerated answers with hidden states -> draft vocab -> TTT training."""

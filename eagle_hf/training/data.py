@@ -1,0 +1,202 @@
+"""Self-distillation data: the target answers the prompts, and its hidden states are stored for training.
+
+Each shard (``shard_00000.safetensors``) holds a batch of conversations, concatenated:
+
+* ``input_ids``  ``[N]`` int32: prompt + response tokens of every sample, back to back;
+* ``aux``        ``[N, num_aux * H_t]`` bf16: the target's aux taps at every position;
+* ``final``      ``[N, H_t]`` bf16: the target's final-normed hidden state (its logits are ``lm_head(final)``);
+* ``loss_mask``  ``[N]`` uint8: 1 on response (assistant) tokens;
+* ``offsets``    ``[S + 1]`` int64: sample boundaries.
+
+The last token of a sample was never fed to the target, so its feature rows are zeros; the trainer never reads
+them. Shards are written atomically and skipped when present, so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from ..capture import gather_aux, hidden_state_request
+
+logger = logging.getLogger(__name__)
+
+META_FILE = "data_meta.json"
+
+
+@torch.no_grad()
+def generate_with_capture(
+    target,
+    prompts: Sequence[Sequence[int]],
+    aux_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """Batched decoding of `prompts` (left-padded) that records aux taps and final hidden states on the way."""
+    from transformers import DynamicCache
+
+    device = target.device
+    bsz = len(prompts)
+    plen = max(len(p) for p in prompts)
+    ids = torch.full((bsz, plen), pad_token_id, dtype=torch.long, device=device)
+    mask = torch.zeros((bsz, plen), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, plen - len(p) :] = torch.tensor(p, device=device)
+        mask[i, plen - len(p) :] = 1
+    request = hidden_state_request(aux_ids, with_final=True)
+    cache = DynamicCache(config=target.config)
+    eos = torch.tensor(list(eos_token_ids), device=device)
+    finished = torch.zeros(bsz, dtype=torch.bool, device=device)
+    aux_chunks, final_chunks, tokens = [], [], [ids]
+    step_ids, step_mask = ids, mask
+    for _ in range(max_new_tokens):
+        positions = (step_mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]  # [B, t]
+        out = target(
+            input_ids=step_ids,
+            attention_mask=step_mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=request,
+            logits_to_keep=1,
+        )
+        aux_chunks.append(gather_aux(out.hidden_states, aux_ids).to(torch.bfloat16).cpu())
+        final_chunks.append(out.hidden_states[-1].to(torch.bfloat16).cpu())
+        logits = out.logits[:, -1].float()  # [B, V]
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        else:
+            nxt = logits.argmax(-1)
+        nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
+        tokens.append(nxt[:, None])
+        step_mask = torch.cat([step_mask, (~finished).long()[:, None]], dim=1)
+        finished |= torch.isin(nxt, eos)
+        step_ids = nxt[:, None]
+        if bool(finished.all()):
+            break
+    all_ids = torch.cat(tokens, dim=1).cpu()  # [B, plen + steps]
+    aux = torch.cat(aux_chunks, dim=1)  # [B, plen + steps - 1, A]
+    final = torch.cat(final_chunks, dim=1)
+    samples = []
+    for i in range(bsz):
+        start = plen - len(prompts[i])
+        resp = all_ids[i, plen:].tolist()
+        # keep the response up to and including its first EOS
+        n_resp = len(resp)
+        for j, tok in enumerate(resp):
+            if tok in eos_token_ids:
+                n_resp = j + 1
+                break
+        end = plen + n_resp
+        seq = all_ids[i, start:end]
+        t = seq.shape[0]
+        a = torch.zeros((t, aux.shape[-1]), dtype=torch.bfloat16)
+        f = torch.zeros((t, final.shape[-1]), dtype=torch.bfloat16)
+        a[: t - 1] = aux[i, start : end - 1]
+        f[: t - 1] = final[i, start : end - 1]
+        lm = torch.zeros(t, dtype=torch.uint8)
+        lm[len(prompts[i]) :] = 1
+        samples.append({"input_ids": seq.to(torch.int32), "aux": a, "final": f, "loss_mask": lm})
+    return samples
+
+
+def pack_shard(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    lengths = torch.tensor([s["input_ids"].shape[0] for s in samples])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    return {
+        "input_ids": torch.cat([s["input_ids"] for s in samples]),
+        "aux": torch.cat([s["aux"] for s in samples]),
+        "final": torch.cat([s["final"] for s in samples]),
+        "loss_mask": torch.cat([s["loss_mask"] for s in samples]),
+        "offsets": offsets,
+    }
+
+
+def unpack_shard(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    off = tensors["offsets"].tolist()
+    keys = ("input_ids", "aux", "final", "loss_mask")
+    return [{k: tensors[k][off[i] : off[i + 1]] for k in keys} for i in range(len(off) - 1)]
+
+
+def build_dataset(
+    target,
+    tokenizer,
+    prompts: Sequence[str],
+    out_dir: str | Path,
+    aux_ids: Sequence[int],
+    batch_size: int = 64,
+    max_new_tokens: int = 256,
+    max_prompt_tokens: int = 256,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> Path:
+    """Regenerate answers with the target and store hidden states, shard by shard (resumable)."""
+    from .prompts import render_chat
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "target": getattr(target.config, "name_or_path", None) or target.name_or_path,
+        "aux_layer_ids": list(aux_ids),
+        "num_prompts": len(prompts),
+        "batch_size": batch_size,
+        "max_new_tokens": max_new_tokens,
+        "max_prompt_tokens": max_prompt_tokens,
+        "temperature": temperature,
+        "seed": seed,
+    }
+    meta_path = out / META_FILE
+    if meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        changed = {k: (old.get(k), v) for k, v in meta.items() if k != "num_prompts" and old.get(k) != v}
+        if changed:
+            raise ValueError(f"{out} holds data generated with other settings {changed}; use a new folder.")
+    meta_path.write_text(json.dumps(meta, indent=2))
+
+    encoded = [render_chat(tokenizer, p) for p in prompts]
+    encoded = [e for e in encoded if len(e) <= max_prompt_tokens]
+    logger.info("%d of %d prompts fit in %d tokens", len(encoded), len(prompts), max_prompt_tokens)
+    eos = target.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    pad = target.generation_config.pad_token_id
+    pad = eos[0] if pad is None else pad
+    n_shards = (len(encoded) + batch_size - 1) // batch_size
+    gen = torch.Generator().manual_seed(seed)
+    made_tokens, t0 = 0, time.perf_counter()
+    bar = tqdm(range(n_shards), desc="regenerating", unit="shard")
+    for shard in bar:
+        path = out / f"shard_{shard:05d}.safetensors"
+        if path.exists():
+            continue
+        batch = encoded[shard * batch_size : (shard + 1) * batch_size]
+        samples = generate_with_capture(target, batch, aux_ids, max_new_tokens, eos, pad, temperature, gen)
+        tmp = path.with_suffix(".tmp")
+        save_file(pack_shard(samples), str(tmp))
+        tmp.rename(path)
+        made_tokens += sum(int(s["loss_mask"].sum()) for s in samples)
+        rate = made_tokens / (time.perf_counter() - t0)
+        bar.set_postfix(resp_tok=made_tokens, tok_per_s=f"{rate:.0f}")
+        logger.info("shard %d: %d response tokens so far, %.0f tok/s", shard, made_tokens, rate)
+    return out
+
+
+def load_shards(data_dir: str | Path) -> list[dict[str, torch.Tensor]]:
+    """All samples of a data folder (memory-mapped safetensors shards)."""
+    paths = sorted(Path(data_dir).glob("shard_*.safetensors"))
+    if not paths:
+        raise FileNotFoundError(f"No data shards (shard_*.safetensors) in {data_dir}.")
+    samples = []
+    for p in paths:
+        samples.extend(unpack_shard(load_file(str(p))))
+    return samples

@@ -1,0 +1,95 @@
+"""Training curve (PNG) and model card (README.md with Hub metadata) of a trained drafter."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def read_log(out: Path) -> list[dict]:
+    path = Path(out) / "training_log.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_curve(out: Path, name: str = "training_curve.png") -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed; skipping the training curve (pip install matplotlib)")
+        return None
+    rows = read_log(out)
+    if not rows:
+        return None
+    steps = [r["step"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(steps, [r["loss"] for r in rows], lw=0.8)
+    ax1.set_xlabel("optimizer step")
+    ax1.set_ylabel("TTT loss (weighted sum over steps)")
+    ax1.set_yscale("log")
+    ax1.set_title("training loss")
+    evals = [r for r in rows if "eval_step_accuracy" in r]
+    if evals:
+        n_steps = len(evals[0]["eval_step_accuracy"])
+        for k in range(n_steps):
+            ax2.plot([r["step"] for r in evals], [r["eval_step_accuracy"][k] for r in evals], marker=".", label=f"step {k}")
+        ax2.set_ylabel("held-out accuracy (draft argmax = target argmax)")
+        ax2.legend(fontsize=7)
+    ax2.set_xlabel("optimizer step")
+    ax2.set_title("per-step accuracy (held out)")
+    fig.tight_layout()
+    path = Path(out) / name
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_model_card(out: Path, target_name: str, config, result: dict, coverage: float, acceptance_table: str | None = None) -> Path:
+    version = "EAGLE-3.1" if config.fc_norm and config.norm_output else "EAGLE-3"
+    evals = result.get("eval_step_accuracy") or []
+    acc = ", ".join(f"{a:.2f}" for a in evals)
+    card = f"""---
+base_model: {target_name}
+library_name: eagle-hf
+tags:
+- eagle3
+- speculative-decoding
+- {version.lower()}
+datasets:
+- anon8231489123/ShareGPT_Vicuna_unfiltered
+pipeline_tag: text-generation
+---
+
+# {version} drafter for {target_name}
+
+A speculative-decoding draft head (one decoder layer reading three of the target's hidden states) trained with
+[eagle_hf](https://github.com/) on answers the target itself wrote to ShareGPT prompts (self-distillation).
+It loads in `eagle_hf`, vLLM and SGLang (EAGLE-3 layout, `LlamaForCausalLMEagle3`; EAGLE-3.1 flags
+`fc_norm={config.fc_norm}`, `norm_output={config.norm_output}`).
+
+```python
+import eagle_hf
+from eagle_hf import EagleDrafter
+drafter = EagleDrafter.from_pretrained("<this repo or folder>")
+out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256)
+```
+
+| setting | value |
+|---|---|
+| draft vocabulary | {config.draft_vocab_size} tokens ({100 * coverage:.2f}% of assistant tokens in the training data) |
+| training-time-test steps | {result.get('config', {}).get('ttt_steps', 'see training_log.jsonl')} |
+| optimizer steps | {result.get('step')} |
+| held-out per-step accuracy | {acc} |
+
+{acceptance_table or ''}
+"""
+    path = Path(out) / "README.md"
+    path.write_text(card)
+    return path
