@@ -84,7 +84,14 @@ def check_compatible(target, drafter: EagleDrafter) -> list[int]:
                 f"The drafter ships no embedding and its width {cfg.hidden_size} differs from the target's "
                 f"embedding width {emb.weight.shape[-1]}; it cannot share the target's embedding."
             )
-    return resolve_aux_layer_ids(cfg.aux_layer_ids, num_decoder_layers(target), "boundary")
+    ids = resolve_aux_layer_ids(cfg.aux_layer_ids, num_decoder_layers(target), "boundary")
+    if len(ids) != cfg.num_aux_hidden_states:
+        raise EagleCompatibilityError(
+            f"The {where} disagree on the captured layers: the drafter's fc reads {cfg.num_aux_hidden_states} "
+            f"target hidden states but resolves to the {len(ids)} taps {ids} on this {num_decoder_layers(target)}-layer "
+            "target. Pass `aux_layer_ids=` with one id per tap the drafter was trained on."
+        )
+    return ids
 
 
 def resolve_settings(drafter: EagleDrafter, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -55,6 +55,14 @@ class Rotary(nn.Module):
         else:
             inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, None)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._inv_freq32 = inv_freq.float()
+
+    def _apply(self, fn, recurse=True):
+        # `.to(dtype)` / `.half()` must not round the frequencies: angles are computed in float32 (as EAGLE, vLLM).
+        super()._apply(fn, recurse)
+        if not self._inv_freq32.is_meta:
+            self.inv_freq = self._inv_freq32.to(self.inv_freq.device)
+        return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [B, T] -> cos, sin: [B, 1, T, head_dim]
@@ -342,6 +350,11 @@ EagleDrafter.save_pretrained = _save_pretrained
 def _for_target(cls, target, draft_vocab_size: int | None = None, eagle31: bool = True, aux_layer_ids=None, **overrides):
     """A freshly initialised drafter shaped for `target` (same width and heads, target's embedding)."""
     text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    if aux_layer_ids is None:  # shallow targets (< 5 layers) have fewer than 3 distinct default taps
+        from .capture import default_aux_layer_ids
+
+        default_ids = default_aux_layer_ids(int(text.num_hidden_layers))
+        aux_layer_ids = default_ids if len(default_ids) != 3 else None
     kwargs = dict(
         hidden_size=text.hidden_size,
         intermediate_size=getattr(text, "intermediate_size", 4 * text.hidden_size),

@@ -168,6 +168,10 @@ def build_dataset(
     encoded = [e for e in encoded if len(e) <= max_prompt_tokens]
     logger.info("%d of %d prompts fit in %d tokens", len(encoded), len(prompts), max_prompt_tokens)
     eos = target.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("Neither the target's generation_config nor its tokenizer names an EOS token.")
     eos = [eos] if isinstance(eos, int) else list(eos)
     pad = target.generation_config.pad_token_id
     pad = eos[0] if pad is None else pad

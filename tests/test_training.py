@@ -1,0 +1,236 @@
+"""Training pipeline: data formatting, loss masks, vocab mapping, TTT loss, tiny end-to-end run, resume."""
+
+import json
+
+import pytest
+import torch
+from conftest import VOCAB, tiny_drafter, tiny_target
+
+from eagle_hf import EagleDrafter
+from eagle_hf.training.data import build_dataset, generate_with_capture, load_shards
+from eagle_hf.training.pipeline import RunConfig, run_training
+from eagle_hf.training.prompts import PromptFormatError, first_user_turn, load_prompts, render_chat
+from eagle_hf.training.trainer import TrainConfig
+from eagle_hf.training.ttt import ttt_loss, ttt_mask
+from eagle_hf.training.vocab import build_draft_vocab, count_tokens
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{% endif %}"
+)
+
+
+def tiny_tokenizer(vocab=VOCAB, chat_template=CHAT_TEMPLATE):
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<|im_start|>", "<|im_end|>", "user", "assistant"] + [f"w{i}" for i in range(vocab - 5)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r"<\|im_start\|>|<\|im_end\|>"), behavior="isolated"), pre_tokenizers.WhitespaceSplit()]
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>")
+    fast.chat_template = chat_template
+    return fast
+
+
+def write_prompts(path, n=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            words = " ".join(f"w{int(x)}" for x in torch.randint(0, 20, (5,), generator=g))
+            f.write(json.dumps({"question_id": i, "turns": [words, "second turn"]}) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------------------------ prompts
+def test_prompt_formats(tmp_path):
+    assert first_user_turn({"turns": ["a", "b"]}) == "a"
+    assert first_user_turn({"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "hi"}]}) == "hi"
+    assert first_user_turn({"messages": [{"role": "user", "content": "yo"}, {"role": "assistant", "content": "x"}]}) == "yo"
+    with pytest.raises(PromptFormatError, match="Unknown prompt record layout"):
+        first_user_turn({"foo": 1})
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(PromptFormatError, match="empty"):
+        load_prompts(empty)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    with pytest.raises(PromptFormatError, match="not JSON"):
+        load_prompts(bad)
+    unknown = tmp_path / "unknown.jsonl"
+    unknown.write_text(json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(PromptFormatError, match="Unknown prompt record layout"):
+        load_prompts(unknown)
+    truncated = tmp_path / "trunc.json"
+    truncated.write_text('[{"turns": ["a"]}, {"turns": ["b"]}, {"turns": ["c')
+    assert sorted(load_prompts(truncated, shuffle=False)) == ["a", "b"]
+    with pytest.raises(PromptFormatError, match="does not exist"):
+        load_prompts(tmp_path / "missing.jsonl")
+
+
+def test_render_chat_requires_template():
+    tok = tiny_tokenizer()
+    ids = render_chat(tok, "w1 w2")
+    assert ids[0] == 1 and ids[-1] == 4  # <|im_start|> ... assistant
+    with pytest.raises(ValueError, match="no chat template"):
+        render_chat(tiny_tokenizer(chat_template=None), "w1")
+
+
+# ------------------------------------------------------------------------------------------ data
+def test_capture_and_loss_mask_match_a_plain_forward():
+    target = tiny_target("llama")
+    prompts = [[1, 5, 6, 7, 4], [1, 9, 4]]
+    aux_ids = [2, 3, 4]
+    samples = generate_with_capture(target, prompts, aux_ids, max_new_tokens=6, eos_token_ids=[2], pad_token_id=0)
+    for p, s in zip(prompts, samples):
+        ids = s["input_ids"].long()
+        assert ids[: len(p)].tolist() == p
+        assert s["loss_mask"][: len(p)].sum() == 0 and s["loss_mask"][len(p) :].all()
+        out = target(ids[None], output_hidden_states=aux_ids + [-1])
+        ref_aux = torch.cat([out.hidden_states[i] for i in aux_ids], -1)[0]
+        t = ids.shape[0]
+        assert torch.allclose(s["aux"][: t - 1].float(), ref_aux[: t - 1], atol=0.05, rtol=0.02)
+        assert torch.allclose(s["final"][: t - 1].float(), out.hidden_states[-1][0, : t - 1], atol=0.05, rtol=0.02)
+        # the response is the target's own greedy continuation
+        assert ids[len(p) :].tolist() == target.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p) :].tolist()
+
+
+# ------------------------------------------------------------------------------------------ vocab
+def test_draft_vocab_mapping():
+    counts = torch.zeros(20, dtype=torch.long)
+    counts[[3, 7, 11, 12, 19]] = torch.tensor([5, 9, 1, 4, 8])
+    v = build_draft_vocab(counts, 4)
+    assert v.target_ids.tolist() == [3, 7, 12, 19]  # the 4 most frequent, ascending
+    assert (v.d2t == v.target_ids - torch.arange(4)).all() and (v.d2t >= 0).all()
+    assert v.t2d.nonzero().flatten().tolist() == [3, 7, 12, 19]
+    assert v.coverage == pytest.approx(26 / 27)
+    padded = build_draft_vocab(counts, 8)  # more slots than seen tokens: padded with unseen ids
+    assert padded.t2d.sum() == 8 and padded.coverage == 1.0
+    with pytest.raises(ValueError, match="larger than the target vocabulary"):
+        build_draft_vocab(counts, 21)
+
+
+# ------------------------------------------------------------------------------------------ TTT
+def test_ttt_mask_shape():
+    m = ttt_mask(3, 2, "cpu")[0, 0].int()
+    assert m.tolist() == [[1, 0, 0, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1, 0, 0, 1]]
+
+
+def test_ttt_step0_matches_inference_and_chain_step_matches_drafting():
+    """Step 0 of TTT is the drafter's real-row pass; step k of row t equals a k-long chain after row t."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    drafter.bind_target_embedding(target.get_input_embeddings())
+    T, A = 9, 3 * 64
+    aux = torch.randn(1, T, A)
+    ids = torch.randint(1, VOCAB, (1, T))
+    W = torch.randn(VOCAB, 64) * 0.1
+    final = torch.randn(1, T, 64)
+    ones = torch.ones(1, T, dtype=torch.bool)
+    out = ttt_loss(drafter, aux, final, W, ids, ones, ones, steps=3)
+    assert len(out.step_losses) == 3 and out.loss.requires_grad
+    # reproduce step 2 of row 4 with explicit chain drafting
+    t = 4
+    with torch.no_grad():
+        real = drafter.step(drafter.fuse(aux[:, : t + 1]), ids[:, 1 : t + 2], torch.arange(t + 1)[None])
+        past, hidden = real.kv, real.hidden[:, -1:]
+        for k in (1, 2):
+            o = drafter.step(hidden, ids[:, t + k + 1 : t + k + 2], torch.tensor([[t + k]]), past=past)
+            past, hidden = past.append(o.kv), o.hidden
+        # same row through the TTT unroll
+        from eagle_hf.training.ttt import ttt_mask as mk
+
+        h = drafter.fuse(aux)
+        pos = torch.arange(T)[None]
+        s0 = drafter.step(h, torch.nn.functional.pad(ids[:, 1:], (0, 1)), pos)
+        kv = s0.kv
+        s1 = drafter.step(s0.hidden, torch.nn.functional.pad(ids[:, 2:], (0, 2)), pos + 1, past=kv, mask=mk(T, 1, "cpu"))
+        kv = kv.append(s1.kv)
+        s2 = drafter.step(s1.hidden, torch.nn.functional.pad(ids[:, 3:], (0, 3)), pos + 2, past=kv, mask=mk(T, 2, "cpu"))
+    assert torch.allclose(s2.logits[0, t], o.logits[0, -1], atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def peaky_target():
+    """A tiny target with confident next-token distributions (random init is near uniform: nothing to learn)."""
+    target = tiny_target("llama")
+    with torch.no_grad():
+        target.lm_head.weight.mul_(40)
+    return target
+
+
+def _run(tmp_path, target, tok, **train_kw):
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    kw = dict(ttt_steps=3, lr=3e-3, max_steps=40, tokens_per_batch=256, eval_every=20, save_every=10, bf16=False)
+    kw.update(train_kw)
+    run = RunConfig(
+        prompts=str(prompts), draft_vocab_size=48, batch_size=8, max_new_tokens=12, max_prompt_tokens=64,
+        data_dir=str(tmp_path / "data"), train=TrainConfig(**kw),
+    )
+    return run_training(target, tok, tmp_path / "out", run), run
+
+
+def test_end_to_end_tiny_training_overfits_and_reloads(tmp_path):
+    target, tok = peaky_target(), tiny_tokenizer()
+    target.name_or_path = "tiny-llama"
+    drafter, run = _run(tmp_path, target, tok)
+    log = [json.loads(line) for line in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
+    first, last = log[0], log[-1]
+    assert last["loss"] < 0.7 * first["loss"]
+    assert last["step_accuracy"][0] > first["step_accuracy"][0]
+    for name in ("config.json", "model.safetensors", "README.md", "training_curve.png"):
+        assert (tmp_path / "out" / name).exists(), name
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "base_model: tiny-llama" in card and "library_name: eagle-hf" in card
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["fc_norm"] and cfg["norm_output"] and cfg["draft_vocab_size"] == 48
+
+    reloaded = EagleDrafter.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    drafter = drafter.float()
+    for d in (drafter, reloaded):
+        d.bind_target_embedding(target.get_input_embeddings())
+    aux, ids = torch.randn(1, 6, 192), torch.randint(0, VOCAB, (1, 6))
+    with torch.no_grad():
+        assert torch.allclose(drafter(aux, ids), reloaded(aux, ids), atol=1e-5)
+
+    # the trained drafter drafts and generation stays exact; it accepts more than a random one
+    samples = load_shards(tmp_path / "data")
+    prompt = samples[0]["input_ids"][samples[0]["loss_mask"] == 0].long()[None]
+    ref = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    import eagle_hf
+
+    out = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=reloaded)
+    assert torch.equal(out, ref)
+    trained_tau = eagle_hf.last_stats().mean_acceptance_length
+    target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=tiny_drafter(target, draft_vocab=48))
+    assert trained_tau > eagle_hf.last_stats().mean_acceptance_length
+
+
+def test_resume_after_interruption(tmp_path):
+    target, tok = tiny_target("llama"), tiny_tokenizer()
+    _run(tmp_path, target, tok, max_steps=10)
+    state = torch.load(tmp_path / "out" / "train_state.pt", weights_only=False)
+    assert state["step"] == 10
+    shards = sorted((tmp_path / "data").glob("shard_*"))
+    mtimes = [p.stat().st_mtime for p in shards]
+    _run(tmp_path, target, tok, max_steps=20)  # same run, longer: resumes at step 10, reuses the data
+    log = [json.loads(line) for line in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 21))
+    assert [p.stat().st_mtime for p in shards] == mtimes
+
+
+def test_bad_training_inputs(tmp_path):
+    target, tok = tiny_target("llama"), tiny_tokenizer()
+    with pytest.raises(ValueError, match="larger than the target vocabulary"):
+        run_training(target, tok, tmp_path / "a", RunConfig(prompts=str(write_prompts(tmp_path / "p.jsonl")), draft_vocab_size=VOCAB + 1))
+    with pytest.raises(ValueError, match="no chat template"):
+        run_training(target, tiny_tokenizer(chat_template=None), tmp_path / "b", RunConfig(prompts=str(tmp_path / "p.jsonl"), draft_vocab_size=48))
+    (tmp_path / "c").mkdir()
+    tiny_drafter(target).save_pretrained(tmp_path / "c")
+    with pytest.raises(ValueError, match="already holds a drafter"):
+        run_training(target, tok, tmp_path / "c", RunConfig(prompts=str(tmp_path / "p.jsonl"), draft_vocab_size=48))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(PromptFormatError):
+        run_training(target, tok, tmp_path / "d", RunConfig(prompts=str(empty), draft_vocab_size=48))
