@@ -92,3 +92,22 @@ def last_stats() -> SpecDecodeStats | None:
 
 def _set_last(stats: SpecDecodeStats) -> None:
     _local.last = stats
+
+
+def merge_stats(items: list[SpecDecodeStats]) -> SpecDecodeStats:
+    """Pool several calls' stats (counts and times add up; per-position counts add position-wise)."""
+    out = SpecDecodeStats()
+    for s in items:
+        out.cycles += s.cycles
+        out.drafted += s.drafted
+        out.accepted += s.accepted
+        out.new_tokens += s.new_tokens
+        out.drafter_time += s.drafter_time
+        out.total_time += s.total_time
+        out.accepted_per_cycle += s.accepted_per_cycle
+        out.draft_length_per_cycle += s.draft_length_per_cycle
+        n = max(len(out.drafted_per_position), len(s.drafted_per_position))
+        pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731
+        out.drafted_per_position = [a + b for a, b in zip(pad(out.drafted_per_position), pad(s.drafted_per_position))]
+        out.accepted_per_position = [a + b for a, b in zip(pad(out.accepted_per_position), pad(s.accepted_per_position))]
+    return out

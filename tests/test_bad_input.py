@@ -1,0 +1,359 @@
+"""Bad drafters, bad checkpoints and bad generate() calls fail early with an error that names the problem.
+
+Generation errors must be raised by our validation before transformers' generate() runs: the fixture
+`no_generation` replaces the original generate with a function that fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import GenerationConfig, LlamaConfig
+
+import eagle_hf
+from conftest import HIDDEN, VOCAB, tiny_drafter, tiny_target
+from eagle_hf import DrafterLoadError, EagleCompatibilityError, EagleDrafter
+from eagle_hf import hf_integration
+
+DRAFT_VOCAB = 48
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama", layers=6)
+
+
+@pytest.fixture
+def no_generation(monkeypatch):
+    def started(*args, **kwargs):
+        raise AssertionError("generation started before the bad input was rejected")
+
+    monkeypatch.setattr(hf_integration, "_original_generate", started)
+
+
+def prompt(n=5, batch=1):
+    return torch.randint(1, VOCAB, (batch, n), generator=torch.Generator().manual_seed(0))
+
+
+# ------------------------------------------------------------------------------------------ drafter vs target
+def test_vocab_mismatch(target, no_generation):
+    drafter = tiny_drafter(vocab=128)
+    with pytest.raises(EagleCompatibilityError, match=r"Vocabulary mismatch.*128.*96"):
+        target.generate(prompt(), assistant_model=drafter, max_new_tokens=5)
+
+
+def test_target_hidden_size_mismatch(target, no_generation):
+    drafter = tiny_drafter(target_hidden_size=32)
+    with pytest.raises(EagleCompatibilityError, match=r"Hidden-size mismatch.*32.*64"):
+        target.generate(prompt(), assistant_model=drafter, max_new_tokens=5)
+
+
+def test_drafter_width_differs_without_own_embedding(target, no_generation):
+    drafter = tiny_drafter(hidden_size=32, target_hidden_size=HIDDEN, intermediate_size=64)
+    with pytest.raises(EagleCompatibilityError, match="ships no embedding"):
+        target.generate(prompt(), assistant_model=drafter, max_new_tokens=5)
+
+
+def test_aux_layer_ids_beyond_target_depth(no_generation):
+    shallow = tiny_target("llama", layers=4)
+    drafter = tiny_drafter(shallow, aux_layer_ids=[2, 9, 20])
+    with pytest.raises(ValueError, match=r"boundary ids \[2, 9, 20\].*4 decoder layers"):
+        shallow.generate(prompt(), assistant_model=drafter, max_new_tokens=5)
+
+
+# ------------------------------------------------------------------------------------------ generate() calls
+@pytest.fixture
+def drafter(target):
+    return tiny_drafter(target, draft_vocab=DRAFT_VOCAB)
+
+
+@pytest.mark.parametrize("as_keyword", [False, True])
+def test_batch_size_two(target, drafter, no_generation, as_keyword):
+    ids = prompt(batch=2)
+    call = dict(input_ids=ids) if as_keyword else {}
+    args = () if as_keyword else (ids,)
+    with pytest.raises(EagleCompatibilityError, match="batch size 1; got 2"):
+        target.generate(*args, **call, assistant_model=drafter, max_new_tokens=5)
+
+
+def test_num_return_sequences(target, drafter, no_generation):
+    with pytest.raises(EagleCompatibilityError, match="num_return_sequences=2"):
+        target.generate(prompt(), assistant_model=drafter, max_new_tokens=5, num_return_sequences=2, do_sample=True)
+    config = GenerationConfig(num_return_sequences=2, do_sample=True, max_new_tokens=5, pad_token_id=0)
+    with pytest.raises(EagleCompatibilityError, match="num_return_sequences=2"):
+        target.generate(prompt(), assistant_model=drafter, generation_config=config)
+
+
+def test_beam_search(target, drafter, no_generation):
+    with pytest.raises(EagleCompatibilityError, match="Beam search"):
+        target.generate(prompt(), assistant_model=drafter, max_new_tokens=5, num_beams=2)
+
+
+def test_empty_prompt(target, drafter, no_generation):
+    with pytest.raises(EagleCompatibilityError, match="prompt is empty"):
+        target.generate(torch.zeros(1, 0, dtype=torch.long), assistant_model=drafter, max_new_tokens=5)
+
+
+def test_bad_draft_length(target, drafter, no_generation):
+    with pytest.raises(EagleCompatibilityError, match="num_assistant_tokens must be in 1..32"):
+        target.generate(prompt(), assistant_model=drafter, max_new_tokens=5, num_assistant_tokens=0)
+
+
+def test_unsupported_transformers_version():
+    with pytest.raises(EagleCompatibilityError, match=r"supports transformers >=5\.20\.0,<6\.0\.0; found 4\.50\.0"):
+        hf_integration.check_transformers_version("4.50.0")
+    with pytest.raises(EagleCompatibilityError, match="found 6.0.0"):
+        hf_integration.check_transformers_version("6.0.0")
+    hf_integration.check_transformers_version("5.23.0")
+    hf_integration.check_transformers_version()  # the installed one
+
+
+def test_no_drafter_no_change(target):
+    """Without an EAGLE drafter, generate() is transformers' own: same tokens, greedy, sampled and assisted."""
+    assert hf_integration.GenerationMixin.generate is hf_integration.generate  # the hook is installed
+    ids = prompt(6)
+    greedy = dict(max_new_tokens=8, do_sample=False)
+    assert torch.equal(target.generate(ids, **greedy), hf_integration._original_generate(target, ids, **greedy))
+
+    sampled = dict(max_new_tokens=8, do_sample=True, top_k=20)
+    torch.manual_seed(3)
+    a = target.generate(ids, **sampled)
+    torch.manual_seed(3)
+    b = hf_integration._original_generate(target, ids, **sampled)
+    assert torch.equal(a, b)
+
+    helper = tiny_target("llama", layers=2, seed=5)  # classic (non-EAGLE) assisted decoding passes through too
+    c = target.generate(ids, assistant_model=helper, **greedy)
+    d = hf_integration._original_generate(target, ids, assistant_model=helper, **greedy)
+    assert torch.equal(c, d)
+    assert torch.equal(c, target.generate(ids, **greedy))
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def eagle31_config(**extra) -> dict:
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "fc_norm": True, "norm_output": True,
+        "hidden_size": HIDDEN, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 2048, "tie_word_embeddings": False, "torch_dtype": "float32",
+        "vocab_size": VOCAB, "draft_vocab_size": DRAFT_VOCAB,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]},
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def eagle31_tensors() -> dict[str, torch.Tensor]:
+    drafter = tiny_drafter(draft_vocab=DRAFT_VOCAB)  # fc_norm + norm_output
+    return {k: v.clone().contiguous() for k, v in drafter.state_dict().items()}
+
+
+def write(folder, config=None, tensors=None, fmt="safetensors"):
+    folder.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    if tensors is not None:
+        if fmt == "safetensors":
+            save_file(tensors, str(folder / "model.safetensors"))
+        else:
+            torch.save(tensors, str(folder / "pytorch_model.bin"))
+    return folder
+
+
+def test_valid_checkpoint_loads(tmp_path):
+    """The baseline the corruptions below start from."""
+    drafter = EagleDrafter.from_pretrained(write(tmp_path / "ok", eagle31_config(), eagle31_tensors()))
+    assert drafter.config.is_eagle31 and drafter.config.aux_layer_ids == [2, 3, 4]
+
+
+def test_missing_weight_file(tmp_path):
+    folder = write(tmp_path / "d", eagle31_config())
+    with pytest.raises(DrafterLoadError, match="No weights in .*model.safetensors, pytorch_model.bin"):
+        EagleDrafter.from_pretrained(folder)
+
+
+def test_missing_config(tmp_path):
+    folder = write(tmp_path / "d", None, eagle31_tensors())
+    with pytest.raises(DrafterLoadError, match="no config.json"):
+        EagleDrafter.from_pretrained(folder)
+
+
+def test_path_is_a_file(tmp_path):
+    folder = write(tmp_path / "d", eagle31_config(), eagle31_tensors())
+    with pytest.raises(DrafterLoadError, match="is a file; pass the folder"):
+        EagleDrafter.from_pretrained(folder / "model.safetensors")
+
+
+def test_missing_shard(tmp_path):
+    folder = write(tmp_path / "d", eagle31_config())
+    tensors = eagle31_tensors()
+    save_file(tensors, str(folder / "model-00001-of-00002.safetensors"))
+    weight_map = {k: "model-00001-of-00002.safetensors" for k in tensors}
+    weight_map["lm_head.weight"] = "model-00002-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(DrafterLoadError, match="lists shard model-00002-of-00002.safetensors, which is missing"):
+        EagleDrafter.from_pretrained(folder)
+
+
+def test_truncated_safetensors(tmp_path):
+    folder = write(tmp_path / "d", eagle31_config(), eagle31_tensors())
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    message = r"(?s)Cannot read weight file .*model\.safetensors.*truncated or corrupt"
+    with pytest.raises(DrafterLoadError, match=message):
+        EagleDrafter.from_pretrained(folder)
+
+
+def test_html_saved_as_safetensors(tmp_path):
+    folder = write(tmp_path / "d", eagle31_config())
+    (folder / "model.safetensors").write_text("<!DOCTYPE html><html><body>Rate limited</body></html>")
+    with pytest.raises(DrafterLoadError, match="truncated or corrupt"):
+        EagleDrafter.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_pytorch_bin(tmp_path, damage):
+    folder = write(tmp_path / "d", eagle31_config(), eagle31_tensors(), fmt="bin")
+    path = folder / "pytorch_model.bin"
+    data = path.read_bytes()
+    path.write_bytes(b"\x80\x02not a checkpoint" * 64 if damage == "garbage" else data[: len(data) // 2])
+    message = r"(?s)Cannot read weight file .*pytorch_model\.bin.*truncated or corrupt"
+    with pytest.raises(DrafterLoadError, match=message):
+        EagleDrafter.from_pretrained(folder)
+
+
+def test_config_invalid_json(tmp_path):
+    text = json.dumps(eagle31_config())[:80]
+    folder = write(tmp_path / "d", text, eagle31_tensors())
+    with pytest.raises(DrafterLoadError, match=r"config\.json is not valid JSON"):
+        EagleDrafter.from_pretrained(folder)
+
+
+def test_target_model_config_is_not_a_drafter(tmp_path):
+    folder = tmp_path / "llama"
+    config = LlamaConfig(num_hidden_layers=30, hidden_size=HIDDEN, num_attention_heads=4, vocab_size=VOCAB)
+    config.architectures = ["LlamaForCausalLM"]  # as a target model's config.json has
+    config.save_pretrained(folder)
+    assert "draft_vocab_size" not in json.loads((folder / "config.json").read_text())
+    with pytest.raises(DrafterLoadError, match=r"not an EAGLE-3 drafter \(architectures=\['LlamaForCausalLM'\]"):
+        EagleDrafter.from_pretrained(folder)
+
+
+def test_mla_drafter_is_named(tmp_path):
+    folder = write(tmp_path / "d", {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"})
+    with pytest.raises(DrafterLoadError, match="multi-head latent attention"):
+        EagleDrafter.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("where", ["top_level", "eagle_config"])
+def test_fc_norm_with_norm_before_fc(tmp_path, where):
+    cfg = eagle31_config()
+    if where == "top_level":
+        cfg["norm_before_fc"] = True
+    else:
+        cfg["eagle_config"]["norm_before_fc"] = True
+    folder = write(tmp_path / "d", cfg, eagle31_tensors())
+    with pytest.raises(DrafterLoadError, match="`fc_norm`.*`norm_before_fc`.*mutually exclusive"):
+        EagleDrafter.from_pretrained(folder)
+
+
+def test_config_says_fc_norm_but_tensors_missing(tmp_path):
+    """An EAGLE-3 checkpoint under an EAGLE-3.1 config must not load with identity fc_norm weights."""
+    tensors = {k: v for k, v in eagle31_tensors().items() if not k.startswith("fc_norm.")}
+    folder = write(tmp_path / "d", eagle31_config(), tensors)
+    with pytest.raises(DrafterLoadError, match=r"missing tensors \['fc_norm\.0\.weight', 'fc_norm\.1\.weight'"):
+        EagleDrafter.from_pretrained(folder)
+
+
+def test_unexpected_tensors(tmp_path):
+    """fc_norm tensors under a config without fc_norm are not dropped silently either."""
+    folder = write(tmp_path / "d", eagle31_config(fc_norm=False, norm_output=False), eagle31_tensors())
+    with pytest.raises(DrafterLoadError, match=r"unexpected tensors \['fc_norm\.0\.weight'"):
+        EagleDrafter.from_pretrained(folder)
+
+
+def test_wrong_shape(tmp_path):
+    tensors = eagle31_tensors()
+    tensors["midlayer.mlp.gate_proj.weight"] = torch.zeros(100, HIDDEN)
+    folder = write(tmp_path / "d", eagle31_config(), tensors)
+    with pytest.raises(DrafterLoadError, match=r"midlayer\.mlp\.gate_proj\.weight has shape \(100, 64\).*\(128, 64\)"):
+        EagleDrafter.from_pretrained(folder)
+
+
+def test_fc_width_disagrees_with_aux_count(tmp_path):
+    tensors = eagle31_tensors()
+    folder = write(tmp_path / "d", eagle31_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2]}), tensors)
+    with pytest.raises(DrafterLoadError, match="does not match its config"):
+        EagleDrafter.from_pretrained(folder)
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda d2t: d2t.__setitem__(-1, d2t[-1] + VOCAB), "d2t maps draft ids outside the target vocabulary"),
+        (lambda d2t: d2t.__setitem__(0, -5), "d2t maps draft ids outside the target vocabulary"),
+        (lambda d2t: d2t.__setitem__(1, d2t[0] - 1), "strictly increasing"),  # draft ids 0 and 1 -> same target id
+    ],
+)
+def test_bad_d2t(tmp_path, corrupt, message):
+    tensors = eagle31_tensors()
+    d2t = tensors["d2t"]
+    corrupt(d2t)
+    folder = write(tmp_path / "d", eagle31_config(), tensors)
+    with pytest.raises(DrafterLoadError, match=message):
+        EagleDrafter.from_pretrained(folder)
+
+
+def test_missing_d2t(tmp_path):
+    tensors = {k: v for k, v in eagle31_tensors().items() if k not in ("d2t", "t2d")}
+    folder = write(tmp_path / "d", eagle31_config(), tensors)
+    with pytest.raises(DrafterLoadError, match=r"draft vocabulary \(48\) is smaller .*\(96\).*no d2t"):
+        EagleDrafter.from_pretrained(folder)
+
+
+def test_draft_vocab_larger_than_vocab(tmp_path):
+    folder = write(tmp_path / "d", eagle31_config(draft_vocab_size=200), eagle31_tensors())
+    with pytest.raises(DrafterLoadError, match=r"draft_vocab_size \(200\) is larger"):
+        EagleDrafter.from_pretrained(folder)
+
+
+def test_two_layer_drafter(tmp_path):
+    tensors = eagle31_tensors()
+    tensors["layers.1.mlp.gate_proj.weight"] = torch.zeros(128, HIDDEN)
+    folder = write(tmp_path / "d", eagle31_config(), tensors)
+    with pytest.raises(DrafterLoadError, match="second decoder layer"):
+        EagleDrafter.from_pretrained(folder)
+    folder = write(tmp_path / "e", eagle31_config(num_hidden_layers=2), eagle31_tensors())
+    with pytest.raises(DrafterLoadError, match="2 decoder layers are not supported"):
+        EagleDrafter.from_pretrained(folder)
+
+
+def test_eagle1_style_config(tmp_path):
+    cfg = eagle31_config(eagle_config={"use_aux_hidden_state": False})
+    with pytest.raises(DrafterLoadError, match="use_aux_hidden_state: false"):
+        EagleDrafter.from_pretrained(write(tmp_path / "d", cfg, eagle31_tensors()))
+
+
+def test_bad_convention_override(tmp_path):
+    folder = write(tmp_path / "d", eagle31_config(), eagle31_tensors())
+    with pytest.raises(DrafterLoadError, match="aux_layer_convention must be one of"):
+        EagleDrafter.from_pretrained(folder, aux_layer_convention="input")
+
+
+def test_repo_not_in_offline_cache(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    message = r"'org/absent-eagle3'.*neither a local folder nor in the Hugging Face cache"
+    with pytest.raises(DrafterLoadError, match=message):
+        EagleDrafter.from_pretrained("org/absent-eagle3", cache_dir=tmp_path / "hub")
+
+
+def test_errors_are_value_errors():
+    assert issubclass(DrafterLoadError, ValueError) and issubclass(EagleCompatibilityError, ValueError)
+    assert eagle_hf.DrafterLoadError is DrafterLoadError
