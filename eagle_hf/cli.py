@@ -59,6 +59,35 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from .bench import run_benchmark, results_markdown, standard_modes, write_results
+
+    target, tok = _load_target(args.target, args.dtype)
+    drafter, label = load_drafter_for(target, args.drafter)
+    assistant = None
+    if args.assistant:
+        from transformers import AutoModelForCausalLM
+
+        assistant = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=target.dtype).eval()
+    modes = standard_modes(drafter, assistant, tuple(args.chain_lengths), args.early_exit_layer)
+    if args.modes:
+        keep = set(args.modes.split(","))
+        modes = [m for m in modes if m.name in keep or m.name == "plain"]
+    results = run_benchmark(
+        target, tok, modes, args.prompts.split(","), args.max_new_tokens, args.limit, args.temperature, args.repeats
+    )
+    results["drafter"] = label
+    out = write_results(results, args.out)
+    print(results_markdown(results))
+    print(f"[drafter: {label}] results written to {out}/results.json, results.md, speedup.png")
+    bad = {s: {m: e["mismatches"] for m, e in modes_.items() if e["mismatches"]} for s, modes_ in results["sets"].items()}
+    bad = {s: v for s, v in bad.items() if v}
+    if bad and args.temperature == 0:
+        print(f"ERROR: outputs differ from plain generate(): {bad}")
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eagle-hf", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -73,6 +102,22 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="speed and exactness against plain generate() and transformers' methods")
+    b.add_argument("--target", default="default")
+    b.add_argument("--drafter", default="default")
+    b.add_argument("--assistant", default=None, help="a small draft model for transformers' assisted generation")
+    b.add_argument("--early-exit-layer", type=int, default=None, help="enable transformers' early-exit mode")
+    b.add_argument("--prompts", default="mt_bench,humaneval,gsm8k,sum,qa")
+    b.add_argument("--modes", default=None, help="comma-separated subset of mode names (plain is always run)")
+    b.add_argument("--chain-lengths", type=int, nargs="+", default=[3, 5])
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--limit", type=int, default=None)
+    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    b.add_argument("--out", default="bench_results")
+    b.set_defaults(func=cmd_bench)
 
     from .training.cli import add_train_parser
 
