@@ -18,8 +18,13 @@ SPECULATORS_ARCHITECTURES = ("Eagle3DraftModel", "Eagle3Speculator")
 
 #: Drafting defaults saved with a drafter; every key can be overridden per `generate()` call.
 DEFAULT_DRAFT_SETTINGS: dict[str, Any] = {
-    "num_draft_tokens": 5,  # chain length K
-    "schedule": "constant",  # or "heuristic": +2 when every draft was accepted, -1 otherwise
+    "num_draft_tokens": 5,  # chain length K for the "constant" and "heuristic" schedules
+    # "adaptive": draft length per cycle from measured costs and running acceptance, plain decoding when drafting
+    # does not pay (eagle_hf.adaptive); "constant"; "heuristic": +2 when every draft was accepted, -1 otherwise
+    "schedule": "adaptive",
+    "max_draft_tokens": 8,  # upper bound of the adaptive schedule
+    "probe_every": 16,  # adaptive: plain steps between probes while falling back
+    "min_gain": 1.0,  # adaptive: draft only when the expected speedup exceeds this
     "confidence_threshold": 0.0,  # stop a chain early when the drafter's own top probability falls below
 }
 

@@ -26,6 +26,7 @@ from packaging.version import Version
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.utils import GenerationMixin
 
+from .adaptive import DraftLengthController, measure_costs
 from .capture import gather_aux, hidden_state_request, num_decoder_layers, resolve_aux_layer_ids
 from .config import DEFAULT_DRAFT_SETTINGS
 from .drafting import DraftState, draft_chain
@@ -43,6 +44,8 @@ CALL_SETTINGS = {
     "num_assistant_tokens_schedule": "schedule",
     "assistant_confidence_threshold": "confidence_threshold",
 }
+
+SCHEDULES = ("adaptive", "constant", "heuristic", "heuristic_transient")
 
 _call = threading.local()  # the EAGLE call in flight in this thread: settings and stats
 
@@ -103,12 +106,20 @@ def resolve_settings(drafter: EagleDrafter, kwargs: dict[str, Any]) -> dict[str,
             settings[name] = getattr(gen_config, key)
         if kwargs.get(key) is not None:
             settings[name] = kwargs[key]
+    explicit_k = kwargs.get("num_assistant_tokens") is not None or (
+        gen_config is not None and getattr(gen_config, "num_assistant_tokens", None) is not None
+    )
+    explicit_schedule = kwargs.get("num_assistant_tokens_schedule") is not None or (
+        gen_config is not None and getattr(gen_config, "num_assistant_tokens_schedule", None) is not None
+    )
+    if explicit_k and not explicit_schedule and settings["schedule"] == "adaptive":
+        settings["schedule"] = "constant"  # a fixed draft length was asked for: measure exactly that
     k = int(settings["num_draft_tokens"])
     if not 1 <= k <= MAX_DRAFT_TOKENS:
         raise EagleCompatibilityError(f"num_assistant_tokens must be in 1..{MAX_DRAFT_TOKENS}, got {k}.")
-    if settings["schedule"] not in ("constant", "heuristic", "heuristic_transient"):
+    if settings["schedule"] not in SCHEDULES:
         raise EagleCompatibilityError(
-            f"num_assistant_tokens_schedule must be 'constant' or 'heuristic', got {settings['schedule']!r}."
+            f"num_assistant_tokens_schedule must be one of {SCHEDULES}, got {settings['schedule']!r}."
         )
     return settings
 
@@ -169,8 +180,11 @@ class EagleCandidateGenerator(CandidateGenerator):
         self.max_length = generation_config.max_length
         self.settings = settings
         self.num_draft_tokens = int(settings["num_draft_tokens"])
+        self.controller = settings.get("controller")  # DraftLengthController when schedule == "adaptive"
         self.stats: SpecDecodeStats = stats
         self.state = DraftState()
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # real rows not yet run through the drafter
+        self._round = "prefill"  # what the current round does: prefill | fallback | draft
         self._last_drafted = 0
         self.listeners = list(settings.get("listeners") or [])
         self._last_draft: list[int] = []
@@ -193,19 +207,24 @@ class EagleCandidateGenerator(CandidateGenerator):
     # -- CandidateGenerator API ---------------------------------------------------------------------------
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, n_last_matches=0):
         if is_first_iteration or model_outputs is None:
+            self._round = "prefill"
             return input_ids, None  # the target prefills; drafting starts from its hidden states
         start = time.perf_counter()
         with torch.no_grad():
             aux = gather_aux(model_outputs.hidden_states, self.aux_ids)  # [1, t, A*H_t]
-            n_new = aux.shape[1] if self.state.length == 0 else n_last_matches + 1
-            aux = aux[:, :n_new].to(self.drafter.fc.weight.dtype)
-            logits, hidden = self.state.extend(self.drafter, aux, input_ids[:, -n_new:])
-            budget = self.max_length - input_ids.shape[1] - 1
-            k = min(self.num_draft_tokens, budget)
-            if k <= 0:
+            n_new = aux.shape[1] if self._round == "prefill" else n_last_matches + 1
+            self._pending.append((aux[:, :n_new], input_ids[:, -n_new:]))  # rows: (features of t, token t+1)
+            wanted = self._draft_length()
+            k = min(wanted, self.max_length - input_ids.shape[1] - 1)
+            if k <= 0:  # plain decoding this round; the drafter catches up lazily when drafting resumes
+                self._round = "fallback" if wanted <= 0 else "last"  # "last": no room left to draft
                 self._last_drafted = 0
                 self.stats.drafter_time += time.perf_counter() - start
                 return input_ids, None
+            aux_rows = torch.cat([a for a, _ in self._pending], 1).to(self.drafter.fc.weight.dtype)
+            next_tokens = torch.cat([t for _, t in self._pending], 1)
+            self._pending.clear()
+            logits, hidden = self.state.extend(self.drafter, aux_rows, next_tokens)
             tokens, q_logits = draft_chain(
                 self.drafter,
                 self.state,
@@ -215,6 +234,7 @@ class EagleCandidateGenerator(CandidateGenerator):
                 lambda lg, drafted: self._choose(lg, input_ids, drafted),
                 float(self.settings.get("confidence_threshold") or 0.0),
             )
+        self._round = "draft"
         self._last_drafted = len(tokens)
         self._last_draft = tokens
         candidates = torch.cat([input_ids, torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)], 1)
@@ -222,11 +242,18 @@ class EagleCandidateGenerator(CandidateGenerator):
         self.stats.drafter_time += time.perf_counter() - start
         return candidates, candidate_logits
 
+    def _draft_length(self) -> int:
+        return self.controller.choose() if self.controller is not None else self.num_draft_tokens
+
     def update_candidate_strategy(self, input_ids, scores, num_matches):
-        if self._last_drafted == 0:
+        if self._round == "fallback":
+            self.stats.fallback_steps += 1
+        if self._round != "draft":
             return
         num_matches = int(num_matches)
         self.stats.record_cycle(self._last_drafted, num_matches)
+        if self.controller is not None:
+            self.controller.update(self._last_drafted, num_matches)
         for listener in self.listeners:
             listener(self._last_draft, num_matches, int(input_ids[0, -1]))
         if self.settings["schedule"] in ("heuristic", "heuristic_transient"):
@@ -265,6 +292,11 @@ def generate(self, *args, **kwargs):
     if listeners:
         settings["listeners"] = list(listeners)
     prepare_drafter(self, drafter)
+    if settings["schedule"] == "adaptive":
+        settings["controller"] = DraftLengthController(
+            measure_costs(self, drafter), max_draft=int(settings["max_draft_tokens"]),
+            probe_every=int(settings["probe_every"]), min_gain=float(settings["min_gain"]),
+        )
     stats = SpecDecodeStats()
     _call.active = {"aux_ids": aux_ids, "settings": settings, "stats": stats}
     start = time.perf_counter()

@@ -21,6 +21,7 @@ class SpecDecodeStats:
     accepted_per_position: list[int] = field(default_factory=list)
     accepted_per_cycle: list[int] = field(default_factory=list)
     draft_length_per_cycle: list[int] = field(default_factory=list)
+    fallback_steps: int = 0  # rounds decoded plainly because drafting did not pay (adaptive schedule)
     new_tokens: int = 0
     drafter_time: float = 0.0  # seconds in the drafter
     total_time: float = 0.0  # wall time of the whole generate() call
@@ -55,6 +56,15 @@ class SpecDecodeStats:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
     @property
+    def steps(self) -> int:
+        """Rounds after the prefill: speculative cycles plus plain fallback steps."""
+        return self.cycles + self.fallback_steps
+
+    @property
+    def fallback_ratio(self) -> float:
+        return self.fallback_steps / self.steps if self.steps else 0.0
+
+    @property
     def target_time(self) -> float:
         return max(self.total_time - self.drafter_time, 0.0)
 
@@ -68,6 +78,8 @@ class SpecDecodeStats:
             mean_acceptance_length=self.mean_acceptance_length,
             acceptance_rate=self.acceptance_rate,
             acceptance_per_position=self.acceptance_per_position,
+            steps=self.steps,
+            fallback_ratio=self.fallback_ratio,
             target_time=self.target_time,
             tokens_per_second=self.tokens_per_second,
         )
@@ -78,7 +90,7 @@ class SpecDecodeStats:
         return (
             f"{self.new_tokens} new tokens in {self.total_time:.2f}s ({self.tokens_per_second:.1f} tok/s); "
             f"{self.cycles} cycles, mean acceptance length {self.mean_acceptance_length:.2f}, "
-            f"acceptance per position [{per_pos}]; drafter {self.drafter_time:.2f}s, target {self.target_time:.2f}s"
+            f"acceptance per position [{per_pos}]; fallback {self.fallback_ratio:.0%} of steps; drafter {self.drafter_time:.2f}s, target {self.target_time:.2f}s"
         )
 
 
@@ -101,6 +113,7 @@ def merge_stats(items: list[SpecDecodeStats]) -> SpecDecodeStats:
         out.cycles += s.cycles
         out.drafted += s.drafted
         out.accepted += s.accepted
+        out.fallback_steps += s.fallback_steps
         out.new_tokens += s.new_tokens
         out.drafter_time += s.drafter_time
         out.total_time += s.total_time

@@ -1,0 +1,137 @@
+"""Adaptive speculation: pick the draft length each cycle from measured costs and running acceptance.
+
+Expected tokens per cycle with k drafts, given conditional acceptance a_i of draft position i:
+``E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i``. A cycle costs one target forward over k+1 tokens, ``c(k+1)``, plus
+k drafter steps, ``k * d`` (both relative to a one-token target forward, measured on the current device).
+Plain decoding yields 1 token per ``c(1) = 1``. The controller drafts ``argmax_k E(k) / cost(k)`` tokens and
+falls back to plain decoding (k = 0) when no k beats 1, probing again every ``probe_every`` steps so that it
+comes back when acceptance recovers. Given the same measurements it makes the same decisions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CostModel:
+    """Relative costs on one device: ``verify[n-1]`` = target forward over n tokens / forward over 1 token."""
+
+    verify: list[float]
+    draft_step: float
+
+    def cycle(self, k: int) -> float:
+        n = min(k + 1, len(self.verify))
+        extra = max(0, k + 1 - len(self.verify)) * (self.verify[-1] - self.verify[-2] if len(self.verify) > 1 else 1.0)
+        return self.verify[n - 1] + extra + k * self.draft_step
+
+
+@dataclass
+class DraftLengthController:
+    cost: CostModel
+    max_draft: int = 8
+    prior: float = 0.5  # acceptance assumed before anything is observed
+    decay: float = 0.85  # weight of the past in the running acceptance estimates
+    probe_every: int = 16  # plain steps between probes while falling back
+    min_gain: float = 1.0  # draft only when the expected speedup exceeds this
+    acceptance: list[float] = field(default_factory=list)
+    _plain_steps: int = 0
+
+    def __post_init__(self):
+        if not self.acceptance:
+            self.acceptance = [self.prior] * self.max_draft
+
+    def expected_tokens(self, k: int) -> float:
+        total, run = 1.0, 1.0
+        for a in self.acceptance[:k]:
+            run *= a
+            total += run
+        return total
+
+    def best(self) -> tuple[int, float]:
+        """(k, expected speedup over plain decoding) of the best draft length."""
+        gains = [(k, self.expected_tokens(k) / self.cost.cycle(k)) for k in range(1, self.max_draft + 1)]
+        return max(gains, key=lambda x: x[1])
+
+    def choose(self) -> int:
+        k, gain = self.best()
+        if gain > self.min_gain:
+            self._plain_steps = 0
+            return k
+        self._plain_steps += 1
+        if self._plain_steps >= self.probe_every:  # probe: draft once to refresh the estimates
+            self._plain_steps = 0
+            return k
+        return 0
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Positions < accepted were accepted, position `accepted` (if drafted) was rejected, later ones unseen."""
+        for i in range(min(drafted, accepted + 1)):
+            hit = 1.0 if i < accepted else 0.0
+            self.acceptance[i] = self.decay * self.acceptance[i] + (1 - self.decay) * hit
+
+
+_COST_CACHE: dict[tuple, CostModel] = {}
+
+
+@torch.no_grad()
+def measure_costs(target, drafter, max_tokens: int = 9, context: int = 64, repeats: int = 3) -> CostModel:
+    """Time target forwards over 1..max_tokens new tokens (on a `context`-token cache) and one drafter step.
+
+    Cached per (target, drafter width, device, dtype): about half a second once per process on a CPU.
+    """
+    from transformers import DynamicCache
+
+    key = (id(target), drafter.config.hidden_size, str(target.device), str(target.dtype), max_tokens)
+    if key in _COST_CACHE:
+        return _COST_CACHE[key]
+    device = target.device
+    vocab = target.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (1, context + max_tokens), device=device)
+
+    def timed(fn) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    cache = DynamicCache(config=target.config)
+    if hasattr(cache, "activate_past_recording"):  # sliding-window layers must be able to roll back
+        cache.activate_past_recording()
+    target(ids[:, :context], past_key_values=cache, use_cache=True)
+    times = []
+    for n in range(1, max_tokens + 1):
+        def run(n=n):
+            target(ids[:, context : context + n], past_key_values=cache, use_cache=True)
+            cache.crop(-n)
+
+        times.append(timed(run))
+    base = times[0]
+    verify = [max(t / base, 1.0) for t in times]
+    for i in range(1, len(verify)):  # monotone, for a well-behaved argmax
+        verify[i] = max(verify[i], verify[i - 1])
+    h = drafter.config.hidden_size
+    hidden = torch.zeros(1, 1, h, device=device, dtype=drafter.fc.weight.dtype)
+    tok = torch.zeros(1, 1, dtype=torch.long, device=device)
+    past_out = drafter.step(hidden.expand(1, context, h), tok.expand(1, context), torch.arange(context, device=device)[None])
+    draft = timed(lambda: drafter.step(hidden, tok, torch.tensor([[context]], device=device), past=past_out.kv))
+    model = CostModel(verify=verify, draft_step=draft / base)
+    logger.info("Measured costs on %s: verify %s, drafter step %.3f (relative to one target token)",
+                device, [round(v, 2) for v in verify], model.draft_step)
+    _COST_CACHE[key] = model
+    return model
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

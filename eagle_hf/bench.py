@@ -1,0 +1,207 @@
+"""`eagle-hf bench`: EAGLE against plain `generate()` and transformers' own speculative methods.
+
+Interleaved (every mode runs on a prompt before the next prompt starts, in an order that alternates between
+repeats), after a warm-up, medians with spread, speedup relative to the plain baseline measured in the same run,
+and exactness: at temperature 0 every output is compared to the baseline's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import resource
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .evaluation import chat_inputs, load_prompt_set
+from .stats import last_stats, merge_stats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Mode:
+    name: str
+    kwargs: dict = field(default_factory=dict)
+    uses_drafter: bool = False
+
+
+def standard_modes(drafter, assistant=None, chain_lengths=(3, 5), early_exit_layer: int | None = None) -> list[Mode]:
+    modes = [Mode("plain"), Mode("prompt-lookup", {"prompt_lookup_num_tokens": 5})]
+    if assistant is not None:
+        modes.append(Mode("assisted (draft model)", {"assistant_model": assistant}))
+    if early_exit_layer is not None:
+        modes.append(Mode("early-exit", {"assistant_early_exit": early_exit_layer}))
+    if drafter is not None:
+        for k in chain_lengths:
+            modes.append(Mode(f"eagle chain {k}", {"assistant_model": drafter, "num_assistant_tokens": k}, True))
+        modes.append(Mode("eagle default", {"assistant_model": drafter}, True))
+    return modes
+
+
+def _generate(target, enc, mode: Mode, max_new_tokens: int, temperature: float, seed: int):
+    kwargs = dict(max_new_tokens=max_new_tokens, **mode.kwargs)
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=temperature)
+        torch.manual_seed(seed)
+    else:
+        kwargs["do_sample"] = False
+    start = time.perf_counter()
+    out = target.generate(**enc, **kwargs)
+    elapsed = time.perf_counter() - start
+    new = out[0, enc["input_ids"].shape[1] :]
+    return new, elapsed
+
+
+def run_benchmark(
+    target,
+    tokenizer,
+    modes: list[Mode],
+    prompt_sets: list[str],
+    max_new_tokens: int = 256,
+    limit: int | None = None,
+    temperature: float = 0.0,
+    repeats: int = 1,
+    seed: int = 0,
+) -> dict:
+    """Run every mode on every prompt, interleaved; return the results dict (see `write_results`)."""
+    results = {"settings": dict(max_new_tokens=max_new_tokens, limit=limit, temperature=temperature, repeats=repeats,
+                                prompt_sets=prompt_sets, modes=[m.name for m in modes]),
+               "machine": machine_info(target), "sets": {}}
+    warm = chat_inputs(tokenizer, "Hello!", target.device)
+    for mode in modes:  # warm-up: first-call allocations, lazy inits
+        _generate(target, warm, mode, 16, temperature, seed)
+    for set_name in prompt_sets:
+        prompts = load_prompt_set(set_name, limit=limit)
+        per_mode = {m.name: {"tok_s": [], "tokens": 0, "time": 0.0, "stats": [], "mismatches": []} for m in modes}
+        for r in range(repeats):
+            for i, (pid, text) in enumerate(tqdm(prompts, desc=f"{set_name} (repeat {r + 1}/{repeats})")):
+                enc = chat_inputs(tokenizer, text, target.device)
+                order = modes if (i + r) % 2 == 0 else list(reversed(modes))
+                outputs = {}
+                for mode in order:
+                    new, elapsed = _generate(target, enc, mode, max_new_tokens, temperature, seed + i)
+                    rec = per_mode[mode.name]
+                    rec["tok_s"].append(new.shape[0] / elapsed)
+                    rec["tokens"] += int(new.shape[0])
+                    rec["time"] += elapsed
+                    if mode.uses_drafter:
+                        rec["stats"].append(last_stats())
+                    outputs[mode.name] = new
+                if temperature == 0:
+                    base = outputs["plain"]
+                    for name, new in outputs.items():
+                        if not torch.equal(new, base) and pid not in per_mode[name]["mismatches"]:
+                            per_mode[name]["mismatches"].append(pid)
+                            logger.error("Output of %s differs from plain generate() on %s prompt %s", name, set_name, pid)
+        results["sets"][set_name] = summarize(per_mode, len(prompts))
+    results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return results
+
+
+def summarize(per_mode: dict, n_prompts: int) -> dict:
+    base = per_mode["plain"]["tok_s"]
+    out = {}
+    for name, rec in per_mode.items():
+        ratios = [a / b for a, b in zip(rec["tok_s"], base)]
+        q = statistics.quantiles(rec["tok_s"], n=4) if len(rec["tok_s"]) > 1 else [rec["tok_s"][0]] * 3
+        entry = {
+            "prompts": n_prompts,
+            "tok_s_median": statistics.median(rec["tok_s"]),
+            "tok_s_iqr": [q[0], q[2]],
+            "speedup_median": statistics.median(ratios),
+            "speedup_total": (rec["tokens"] / rec["time"]) / (per_mode["plain"]["tokens"] / per_mode["plain"]["time"]),
+            "mismatches": rec["mismatches"],
+        }
+        if rec["stats"]:
+            pooled = merge_stats(rec["stats"])
+            entry.update(
+                mean_acceptance_length=pooled.mean_acceptance_length,
+                acceptance_per_position=pooled.acceptance_per_position,
+                drafter_share=pooled.drafter_time / pooled.total_time if pooled.total_time else 0.0,
+            )
+        out[name] = entry
+    return out
+
+
+def machine_info(target) -> dict:
+    import transformers
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": str(target.device),
+        "dtype": str(target.dtype),
+        "target": getattr(target, "name_or_path", None),
+    }
+
+
+def results_markdown(results: dict) -> str:
+    lines = []
+    s = results["settings"]
+    m = results["machine"]
+    lines.append(
+        f"Target `{m['target']}` ({m['dtype']}, {m['device']}, {m['threads']} threads, torch {m['torch']}, "
+        f"transformers {m['transformers']}); {s['max_new_tokens']} new tokens, temperature {s['temperature']}, "
+        f"{s['limit'] or 'all'} prompts per set, {s['repeats']} repeat(s)."
+    )
+    lines.append("")
+    lines.append("| prompt set | mode | tok/s (median) | speedup (median per prompt) | τ | accepted per position | outputs ≠ plain |")
+    lines.append("|---|---|---|---|---|---|---|")
+    for set_name, modes in results["sets"].items():
+        for name, e in modes.items():
+            tau = f"{e['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in e else "–"
+            pos = ", ".join(f"{a:.2f}" for a in e.get("acceptance_per_position", [])[:6]) or "–"
+            mism = len(e["mismatches"]) if s["temperature"] == 0 else "n/a"
+            lines.append(f"| {set_name} | {name} | {e['tok_s_median']:.1f} | {e['speedup_median']:.2f}x | {tau} | {pos} | {mism} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_results(results: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    sets = list(results["sets"])
+    modes = [m for m in results["settings"]["modes"] if m != "plain"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / max(1, len(modes))
+    for j, mode in enumerate(modes):
+        ax1.bar([i + j * width for i in range(len(sets))], [results["sets"][s][mode]["speedup_median"] for s in sets], width, label=mode)
+    ax1.axhline(1.0, color="k", lw=0.8)
+    ax1.set_xticks([i + 0.4 - width / 2 for i in range(len(sets))], sets)
+    ax1.set_ylabel("speedup over plain generate() (median)")
+    ax1.legend(fontsize=7)
+    for mode in modes:
+        for s in sets:
+            acc = results["sets"][s][mode].get("acceptance_per_position")
+            if acc and mode.startswith("eagle chain"):
+                ax2.plot(range(1, len(acc) + 1), acc, marker=".", label=f"{mode} / {s}")
+    ax2.set_xlabel("draft position")
+    ax2.set_ylabel("P(accepted | proposed)")
+    ax2.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_results(results: dict, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.md").write_text(results_markdown(results))
+    plot_results(results, out / "speedup.png")
+    return out
