@@ -88,6 +88,18 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    import runpy
+
+    app = Path(__file__).resolve().parents[1] / "demo" / "app.py"
+    if not app.is_file():
+        print("The demo lives in the repository's demo/ folder; run it from a clone: python demo/app.py", file=sys.stderr)
+        return 2
+    sys.argv = [str(app), *args.demo_args]
+    runpy.run_path(str(app), run_name="__main__")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eagle-hf", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -118,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     b.add_argument("--out", default="bench_results")
     b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("demo", help="the Gradio demo (demo/app.py); extra arguments are passed on")
+    d.add_argument("demo_args", nargs=argparse.REMAINDER)
+    d.set_defaults(func=cmd_demo)
 
     from .training.cli import add_train_parser
 
