@@ -18,6 +18,10 @@ SPECULATORS_ARCHITECTURES = ("Eagle3DraftModel", "Eagle3Speculator")
 
 #: Drafting defaults saved with a drafter; every key can be overridden per `generate()` call.
 DEFAULT_DRAFT_SETTINGS: dict[str, Any] = {
+    "mode": "chain",  # "chain" or "tree" (dynamic draft tree, EAGLE-2 style)
+    "depth": 5,  # tree: draft levels
+    "top_k": 4,  # tree: children expanded per frontier node
+    "total_tokens": 16,  # tree: verified tokens including the root
     "num_draft_tokens": 5,  # chain length K for the "constant" and "heuristic" schedules
     # "adaptive": draft length per cycle from measured costs and running acceptance, plain decoding when drafting
     # does not pay (eagle_hf.adaptive); "constant"; "heuristic": +2 when every draft was accepted, -1 otherwise

@@ -40,11 +40,16 @@ MAX_DRAFT_TOKENS = 32
 
 #: generate() keyword -> draft setting; transformers' own assisted-generation names where one exists.
 CALL_SETTINGS = {
+    "draft_mode": "mode",  # "chain" (transformers' assisted loop) or "tree" (our loop)
+    "tree_depth": "depth",
+    "tree_top_k": "top_k",
+    "tree_total_tokens": "total_tokens",
     "num_assistant_tokens": "num_draft_tokens",
     "num_assistant_tokens_schedule": "schedule",
     "assistant_confidence_threshold": "confidence_threshold",
 }
 
+OUR_KEYWORDS = ("draft_mode", "tree_depth", "tree_top_k", "tree_total_tokens")  # not transformers' keywords
 SCHEDULES = ("adaptive", "constant", "heuristic", "heuristic_transient")
 
 _call = threading.local()  # the EAGLE call in flight in this thread: settings and stats
@@ -263,6 +268,45 @@ class EagleCandidateGenerator(CandidateGenerator):
                 self.num_draft_tokens = max(1, self.num_draft_tokens - 1)
 
 
+# ------------------------------------------------------------------------------------------------- tree mode
+def tree_supported(target) -> bool:
+    """Tree verification needs a plain causal mask we can replace: no sliding-window or other layer types."""
+    text = target.config.get_text_config()
+    types = getattr(text, "layer_types", None)
+    if types and any(t != "full_attention" for t in types):
+        return False
+    if getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True):
+        return False
+    return not getattr(target, "_is_stateful", False)
+
+
+def compact_cache(cache, past_len: int, keep: torch.Tensor) -> None:
+    """Keep the prefix and the accepted tree nodes (`keep`, indices relative to `past_len`) in every layer."""
+    index = past_len + keep
+    for layer in cache.layers:
+        layer.keys = torch.cat([layer.keys[:, :, :past_len], layer.keys.index_select(2, index)], 2)
+        layer.values = torch.cat([layer.values[:, :, :past_len], layer.values.index_select(2, index)], 2)
+
+
+def _tree_custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+    """`custom_generate` callable: generate() has prepared processors, criteria and the cache."""
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    from .tree_decoding import tree_generate
+
+    active = _call.active
+    cache = model_kwargs.get("past_key_values")
+    seq, scores = tree_generate(
+        model, active["drafter"], input_ids, cache, logits_processor, stopping_criteria, generation_config,
+        active["aux_ids"], active["settings"], active["stats"], active.get("streamer"),
+    )
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(
+            sequences=seq, scores=tuple(scores) if generation_config.output_scores else None, past_key_values=cache
+        )
+    return seq
+
+
 # ------------------------------------------------------------------------------------------------- hooks
 _original_generate = GenerationMixin.generate
 _original_get_candidate_generator = GenerationMixin._get_candidate_generator
@@ -288,10 +332,20 @@ def generate(self, *args, **kwargs):
     aux_ids = check_compatible(self, drafter)
     _check_call(self, args, kwargs)
     settings = resolve_settings(drafter, kwargs)
+    for key in OUR_KEYWORDS:
+        kwargs.pop(key, None)
     listeners = kwargs.pop("draft_listeners", None)
     if listeners:
         settings["listeners"] = list(listeners)
     prepare_drafter(self, drafter)
+    if settings["mode"] == "tree" and not tree_supported(self):
+        logger.warning(
+            "%s has sliding-window (or other non-causal) attention layers, which cannot take a tree mask; "
+            "falling back to chain drafting.", type(self).__name__,
+        )
+        settings["mode"] = "chain"
+    if settings["mode"] == "tree":
+        return _generate_tree(self, drafter, args, kwargs, aux_ids, settings)
     if settings["schedule"] == "adaptive":
         settings["controller"] = DraftLengthController(
             measure_costs(self, drafter), max_draft=int(settings["max_draft_tokens"]),
@@ -311,6 +365,32 @@ def generate(self, *args, **kwargs):
         stats.new_tokens = int(sequences.shape[-1] - prompt_len)
     _set_last(stats)
     logger.info("EAGLE generate: %s", stats.summary())
+    return out
+
+
+def _generate_tree(self, drafter, args, kwargs, aux_ids, settings):
+    stats = SpecDecodeStats()
+    kwargs = dict(kwargs)
+    kwargs.pop("assistant_model", None)
+    args = list(args)
+    if len(args) > 6:  # assistant_model passed positionally
+        args[6] = None
+    for key in CALL_SETTINGS:
+        kwargs.pop(key, None)
+    _call.active = {"drafter": drafter, "aux_ids": aux_ids, "settings": settings, "stats": stats,
+                    "streamer": kwargs.get("streamer")}
+    start = time.perf_counter()
+    try:
+        out = _original_generate(self, *args, custom_generate=_tree_custom_generate, **kwargs)
+    finally:
+        _call.active = None
+        stats.total_time = time.perf_counter() - start
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    prompt_len = _prompt_length(args, kwargs)
+    if prompt_len is not None:
+        stats.new_tokens = int(sequences.shape[-1] - prompt_len)
+    _set_last(stats)
+    logger.info("EAGLE tree generate: %s", stats.summary())
     return out
 
 

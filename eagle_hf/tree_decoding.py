@@ -1,0 +1,139 @@
+"""Tree mode: our own draft-tree / verify loop, reached through the same `generate()` call.
+
+transformers' assisted loop verifies one chain; a tree needs one target forward with a 4D ancestor mask and
+tree position ids, acceptance of the best root path, and a KV cache compacted to that path. This module is the
+loop; the few operations on transformers internals (cache compaction, output classes) live in
+`eagle_hf.hf_integration`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .capture import gather_aux, hidden_state_request
+from .drafting import DraftState
+from .stats import SpecDecodeStats
+from .tree import DraftTree, accept_greedy, accept_sampling, draft_tree
+
+logger = logging.getLogger(__name__)
+
+
+def tree_attention_mask(tree: DraftTree, past_len: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive float mask [1, 1, N+1, past_len + N+1]: the whole prefix, plus each node's ancestors and itself."""
+    allowed = torch.cat([torch.ones(tree.size, past_len, dtype=torch.bool), tree.ancestor_mask()], 1)
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None].to(device)
+
+
+def _process(logits_processor, prefix: torch.Tensor, tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
+    """Apply the logits processors to every node's logits with that node's own path as the prefix."""
+    if len(logits_processor) == 0:
+        return logits
+    out = torch.empty_like(logits)
+    for i in range(tree.size):
+        path, j = [], i
+        while j > 0:  # the root is already the last token of `prefix`
+            path.append(int(tree.tokens[j]))
+            j = int(tree.parents[j])
+        ids = torch.cat([prefix, torch.tensor([path[::-1]], dtype=prefix.dtype, device=prefix.device)], 1) if path else prefix
+        out[i : i + 1] = logits_processor(ids, logits[i : i + 1])
+    return out
+
+
+def _shown_drafts(tree: DraftTree, path: list[int]) -> list[int]:
+    """For displays: the accepted drafts plus the best-scoring child of the last accepted node (the rejected one)."""
+    drafts = [int(tree.tokens[n]) for n in path[1:]]
+    children = [i for i in range(1, tree.size) if int(tree.parents[i]) == path[-1]]
+    if children:
+        drafts.append(int(tree.tokens[max(children, key=lambda i: float(tree.scores[i]))]))
+    return drafts
+
+
+@torch.no_grad()
+def tree_generate(
+    target,
+    drafter,
+    input_ids: torch.Tensor,
+    cache,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    aux_ids: list[int],
+    settings: dict,
+    stats: SpecDecodeStats,
+    streamer=None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Decode with dynamic draft trees. Returns (sequences [1, T], processed scores of emitted tokens)."""
+    from .hf_integration import compact_cache
+
+    device = target.device
+    do_sample = bool(generation_config.do_sample)
+    eos = getattr(generation_config, "_eos_token_tensor", None)
+    eos_ids = set(eos.reshape(-1).tolist()) if eos is not None else set()
+    max_length = generation_config.max_length
+    depth, top_k, total = int(settings["depth"]), int(settings["top_k"]), int(settings["total_tokens"])
+    request = hidden_state_request(aux_ids)
+    listeners = list(settings.get("listeners") or [])
+    scores: list[torch.Tensor] = []
+
+    # prefill
+    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=request)
+    logits = out.logits[:, -1:].float()[0]  # [1, V]
+    logits = logits_processor(input_ids, logits) if len(logits_processor) else logits
+    token = int(torch.multinomial(torch.softmax(logits, -1), 1)) if do_sample else int(logits.argmax(-1))
+    scores.append(logits)
+    seq = torch.cat([input_ids, torch.tensor([[token]], device=device, dtype=input_ids.dtype)], 1)
+    if streamer is not None:
+        streamer.put(torch.tensor([token]))
+    state = DraftState()
+    pending_aux = gather_aux(out.hidden_states, aux_ids)  # [1, n, A]
+    pending_tok = seq[:, 1:]  # token after each row
+    done = token in eos_ids or seq.shape[1] >= max_length or bool(stopping_criteria(seq, None).all())
+    while not done:
+        t0 = time.perf_counter()
+        d_logits, d_hidden = state.extend(drafter, pending_aux.to(drafter.fc.weight.dtype), pending_tok)
+        room = max_length - seq.shape[1] - 1
+        tree = draft_tree(drafter, state, token, d_logits, d_hidden, max(1, min(depth, room)), top_k, min(total, room + 1))
+        stats.drafter_time += time.perf_counter() - t0
+
+        past_len = cache.get_seq_length()
+        positions = (past_len + tree.depths()).to(device)[None]
+        mask = tree_attention_mask(tree, past_len, target.dtype, device)
+        out = target(
+            input_ids=tree.tokens[None].to(device), attention_mask=mask, position_ids=positions,
+            past_key_values=cache, use_cache=True, output_hidden_states=request,
+        )
+        node_logits = _process(logits_processor, seq, tree, out.logits[0].float())  # [N+1, V]
+        if do_sample:
+            path, bonus = accept_sampling(tree, torch.softmax(node_logits, -1))
+        else:
+            path = accept_greedy(tree, node_logits.argmax(-1))
+            bonus = int(node_logits[path[-1]].argmax())
+        new = [int(tree.tokens[n]) for n in path[1:]] + [bonus]
+        # crop at EOS and at max_length, as the assisted loop does
+        new = new[: max_length - seq.shape[1]]
+        for i, tok in enumerate(new):
+            if tok in eos_ids:
+                new = new[: i + 1]
+                break
+        accepted = len(new) - 1
+        keep_nodes = path[: accepted + 1]
+        compact_cache(cache, past_len, torch.tensor(keep_nodes, device=device))
+        aux = gather_aux(out.hidden_states, aux_ids)[:, keep_nodes]  # [1, a+1, A]
+        seq = torch.cat([seq, torch.tensor([new], device=device, dtype=seq.dtype)], 1)
+        scores.extend(node_logits[n : n + 1] for n in keep_nodes)
+        if streamer is not None:
+            streamer.put(torch.tensor(new))
+        stats.record_cycle(int(tree.depths().max()), accepted)  # per position = per tree depth
+        for listener in listeners:
+            listener(_shown_drafts(tree, path), accepted, new[-1])
+        pending_aux, pending_tok = aux, seq[:, -(accepted + 1) :]
+        token = new[-1]
+        done = token in eos_ids or seq.shape[1] >= max_length or bool(stopping_criteria(seq, None).all())
+    if streamer is not None:
+        streamer.end()
+    return seq, scores[: seq.shape[1] - input_ids.shape[1]]
