@@ -1,0 +1,160 @@
+"""Tree mode: hand-computed tree tensors, greedy equality, KV compaction, lossless sampling over trees."""
+
+from unittest import mock
+
+import pytest
+import torch
+from conftest import tiny_drafter, tiny_target
+
+import eagle_hf
+from eagle_hf import tree_decoding
+from eagle_hf.tree import DraftTree, accept_greedy, accept_sampling
+from eagle_hf.tree_decoding import tree_attention_mask
+
+#      0 (root)
+#     / \
+#    1   2
+#   / \   \
+#  3   4   5
+#  |
+#  6
+TREE = DraftTree(tokens=torch.tensor([10, 11, 12, 13, 14, 15, 16]), parents=torch.tensor([-1, 0, 0, 1, 1, 2, 3]),
+                 scores=torch.tensor([0.0, -0.1, -0.5, -0.3, -0.9, -0.8, -0.6]))
+
+
+def test_tree_tensors_by_hand():
+    assert TREE.depths().tolist() == [0, 1, 1, 2, 2, 2, 3]
+    m = TREE.ancestor_mask().int()
+    assert m.tolist() == [
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0],
+        [1, 0, 1, 0, 0, 1, 0],
+        [1, 1, 0, 1, 0, 0, 1],
+    ]
+    assert TREE.retrieve_indices().tolist() == [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]]
+    mask = tree_attention_mask(TREE, past_len=3, dtype=torch.float32, device="cpu")
+    assert mask.shape == (1, 1, 7, 10)
+    assert (mask[0, 0, :, :3] == 0).all()  # the prefix is visible to every node
+    assert ((mask[0, 0, :, 3:] == 0) == TREE.ancestor_mask()).all()
+
+
+def test_greedy_acceptance_takes_the_longest_matching_path():
+    # target's choice after each node: after root -> 11 (node 1), after 1 -> 13 (node 3), after 3 -> 99 (no child)
+    target_tokens = torch.tensor([11, 13, 0, 16, 0, 0, 0])
+    assert accept_greedy(TREE, target_tokens) == [0, 1, 3, 6]
+    assert accept_greedy(TREE, torch.tensor([12, 0, 15, 0, 0, 0, 0])) == [0, 2, 5]
+    assert accept_greedy(TREE, torch.tensor([99, 0, 0, 0, 0, 0, 0])) == [0]
+
+
+def test_tree_sampling_acceptance_is_lossless_at_each_node():
+    """First emitted token ~ P(root) and the second ~ P(node 1) given the first is 11, whatever the tree."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    vocab = 20
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(7, vocab, generator=g) * 2, -1)
+    tree = DraftTree(tokens=torch.tensor([0, 11, 12, 13, 14, 15, 16]), parents=TREE.parents, scores=TREE.scores)
+    n = 6000
+    first, second = [], []
+    for _ in range(n):
+        path, bonus = accept_sampling(tree, probs, generator=g)
+        emitted = [int(tree.tokens[i]) for i in path[1:]] + [bonus]
+        first.append(emitted[0])
+        if emitted[0] == 11 and len(emitted) > 1:
+            second.append(emitted[1])
+    for sample, p in ((first, probs[0]), (second, probs[1])):
+        obs = torch.bincount(torch.tensor(sample), minlength=vocab).double()
+        exp = p.double() * len(sample)
+        keep = exp >= 5
+        o = torch.cat([obs[keep], obs[~keep].sum()[None]])
+        e = torch.cat([exp[keep], exp[~keep].sum()[None]])
+        assert scipy_stats.chisquare(o.numpy(), e.numpy() * o.sum().item() / e.sum().item()).pvalue > 1e-3
+
+
+def oracle_tree(truth: list[int]):
+    """Patch draft_tree: one branch follows the true greedy continuation (with a wrong token at depth 3),
+    a sibling branch is wrong from the start."""
+
+    def fake(drafter, state, root_token, logits, hidden, depth, top_k, total_tokens):
+        seq_len = state.length + 1  # real drafter rows pair features t with token t+1
+        assert truth[seq_len - 1] == root_token
+        cont = truth[seq_len : seq_len + depth]
+        if len(cont) >= 3:
+            cont = cont[:2] + [(cont[2] + 1) % 96] + cont[3:]
+        if not cont:
+            return DraftTree(torch.tensor([root_token]), torch.tensor([-1]), torch.zeros(1))
+        toks = [root_token, (cont[0] + 7) % 96] + cont  # node 1: a wrong sibling; nodes 2..: the (mostly) true chain
+        parents = [-1, 0, 0] + list(range(2, 2 + len(cont) - 1))
+        toks, parents = toks[:total_tokens], parents[:total_tokens]
+        return DraftTree(torch.tensor(toks), torch.tensor(parents), torch.zeros(len(toks)))
+
+    return mock.patch.object(tree_decoding, "draft_tree", fake)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "qwen2"])
+def test_tree_mode_greedy_equals_plain_generate(family):
+    target = tiny_target(family)
+    for seed, draft_vocab in ((0, None), (1, 48)):
+        drafter = tiny_drafter(target, draft_vocab=draft_vocab)
+        torch.manual_seed(seed)
+        ids = torch.randint(1, 96, (1, 8))
+        ref = target.generate(ids, max_new_tokens=32, do_sample=False)
+        out = target.generate(ids, max_new_tokens=32, do_sample=False, assistant_model=drafter, draft_mode="tree",
+                              tree_depth=4, tree_top_k=3, tree_total_tokens=10)
+        assert torch.equal(out, ref)
+        # with an oracle tree: long accepted paths, same output, and a cache equal to a plain forward's
+        truth = ref[0].tolist() + [0] * 8
+        with oracle_tree(truth):
+            res = target.generate(ids, max_new_tokens=32, do_sample=False, assistant_model=drafter, draft_mode="tree",
+                                  tree_depth=5, tree_top_k=2, tree_total_tokens=8, return_dict_in_generate=True)
+        assert torch.equal(res.sequences, ref)
+        stats = eagle_hf.last_stats()
+        assert stats.mean_acceptance_length > 2.0, stats.summary()
+        # KV compaction: the returned cache equals a plain forward over the sequence minus its last token
+        seq = res.sequences
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=target.config)
+        target(seq[:, :-1], past_key_values=cache, use_cache=True)
+        for a, b in zip(res.past_key_values.layers, cache.layers):
+            assert a.keys.shape == b.keys.shape
+            assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
+
+
+def test_sliding_window_target_falls_back_to_chain(caplog):
+    target = tiny_target("gemma3")
+    drafter = tiny_drafter(target)
+    ids = torch.randint(1, 96, (1, 6))
+    with caplog.at_level("WARNING", logger="eagle_hf"):
+        out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=drafter, draft_mode="tree")
+    assert "falling back to chain" in caplog.text
+    assert torch.equal(out, target.generate(ids, max_new_tokens=20, do_sample=False))
+
+
+def test_tree_mode_sampling_is_lossless():
+    from test_sampling import PROMPT, VOCAB, chi_square, exact_distribution, marginal
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+    target = tiny_target("llama", vocab=VOCAB)
+    with torch.no_grad():
+        target.model.norm.weight.mul_(6.0)
+    drafter = tiny_drafter(target)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(7)
+    rows, accepted = [], 0
+    try:
+        for _ in range(1200):
+            out = target.generate(PROMPT, assistant_model=drafter, do_sample=True, temperature=0.9, top_k=6,
+                                  max_new_tokens=4, draft_mode="tree", tree_depth=3, tree_top_k=2, tree_total_tokens=6)
+            rows.append(tuple(out[0, PROMPT.shape[1]:].tolist()))
+            accepted += eagle_hf.last_stats().accepted
+    finally:
+        torch.set_num_threads(threads)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.9), TopKLogitsWarper(6)])
+    exact = exact_distribution(target, processors, 3)
+    assert accepted > 100  # drafts were accepted: the tree path is exercised
+    assert chi_square(rows, marginal(exact, (0, 1)), (0, 1)) > 1e-3
+    assert chi_square(rows, marginal(exact, (1, 2)), (1, 2)) > 1e-3
