@@ -432,3 +432,16 @@ def uninstall() -> None:
     GenerationMixin.generate = _original_generate
     GenerationMixin._get_candidate_generator = _original_get_candidate_generator
     GenerationMixin._eagle_hf_installed = False
+
+
+def write_custom_generate(folder) -> str:
+    """Copy the Hub-hostable `custom_generate/` strategy (and its README) into `folder`; returns the folder."""
+    import shutil
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parent / "hub_template"
+    dst = Path(folder)
+    shutil.copytree(src / "custom_generate", dst / "custom_generate", dirs_exist_ok=True)
+    if not (dst / "README.md").exists():
+        shutil.copy(src / "README.md", dst / "README.md")
+    return str(dst)

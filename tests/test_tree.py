@@ -158,3 +158,22 @@ def test_tree_mode_sampling_is_lossless():
     assert accepted > 100  # drafts were accepted: the tree path is exercised
     assert chi_square(rows, marginal(exact, (0, 1)), (0, 1)) > 1e-3
     assert chi_square(rows, marginal(exact, (1, 2)), (1, 2)) > 1e-3
+
+
+def test_custom_generate_folder_and_callable(tmp_path):
+    from eagle_hf.hf_integration import write_custom_generate
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids = torch.randint(1, 96, (1, 6))
+    ref = target.generate(ids, max_new_tokens=20, do_sample=False)
+    folder = write_custom_generate(tmp_path / "repo")
+    out = target.generate(ids, custom_generate=folder, trust_remote_code=True, drafter=drafter, max_new_tokens=20,
+                          do_sample=False, tree_depth=3, tree_top_k=2, tree_total_tokens=6)
+    assert torch.equal(out, ref)
+    assert eagle_hf.last_stats().cycles > 0
+    # the drafter can also be given as a folder
+    drafter.save_pretrained(tmp_path / "drafter")
+    out = target.generate(ids, custom_generate=folder, trust_remote_code=True, drafter=str(tmp_path / "drafter"),
+                          max_new_tokens=20, do_sample=False, draft_mode="chain")
+    assert torch.equal(out, ref)
