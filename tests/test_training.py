@@ -200,10 +200,11 @@ def test_end_to_end_tiny_training_overfits_and_reloads(tmp_path):
     ref = target.generate(prompt, max_new_tokens=12, do_sample=False)
     import eagle_hf
 
-    out = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=reloaded)
+    out = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=reloaded, num_assistant_tokens=3)
     assert torch.equal(out, ref)
     trained_tau = eagle_hf.last_stats().mean_acceptance_length
-    target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=tiny_drafter(target, draft_vocab=48))
+    target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=tiny_drafter(target, draft_vocab=48),
+                    num_assistant_tokens=3)
     assert trained_tau > eagle_hf.last_stats().mean_acceptance_length
 
 
