@@ -359,8 +359,9 @@ def generate(self, *args, **kwargs):
     finally:
         _call.active = None
         stats.total_time = time.perf_counter() - start
-    sequences = out if isinstance(out, torch.Tensor) else out.sequences
     prompt_len = _prompt_length(args, kwargs)
+    out = trim_at_stopping_criteria(out, prompt_len, kwargs)
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
     if prompt_len is not None:
         stats.new_tokens = int(sequences.shape[-1] - prompt_len)
     _set_last(stats)
@@ -385,12 +386,47 @@ def _generate_tree(self, drafter, args, kwargs, aux_ids, settings):
     finally:
         _call.active = None
         stats.total_time = time.perf_counter() - start
-    sequences = out if isinstance(out, torch.Tensor) else out.sequences
     prompt_len = _prompt_length(args, kwargs)
+    out = trim_at_stopping_criteria(out, prompt_len, kwargs)
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
     if prompt_len is not None:
         stats.new_tokens = int(sequences.shape[-1] - prompt_len)
     _set_last(stats)
     logger.info("EAGLE tree generate: %s", stats.summary())
+    return out
+
+
+def trim_at_stopping_criteria(out, prompt_len: int | None, kwargs: dict):
+    """Cut the output where plain generate() would have stopped.
+
+    The assisted loop (and our tree loop) evaluate custom stopping criteria once per round, after a whole
+    accepted chunk; plain decoding evaluates them after every token. Re-evaluating the user's criteria (and
+    `stop_strings`) on each prefix restores plain generate()'s output. Streamers have already seen the overshoot.
+    """
+    from transformers import StopStringCriteria
+
+    criteria = list(kwargs.get("stopping_criteria") or [])
+    gen_config = kwargs.get("generation_config")
+    stop_strings = kwargs.get("stop_strings") or getattr(gen_config, "stop_strings", None)
+    if stop_strings and kwargs.get("tokenizer") is not None:
+        criteria.append(StopStringCriteria(kwargs["tokenizer"], stop_strings))
+    if not criteria or prompt_len is None:
+        return out
+    seq = out if isinstance(out, torch.Tensor) else out.sequences
+    for length in range(prompt_len + 1, seq.shape[1]):
+        if any(bool(torch.as_tensor(c(seq[:, :length], None)).all()) for c in criteria):
+            break
+    else:
+        return out
+    if isinstance(out, torch.Tensor):
+        return out[:, :length]
+    extra = seq.shape[1] - length
+    out.sequences = seq[:, :length]
+    for name in ("scores", "logits"):
+        if getattr(out, name, None) is not None:
+            setattr(out, name, getattr(out, name)[: length - prompt_len])
+    if getattr(out, "past_key_values", None) is not None and extra > 0:
+        out.past_key_values.crop(-extra)
     return out
 
 
