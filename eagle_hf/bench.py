@@ -41,6 +41,7 @@ def standard_modes(drafter, assistant=None, chain_lengths=(3, 5), early_exit_lay
     if drafter is not None:
         for k in chain_lengths:
             modes.append(Mode(f"eagle chain {k}", {"assistant_model": drafter, "num_assistant_tokens": k}, True))
+        modes.append(Mode("eagle tree", {"assistant_model": drafter, "draft_mode": "tree"}, True))
         modes.append(Mode("eagle default", {"assistant_model": drafter}, True))
     return modes
 

@@ -26,7 +26,7 @@ from packaging.version import Version
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.utils import GenerationMixin
 
-from .adaptive import DraftLengthController, measure_costs
+from .adaptive import DraftLengthController, choose_tree_size, measure_costs
 from .capture import gather_aux, hidden_state_request, num_decoder_layers, resolve_aux_layer_ids
 from .config import DEFAULT_DRAFT_SETTINGS
 from .drafting import DraftState, draft_chain
@@ -345,6 +345,9 @@ def generate(self, *args, **kwargs):
         )
         settings["mode"] = "chain"
     if settings["mode"] == "tree":
+        if int(settings["total_tokens"]) <= 0:  # -1: size the tree from this device's measured verify costs
+            settings["total_tokens"] = choose_tree_size(measure_costs(self, drafter, max_tokens=32))
+            logger.info("Tree size chosen from measured verify costs: %d tokens", settings["total_tokens"])
         return _generate_tree(self, drafter, args, kwargs, aux_ids, settings)
     if settings["schedule"] == "adaptive":
         settings["controller"] = DraftLengthController(

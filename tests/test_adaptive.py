@@ -75,3 +75,12 @@ def test_switches_off():
     target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=drafter, num_assistant_tokens=4)
     s = eagle_hf.last_stats()
     assert s.fallback_steps == 0 and set(s.draft_length_per_cycle) <= {4, 3, 2, 1}
+
+
+def test_tree_size_follows_the_verify_curve():
+    from eagle_hf.adaptive import choose_tree_size
+
+    flat = CostModel(verify=[1.0] * 32, draft_step=0.0)
+    steep = CostModel(verify=[1.0 + 0.1 * i for i in range(32)], draft_step=0.0)
+    assert choose_tree_size(flat) == 32
+    assert choose_tree_size(steep) == 8

@@ -1,0 +1,44 @@
+"""`eagle-hf bench` on tiny models: every field present, and a broken mode's differing outputs are reported."""
+
+import json
+
+import torch
+from conftest import tiny_drafter
+
+from eagle_hf.bench import Mode, results_markdown, run_benchmark, standard_modes, write_results
+
+
+def _parts(tmp_path):
+    from test_training import peaky_target, tiny_tokenizer, write_prompts
+
+    target, tok = peaky_target(), tiny_tokenizer()
+    target.name_or_path = "tiny"
+    return target, tok, tiny_drafter(target), str(write_prompts(tmp_path / "p.jsonl", n=3))
+
+
+def test_bench_results_have_every_field(tmp_path):
+    target, tok, drafter, prompts = _parts(tmp_path)
+    modes = standard_modes(drafter, chain_lengths=(3,))
+    res = run_benchmark(target, tok, modes, [prompts], max_new_tokens=12, limit=3, repeats=2)
+    out = write_results(res, tmp_path / "out")
+    data = json.loads((out / "results.json").read_text())
+    assert {"settings", "machine", "sets", "peak_rss_mb"} <= set(data)
+    assert {"torch", "transformers", "platform", "threads"} <= set(data["machine"])
+    entry = data["sets"][prompts]
+    assert set(entry) == {m.name for m in modes}
+    for name, e in entry.items():
+        assert {"tok_s_median", "tok_s_iqr", "speedup_median", "speedup_total", "mismatches", "prompts"} <= set(e)
+        assert e["mismatches"] == []  # greedy: every mode reproduces plain generate()
+        if name.startswith("eagle"):
+            assert {"mean_acceptance_length", "acceptance_per_position", "drafter_share"} <= set(e)
+    assert entry["plain"]["speedup_median"] == 1.0
+    assert (out / "results.md").read_text().count("|") > 20
+    assert (out / "speedup.png").stat().st_size > 1000
+
+
+def test_bench_detects_a_broken_mode(tmp_path, monkeypatch):
+    target, tok, drafter, prompts = _parts(tmp_path)
+    broken = Mode("broken", {"repetition_penalty": 5.0})  # changes the output: must be reported
+    res = run_benchmark(target, tok, [Mode("plain"), broken], [prompts], max_new_tokens=12, limit=3)
+    assert res["sets"][prompts]["broken"]["mismatches"], "a differing output must be flagged"
+    assert "broken" in results_markdown(res)
