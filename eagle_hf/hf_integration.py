@@ -354,11 +354,17 @@ def generate(self, *args, **kwargs):
             measure_costs(self, drafter), max_draft=int(settings["max_draft_tokens"]),
             probe_every=int(settings["probe_every"]), min_gain=float(settings["min_gain"]),
         )
+    return _run_with_stats(self, args, kwargs, {"aux_ids": aux_ids, "settings": settings})
+
+
+def _run_with_stats(self, args, kwargs, active: dict, custom_generate=None):
+    """Run transformers' generate() with `active` visible to our hooks; collect and publish the stats."""
     stats = SpecDecodeStats()
-    _call.active = {"aux_ids": aux_ids, "settings": settings, "stats": stats}
+    _call.active = {**active, "stats": stats}
+    extra = {"custom_generate": custom_generate} if custom_generate is not None else {}
     start = time.perf_counter()
     try:
-        out = _original_generate(self, *args, **kwargs)
+        out = _original_generate(self, *args, **extra, **kwargs)
     finally:
         _call.active = None
         stats.total_time = time.perf_counter() - start
@@ -368,12 +374,11 @@ def generate(self, *args, **kwargs):
     if prompt_len is not None:
         stats.new_tokens = int(sequences.shape[-1] - prompt_len)
     _set_last(stats)
-    logger.info("EAGLE generate: %s", stats.summary())
+    logger.info("EAGLE generate (%s): %s", active["settings"]["mode"], stats.summary())
     return out
 
 
 def _generate_tree(self, drafter, args, kwargs, aux_ids, settings):
-    stats = SpecDecodeStats()
     kwargs = dict(kwargs)
     kwargs.pop("assistant_model", None)
     args = list(args)
@@ -381,22 +386,8 @@ def _generate_tree(self, drafter, args, kwargs, aux_ids, settings):
         args[6] = None
     for key in CALL_SETTINGS:
         kwargs.pop(key, None)
-    _call.active = {"drafter": drafter, "aux_ids": aux_ids, "settings": settings, "stats": stats,
-                    "streamer": kwargs.get("streamer")}
-    start = time.perf_counter()
-    try:
-        out = _original_generate(self, *args, custom_generate=_tree_custom_generate, **kwargs)
-    finally:
-        _call.active = None
-        stats.total_time = time.perf_counter() - start
-    prompt_len = _prompt_length(args, kwargs)
-    out = trim_at_stopping_criteria(out, prompt_len, kwargs)
-    sequences = out if isinstance(out, torch.Tensor) else out.sequences
-    if prompt_len is not None:
-        stats.new_tokens = int(sequences.shape[-1] - prompt_len)
-    _set_last(stats)
-    logger.info("EAGLE tree generate: %s", stats.summary())
-    return out
+    active = {"drafter": drafter, "aux_ids": aux_ids, "settings": settings, "streamer": kwargs.get("streamer")}
+    return _run_with_stats(self, args, kwargs, active, custom_generate=_tree_custom_generate)
 
 
 def trim_at_stopping_criteria(out, prompt_len: int | None, kwargs: dict):
