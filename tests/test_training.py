@@ -235,3 +235,23 @@ def test_bad_training_inputs(tmp_path):
     empty.write_text("")
     with pytest.raises(PromptFormatError):
         run_training(target, tok, tmp_path / "d", RunConfig(prompts=str(empty), draft_vocab_size=48))
+
+
+def test_training_on_responses_produced_elsewhere(tmp_path):
+    target, tok = peaky_target(), tiny_tokenizer()
+    path = tmp_path / "responses.jsonl"
+    with open(path, "w") as f:
+        for i in range(10):
+            f.write(json.dumps({"prompt": f"w{i} w{i + 1}", "response": f"w{i + 2} w{i + 3} w{i + 4}"}) + "\n")
+        f.write(json.dumps({"messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2 w3"}]}) + "\n")
+    run = RunConfig(responses=str(path), draft_vocab_size=48, data_dir=str(tmp_path / "data"),
+                    train=TrainConfig(ttt_steps=2, max_steps=4, tokens_per_batch=128, bf16=False, eval_every=4))
+    run_training(target, tok, tmp_path / "out", run)
+    samples = load_shards(tmp_path / "data")
+    assert len(samples) == 11
+    s = samples[0]
+    resp = s["input_ids"][s["loss_mask"].bool()].tolist()
+    assert tok.decode(resp[:-1]) == "w2 w3 w4" and resp[-1] == tok.eos_token_id
+    out = target(s["input_ids"].long()[None], output_hidden_states=[2, 3, -1])
+    n = s["input_ids"].shape[0]
+    assert torch.allclose(s["aux"][: n - 1, :64].float(), out.hidden_states[2][0, : n - 1], atol=0.05, rtol=0.02)

@@ -8,6 +8,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct) or a Hub id / folder")
     p.add_argument("--prompts", default="sharegpt", help="'sharegpt', a JSON/JSONL file with turns/conversations/messages")
     p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--responses", default=None, help="JSONL of answers produced elsewhere (prompt/response pairs)")
     p.add_argument("--out", required=True, help="output folder (resumes when it holds the same run)")
     p.add_argument("--data-dir", default=None, help="regenerated data (default <out>/data); reused when present")
     p.add_argument("--draft-vocab-size", type=int, default=8192)
@@ -40,7 +41,7 @@ def cmd_train(args) -> int:
         prompts=args.prompts, num_prompts=args.num_prompts, data_dir=args.data_dir,
         draft_vocab_size=args.draft_vocab_size, eagle31=not args.eagle3, batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-        temperature=args.temperature, seed=args.seed, train=tcfg,
+        temperature=args.temperature, seed=args.seed, responses=args.responses, train=tcfg,
     )
     target, tok = _load_target(args.target, args.dtype)
     drafter = run_training(target, tok, args.out, run)

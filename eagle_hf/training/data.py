@@ -204,3 +204,71 @@ def load_shards(data_dir: str | Path) -> list[dict[str, torch.Tensor]]:
     for p in paths:
         samples.extend(unpack_shard(load_file(str(p))))
     return samples
+
+
+@torch.no_grad()
+def build_dataset_from_responses(
+    target,
+    tokenizer,
+    conversations: Sequence[tuple[str, str]],
+    out_dir: str | Path,
+    aux_ids: Sequence[int],
+    shard_size: int = 64,
+    max_tokens: int = 1024,
+) -> Path:
+    """Store hidden states for answers produced elsewhere (e.g. by a vLLM server): `(prompt, response)` pairs.
+
+    One teacher-forced target forward per conversation captures the aux taps and the final hidden state; the loss
+    mask covers the response. Shards are written and skipped exactly as in `build_dataset`.
+    """
+    from .prompts import render_chat
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    request = hidden_state_request(aux_ids, with_final=True)
+    n_shards = (len(conversations) + shard_size - 1) // shard_size
+    for shard in tqdm(range(n_shards), desc="capturing", unit="shard"):
+        path = out / f"shard_{shard:05d}.safetensors"
+        if path.exists():
+            continue
+        samples = []
+        for prompt, response in conversations[shard * shard_size : (shard + 1) * shard_size]:
+            p_ids = render_chat(tokenizer, prompt)
+            r_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+            if tokenizer.eos_token_id is not None:
+                r_ids = r_ids + [tokenizer.eos_token_id]
+            ids = torch.tensor([(p_ids + r_ids)[:max_tokens]], device=target.device)
+            o = target(input_ids=ids, output_hidden_states=request)
+            t = ids.shape[1]
+            aux = gather_aux(o.hidden_states, aux_ids)[0].to(torch.bfloat16).cpu()
+            final = o.hidden_states[-1][0].to(torch.bfloat16).cpu()
+            aux[t - 1] = 0  # as in generated data: the last token's features are never used
+            final[t - 1] = 0
+            mask = torch.zeros(t, dtype=torch.uint8)
+            mask[len(p_ids) :] = 1
+            samples.append({"input_ids": ids[0].cpu().to(torch.int32), "aux": aux, "final": final, "loss_mask": mask})
+        tmp = path.with_suffix(".tmp")
+        save_file(pack_shard(samples), str(tmp))
+        tmp.rename(path)
+    return out
+
+
+def read_responses(path: str | Path) -> list[tuple[str, str]]:
+    """`(prompt, response)` pairs from JSONL: `{"prompt", "response"}` or `messages`/`conversations` turns."""
+    pairs = []
+    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if "prompt" in rec and "response" in rec:
+            pairs.append((rec["prompt"], rec["response"]))
+            continue
+        turns = rec.get("messages") or rec.get("conversations") or []
+        user = next((t.get("content", t.get("value")) for t in turns if t.get("role", t.get("from")) in ("user", "human")), None)
+        reply = next((t.get("content", t.get("value")) for t in turns if t.get("role", t.get("from")) in ("assistant", "gpt")), None)
+        if user is None or reply is None:
+            raise ValueError(f"{path}:{lineno}: expected prompt/response or a user and an assistant turn.")
+        pairs.append((user, reply))
+    if not pairs:
+        raise ValueError(f"{path} holds no responses.")
+    return pairs

@@ -14,7 +14,7 @@ import torch
 
 from ..capture import default_aux_layer_ids, num_decoder_layers, resolve_aux_layer_ids
 from ..modeling import EagleDrafter
-from .data import build_dataset, load_shards
+from .data import build_dataset, build_dataset_from_responses, load_shards, read_responses
 from .prompts import load_prompts
 from .trainer import TrainConfig, initialise_from_target, train
 from .vocab import build_draft_vocab, count_tokens
@@ -37,6 +37,7 @@ class RunConfig:
     max_prompt_tokens: int = 256
     temperature: float = 0.0
     seed: int = 0
+    responses: str | None = None  # JSONL of answers produced elsewhere: skip regeneration
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
@@ -66,14 +67,20 @@ def run_training(target, tokenizer, out_dir: str | Path, run: RunConfig, prompts
         raise ValueError("The target tokenizer has no chat template; set `tokenizer.chat_template` first.")
     n_layers = num_decoder_layers(target)
     aux_ids = resolve_aux_layer_ids(run.aux_layer_ids, n_layers) if run.aux_layer_ids else default_aux_layer_ids(n_layers)
-    prompts = load_prompts(prompts_source if prompts_source is not None else run.prompts, limit=run.num_prompts, seed=run.seed)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / RUN_FILE).write_text(json.dumps(asdict(run), indent=2))
     data_dir = Path(run.data_dir) if run.data_dir else out / "data"
-    build_dataset(
-        target, tokenizer, prompts, data_dir, aux_ids, run.batch_size, run.max_new_tokens,
-        run.max_prompt_tokens, run.temperature, run.seed,
-    )
+    if run.responses:
+        pairs = read_responses(run.responses)[: run.num_prompts]
+        out.mkdir(parents=True, exist_ok=True)
+        (out / RUN_FILE).write_text(json.dumps(asdict(run), indent=2))
+        build_dataset_from_responses(target, tokenizer, pairs, data_dir, aux_ids)
+    else:
+        prompts = load_prompts(prompts_source if prompts_source is not None else run.prompts, limit=run.num_prompts, seed=run.seed)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / RUN_FILE).write_text(json.dumps(asdict(run), indent=2))
+        build_dataset(
+            target, tokenizer, prompts, data_dir, aux_ids, run.batch_size, run.max_new_tokens,
+            run.max_prompt_tokens, run.temperature, run.seed,
+        )
     drafter, samples, vocab, head = prepare_drafter_for_training(target, data_dir, run, aux_ids)
     result = train(drafter, samples, vocab, head, out, run.train, device=target.device)
     finalize(drafter, target, out, result, vocab)
