@@ -255,3 +255,15 @@ def test_training_on_responses_produced_elsewhere(tmp_path):
     out = target(s["input_ids"].long()[None], output_hidden_states=[2, 3, -1])
     n = s["input_ids"].shape[0]
     assert torch.allclose(s["aux"][: n - 1, :64].float(), out.hidden_states[2][0, : n - 1], atol=0.05, rtol=0.02)
+
+
+def test_resume_from_a_checkpoint_before_the_interruption(tmp_path):
+    """Interrupted between checkpoints: the log keeps only steps up to the checkpoint, then continues."""
+    target, tok = tiny_target("llama"), tiny_tokenizer()
+    _run(tmp_path, target, tok, max_steps=7, save_every=5)  # checkpoint at 5, then 6-7 logged, final save at 7
+    state = torch.load(tmp_path / "out" / "train_state.pt", weights_only=False)
+    state["step"] = 5  # pretend the process died after step 7 was logged but before it was saved
+    torch.save(state, tmp_path / "out" / "train_state.pt")
+    _run(tmp_path, target, tok, max_steps=9, save_every=5)
+    log = [json.loads(line) for line in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 10))

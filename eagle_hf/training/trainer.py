@@ -147,6 +147,7 @@ def train(
         step = state["step"]
         torch.set_rng_state(state["torch_rng"])
         logger.info("Resuming from %s at step %d of %d", state_path, step, total)
+        _truncate_log(out / LOG_FILE, step)  # steps after the checkpoint are redone
     head_weight = head_weight.to(device)
     log = (out / LOG_FILE).open("a")
     start, seen_tokens = time.perf_counter(), 0
@@ -198,6 +199,12 @@ def train(
     bar.close()
     log.close()
     return {**last, "finished": True, "total_steps": total, "config": asdict(cfg)}
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    if path.exists():
+        rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        path.write_text("".join(r + "\n" for r in rows))
 
 
 def save_state(path: Path, drafter, opt, step: int) -> None:
