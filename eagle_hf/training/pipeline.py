@@ -68,6 +68,19 @@ def run_training(target, tokenizer, out_dir: str | Path, run: RunConfig, prompts
     n_layers = num_decoder_layers(target)
     aux_ids = resolve_aux_layer_ids(run.aux_layer_ids, n_layers) if run.aux_layer_ids else default_aux_layer_ids(n_layers)
     data_dir = Path(run.data_dir) if run.data_dir else out / "data"
+    from accelerate import PartialState
+
+    dist = PartialState()
+    with dist.main_process_first():  # under `accelerate launch` only the main process writes the data
+        _make_data(target, tokenizer, out, run, data_dir, aux_ids, prompts_source)
+    drafter, samples, vocab, head = prepare_drafter_for_training(target, data_dir, run, aux_ids)
+    result = train(drafter, samples, vocab, head, out, run.train, device=target.device)
+    if dist.is_main_process:
+        finalize(drafter, target, out, result, vocab)
+    return drafter
+
+
+def _make_data(target, tokenizer, out, run, data_dir, aux_ids, prompts_source) -> None:
     if run.responses:
         pairs = read_responses(run.responses)[: run.num_prompts]
         out.mkdir(parents=True, exist_ok=True)
@@ -81,10 +94,6 @@ def run_training(target, tokenizer, out_dir: str | Path, run: RunConfig, prompts
             target, tokenizer, prompts, data_dir, aux_ids, run.batch_size, run.max_new_tokens,
             run.max_prompt_tokens, run.temperature, run.seed,
         )
-    drafter, samples, vocab, head = prepare_drafter_for_training(target, data_dir, run, aux_ids)
-    result = train(drafter, samples, vocab, head, out, run.train, device=target.device)
-    finalize(drafter, target, out, result, vocab)
-    return drafter
 
 
 def prepare_drafter_for_training(target, data_dir, run: RunConfig, aux_ids):

@@ -133,9 +133,18 @@ def train(
     eval_idx, train_idx = all_idx[:n_eval], all_idx[n_eval:] or all_idx
     lengths = [min(samples[i]["input_ids"].shape[0], cfg.max_seq_len) for i in train_idx]
     per_epoch = len(make_batches(lengths, cfg.tokens_per_batch, 0))
-    total = cfg.max_steps or max(1, int(per_epoch * cfg.epochs))
 
+    from accelerate import Accelerator
+
+    # Under `accelerate launch` (DDP/FSDP) every process trains on its own slice of each global step's batches;
+    # in a single process this is a no-op wrapper.
+    acc = Accelerator(cpu=device.type == "cpu")
+    device = acc.device if acc.num_processes > 1 else device
+    world, rank = acc.num_processes, acc.process_index
+    per_epoch = max(1, per_epoch // world)
+    total = cfg.max_steps or max(1, int(per_epoch * cfg.epochs))
     drafter.to(device).train()
+    objective = TTTObjective(drafter, cfg)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     step = 0
@@ -147,58 +156,77 @@ def train(
         step = state["step"]
         torch.set_rng_state(state["torch_rng"])
         logger.info("Resuming from %s at step %d of %d", state_path, step, total)
-        _truncate_log(out / LOG_FILE, step)  # steps after the checkpoint are redone
+        if acc.is_main_process:
+            _truncate_log(out / LOG_FILE, step)  # steps after the checkpoint are redone
+    objective, opt = acc.prepare(objective, opt)
     head_weight = head_weight.to(device)
-    log = (out / LOG_FILE).open("a")
+    main = acc.is_main_process
+    log = (out / LOG_FILE).open("a") if main else None
     start, seen_tokens = time.perf_counter(), 0
-    bar = tqdm(total=total, initial=step, desc="training", unit="step")
+    bar = tqdm(total=total, initial=step, desc="training", unit="step", disable=not main)
     last: dict = {}
     while step < total:
         epoch, offset = divmod(step, per_epoch)
         batches = make_batches(lengths, cfg.tokens_per_batch, cfg.seed + epoch)
-        for batch in batches[offset:]:
+        for batch in batches[offset * world + rank :: world]:
             if step >= total:
                 break
             ids, aux, final, mask, in_vocab = collate(samples, [train_idx[i] for i in batch], cfg.max_seq_len, head_weight, vocab.t2d, device)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, total, cfg)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                res = ttt_loss(drafter, aux, final, head_weight, ids, mask, in_vocab, cfg.ttt_steps, cfg.step_decay)
+                loss, step_losses, step_accuracy = objective(aux, final, head_weight, ids, mask, in_vocab)
             opt.zero_grad(set_to_none=True)
-            res.loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+            acc.backward(loss)
+            grad_norm = float(acc.clip_grad_norm_(params, cfg.max_grad_norm))
             opt.step()
             step += 1
-            seen_tokens += int(ids.numel())
+            seen_tokens += int(ids.numel()) * world
             last = {
                 "step": step,
                 "epoch": step / per_epoch,
-                "loss": float(res.loss.detach()),
-                "step_loss": res.step_losses,
-                "step_accuracy": res.step_accuracy,
+                "loss": float(loss.detach()),
+                "step_loss": step_losses,
+                "step_accuracy": step_accuracy,
                 "lr": opt.param_groups[0]["lr"],
                 "grad_norm": grad_norm,
                 "tokens_per_s": seen_tokens / (time.perf_counter() - start),
             }
             bar.update(1)
-            bar.set_postfix(loss=f"{last['loss']:.3f}", acc0=f"{res.step_accuracy[0]:.2f}" if res.step_accuracy else "-")
+            bar.set_postfix(loss=f"{last['loss']:.3f}", acc0=f"{step_accuracy[0]:.2f}" if step_accuracy else "-")
             out_of_time = cfg.max_minutes is not None and (time.perf_counter() - start) > 60 * cfg.max_minutes
-            if step % cfg.eval_every == 0 or step == total or out_of_time:
-                if eval_idx:
-                    last.update(evaluate(drafter, samples, eval_idx, cfg, head_weight, vocab.t2d, device))
-                    logger.info("step %d eval %s", step, last["eval_step_accuracy"])
-            log.write(json.dumps(last) + "\n")
-            log.flush()
-            if step % cfg.save_every == 0 or step == total or out_of_time:
-                save_state(state_path, drafter, opt, step)
+            if main and (step % cfg.eval_every == 0 or step == total or out_of_time) and eval_idx:
+                last.update(evaluate(drafter, samples, eval_idx, cfg, head_weight, vocab.t2d, device))
+                logger.info("step %d eval %s", step, last["eval_step_accuracy"])
+            if main:
+                log.write(json.dumps(last) + "\n")
+                log.flush()
+                if step % cfg.save_every == 0 or step == total or out_of_time:
+                    save_state(state_path, drafter, opt, step)
             if out_of_time:
                 logger.warning("Time budget of %.0f min spent at step %d of %d; resume to continue.", cfg.max_minutes, step, total)
                 bar.close()
-                log.close()
+                if log:
+                    log.close()
                 return {**last, "finished": False, "total_steps": total}
     bar.close()
-    log.close()
+    if log:
+        log.close()
+    acc.wait_for_everyone()
     return {**last, "finished": True, "total_steps": total, "config": asdict(cfg)}
+
+
+class TTTObjective(torch.nn.Module):
+    """The drafter behind one `forward` per optimizer step, so that DDP / FSDP wrappers see the computation."""
+
+    def __init__(self, drafter: EagleDrafter, cfg: TrainConfig):
+        super().__init__()
+        self.drafter = drafter
+        self.cfg = cfg
+
+    def forward(self, aux, final, head_weight, ids, mask, in_vocab):
+        out = ttt_loss(self.drafter, aux, final, head_weight, ids, mask, in_vocab, self.cfg.ttt_steps, self.cfg.step_decay)
+        return out.loss, out.step_losses, out.step_accuracy
 
 
 def _truncate_log(path: Path, step: int) -> None:
