@@ -75,8 +75,11 @@ def hidden_state_request(aux_ids: Sequence[int], with_final: bool = False) -> li
     return ids + [-1] if with_final else ids
 
 
-def gather_aux(hidden_states: Sequence[torch.Tensor | None], aux_ids: Sequence[int]) -> torch.Tensor:
-    """Concatenate the selected taps in ascending-id order: ``[B, T, num_aux * H_t]``."""
+def gather_aux(hidden_states: Sequence[torch.Tensor | None], aux_ids: Sequence[int], device=None) -> torch.Tensor:
+    """Concatenate the selected taps in ascending-id order: ``[B, T, num_aux * H_t]``.
+
+    With a target split over devices the taps live on different devices: they are gathered on `device`
+    (default: the first tap's)."""
     taps = []
     for k in aux_ids:
         h = hidden_states[k]
@@ -86,4 +89,5 @@ def gather_aux(hidden_states: Sequence[torch.Tensor | None], aux_ids: Sequence[i
                 "`output_hidden_states` layer selection; please report the model class."
             )
         taps.append(h)
-    return torch.cat(taps, dim=-1)
+    device = device or taps[0].device
+    return torch.cat([t.to(device) for t in taps], dim=-1)

@@ -32,9 +32,9 @@ class DraftState:
         n = next_tokens.shape[1]
         start = self.length
         positions = torch.arange(start, start + n, device=next_tokens.device)[None]  # [1, n]
-        out = drafter.step(drafter.fuse(aux), next_tokens, positions, past=self.kv)
+        out = drafter.step(drafter.fuse(aux), next_tokens, positions, past=self.kv, compute_logits=False)
         self.kv = out.kv if self.kv is None else self.kv.append(out.kv)
-        return out.logits[:, -1], out.hidden[:, -1:]
+        return drafter.lm_head(out.normed[:, -1]), out.hidden[:, -1:]  # only the last row drafts
 
 
 #: chooses the next draft token from draft-vocabulary logits [1, Vd]; returns (target id [1], processed

@@ -179,7 +179,9 @@ class EagleCandidateGenerator(CandidateGenerator):
     def __init__(self, target, drafter, generation_config, logits_processor, aux_ids, settings, stats):
         self.drafter = drafter
         self.aux_ids = list(aux_ids)
-        self.model_kwargs_overrides = {"output_hidden_states": hidden_state_request(self.aux_ids)}
+        # a user who asked for all hidden states keeps them; we read our taps from the full tuple
+        wanted = True if generation_config.output_hidden_states else hidden_state_request(self.aux_ids)
+        self.model_kwargs_overrides = {"output_hidden_states": wanted}
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         self.max_length = generation_config.max_length
@@ -216,9 +218,11 @@ class EagleCandidateGenerator(CandidateGenerator):
             return input_ids, None  # the target prefills; drafting starts from its hidden states
         start = time.perf_counter()
         with torch.no_grad():
-            aux = gather_aux(model_outputs.hidden_states, self.aux_ids)  # [1, t, A*H_t]
+            device = self.drafter.fc.weight.device
+            aux = gather_aux(model_outputs.hidden_states, self.aux_ids, device)  # [1, t, A*H_t]
             n_new = aux.shape[1] if self._round == "prefill" else n_last_matches + 1
-            self._pending.append((aux[:, :n_new], input_ids[:, -n_new:]))  # rows: (features of t, token t+1)
+            next_tokens = input_ids[:, -n_new:].to(self.drafter.fc.weight.device)
+            self._pending.append((aux[:, :n_new], next_tokens))  # rows: (features of t, token t+1)
             wanted = self._draft_length()
             k = min(wanted, self.max_length - input_ids.shape[1] - 1)
             if k <= 0:  # plain decoding this round; the drafter catches up lazily when drafting resumes
@@ -236,7 +240,7 @@ class EagleCandidateGenerator(CandidateGenerator):
                 logits,
                 hidden,
                 k,
-                lambda lg, drafted: self._choose(lg, input_ids, drafted),
+                lambda lg, drafted: self._choose(lg, input_ids.to(device), drafted),
                 float(self.settings.get("confidence_threshold") or 0.0),
             )
         self._round = "draft"
@@ -272,6 +276,8 @@ class EagleCandidateGenerator(CandidateGenerator):
 def tree_supported(target) -> bool:
     """Tree verification needs a plain causal mask we can replace: no sliding-window or other layer types."""
     text = target.config.get_text_config()
+    if getattr(text, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+        return False  # flash / flex attention read a 4D float mask differently
     types = getattr(text, "layer_types", None)
     if types and any(t != "full_attention" for t in types):
         return False
@@ -282,8 +288,13 @@ def tree_supported(target) -> bool:
 
 def compact_cache(cache, past_len: int, keep: torch.Tensor) -> None:
     """Keep the prefix and the accepted tree nodes (`keep`, indices relative to `past_len`) in every layer."""
-    index = past_len + keep
     for layer in cache.layers:
+        if type(layer).__name__ != "DynamicLayer":
+            raise NotImplementedError(
+                f"Tree mode needs a plain DynamicCache; this cache has {type(layer).__name__} layers. "
+                "Use draft_mode='chain' (or cache_implementation='dynamic')."
+            )
+        index = (past_len + keep).to(layer.keys.device)
         layer.keys = torch.cat([layer.keys[:, :, :past_len], layer.keys.index_select(2, index)], 2)
         layer.values = torch.cat([layer.values[:, :, :past_len], layer.values.index_select(2, index)], 2)
 
@@ -338,6 +349,11 @@ def generate(self, *args, **kwargs):
     if listeners:
         settings["listeners"] = list(listeners)
     prepare_drafter(self, drafter)
+    special = [k for k in ("pixel_values", "image_grid_thw", "token_type_ids", "past_key_values", "inputs_embeds")
+               if kwargs.get(k) is not None]
+    if settings["mode"] == "tree" and special:
+        logger.warning("Tree mode does not take %s yet; falling back to chain drafting.", ", ".join(special))
+        settings["mode"] = "chain"
     if settings["mode"] == "tree" and not tree_supported(self):
         logger.warning(
             "%s has sliding-window (or other non-causal) attention layers, which cannot take a tree mask; "
@@ -399,7 +415,10 @@ def trim_at_stopping_criteria(out, prompt_len: int | None, kwargs: dict):
     """
     from transformers import StopStringCriteria
 
-    criteria = list(kwargs.get("stopping_criteria") or [])
+    from transformers.generation.stopping_criteria import ConfidenceCriteria, MaxTimeCriteria
+
+    # time- or score-based criteria cannot be replayed on prefixes; the rest are functions of the tokens
+    criteria = [c for c in (kwargs.get("stopping_criteria") or []) if not isinstance(c, (MaxTimeCriteria, ConfidenceCriteria))]
     gen_config = kwargs.get("generation_config")
     stop_strings = kwargs.get("stop_strings") or getattr(gen_config, "stop_strings", None)
     if stop_strings and kwargs.get("tokenizer") is not None:
@@ -407,8 +426,14 @@ def trim_at_stopping_criteria(out, prompt_len: int | None, kwargs: dict):
     if not criteria or prompt_len is None:
         return out
     seq = out if isinstance(out, torch.Tensor) else out.sequences
+    def fires(criterion, ids) -> bool:
+        try:
+            return bool(torch.as_tensor(criterion(ids, None)).all())
+        except Exception:  # a criterion that needs scores: leave the output as it is
+            return False
+
     for length in range(prompt_len + 1, seq.shape[1]):
-        if any(bool(torch.as_tensor(c(seq[:, :length], None)).all()) for c in criteria):
+        if any(fires(c, seq[:, :length]) for c in criteria):
             break
     else:
         return out

@@ -49,7 +49,7 @@ class Rotary(nn.Module):
 
         rope = config.rope_parameters
         dim = config.head_dim
-        if rope.get("rope_type", "default") == "default":
+        if rope.get("rope_type", "default") in ("default", "mrope"):  # mrope on text-only positions = default
             inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             self.scaling = 1.0
         else:

@@ -71,6 +71,7 @@ def tree_generate(
     from .hf_integration import compact_cache
 
     device = target.device
+    input_ids = input_ids.to(device)  # plain generate() accepts CPU inputs for an accelerator target
     do_sample = bool(generation_config.do_sample)
     eos = getattr(generation_config, "_eos_token_tensor", None)
     eos_ids = set(eos.reshape(-1).tolist()) if eos is not None else set()
@@ -81,7 +82,7 @@ def tree_generate(
     scores: list[torch.Tensor] = []
 
     # prefill
-    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=request)
+    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=request, logits_to_keep=1)
     logits = out.logits[:, -1:].float()[0]  # [1, V]
     logits = logits_processor(input_ids, logits) if len(logits_processor) else logits
     token = int(torch.multinomial(torch.softmax(logits, -1), 1)) if do_sample else int(logits.argmax(-1))
@@ -95,7 +96,8 @@ def tree_generate(
     done = token in eos_ids or seq.shape[1] >= max_length or bool(stopping_criteria(seq, None).all())
     while not done:
         t0 = time.perf_counter()
-        d_logits, d_hidden = state.extend(drafter, pending_aux.to(drafter.fc.weight.dtype), pending_tok)
+        w = drafter.fc.weight
+        d_logits, d_hidden = state.extend(drafter, pending_aux.to(w.device, w.dtype), pending_tok.to(w.device))
         room = max_length - seq.shape[1] - 1
         tree = draft_tree(drafter, state, token, d_logits, d_hidden, max(1, min(depth, room)), top_k, min(total, room + 1))
         stats.drafter_time += time.perf_counter() - t0

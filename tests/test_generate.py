@@ -488,3 +488,20 @@ def test_confidence_threshold_and_reduced_draft_vocabulary_are_exact():
     )
     assert torch.equal(out, expected)
     assert set(eagle_hf.last_stats().draft_length_per_cycle) == {1}
+
+
+def test_time_based_criteria_are_not_replayed():
+    """max_time cannot be re-evaluated on prefixes after the fact: the output must not be cut short."""
+    target, drafter = models("llama")
+    ids = prompt(6, seed=3)
+    out = target.generate(ids, assistant_model=drafter, max_new_tokens=30, num_assistant_tokens=3, max_time=60.0)
+    assert torch.equal(out, plain(target, ids, max_new_tokens=30))
+
+
+def test_user_hidden_states_are_kept():
+    target, drafter = models("llama")
+    ids = prompt(6, seed=4)
+    res = target.generate(ids, assistant_model=drafter, max_new_tokens=10, num_assistant_tokens=3,
+                          return_dict_in_generate=True, output_hidden_states=True)
+    assert torch.equal(res.sequences, plain(target, ids, max_new_tokens=10))
+    assert len(res.hidden_states) > 0 and all(h is not None for h in res.hidden_states[0])

@@ -176,7 +176,7 @@ def build_dataset(
     pad = target.generation_config.pad_token_id
     pad = eos[0] if pad is None else pad
     n_shards = (len(encoded) + batch_size - 1) // batch_size
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=target.device).manual_seed(seed)
     made_tokens, t0 = 0, time.perf_counter()
     bar = tqdm(range(n_shards), desc="regenerating", unit="shard")
     for shard in bar:

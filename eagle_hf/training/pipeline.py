@@ -110,6 +110,7 @@ def prepare_drafter_for_training(target, data_dir, run: RunConfig, aux_ids):
     if drafter.d2t is not None:
         drafter.d2t.copy_(vocab.d2t)
         drafter.t2d.copy_(vocab.t2d)
+    target.requires_grad_(False)  # the target is frozen: its embedding must not collect gradients
     drafter.bind_target_embedding(target.get_input_embeddings())
     head = target.get_output_embeddings().weight[vocab.target_ids].detach().float()
     final_norm = _final_norm_weight(target)

@@ -264,7 +264,7 @@ def initialise_from_target(drafter: EagleDrafter, samples, vocab: DraftVocab, he
         if rows >= max_rows:
             break
     x = torch.cat(xs)[:max_rows]
-    w = final_norm_weight.float()
+    w = final_norm_weight.float().cpu()
     w = torch.where(w.abs() < 1e-3, torch.full_like(w, 1e-3), w)  # norm weights may be negative
     y = torch.cat(ys)[:max_rows] / w
     if drafter.fc_norm is not None:
@@ -275,4 +275,4 @@ def initialise_from_target(drafter: EagleDrafter, samples, vocab: DraftVocab, he
     gram = x64.T @ x64  # [A*H_t, A*H_t]
     ridge = 1e-3 * gram.diagonal().mean()
     sol = torch.linalg.solve(gram + ridge * torch.eye(gram.shape[0], dtype=gram.dtype), x64.T @ y64)  # [A*H_t, H]
-    drafter.fc.weight.copy_(sol.T.to(drafter.fc.weight.dtype))
+    drafter.fc.weight.copy_(sol.T.to(drafter.fc.weight.dtype).to(drafter.fc.weight.device))

@@ -62,7 +62,8 @@ def ttt_loss(
         # targets: distribution at position t+k+1, valid where token t+k+2 is an assistant token in the draft vocab
         valid = loss_mask[:, k + 2 :].bool() & in_draft_vocab[:, k + 2 :]  # [B, T-k-2] for rows 0..T-k-3
         rows = out.normed[:, : t - k - 2][valid]  # [n, H] only rows that carry a loss
-        tgt = target_final[:, k + 1 : t - 1][valid].to(head_weight.dtype) @ head_weight.T  # [n, Vd] target logits
+        with torch.autocast(device.type, enabled=False):  # bf16 logits are too coarse for soft targets
+            tgt = target_final[:, k + 1 : t - 1][valid].float() @ head_weight.float().T  # [n, Vd] target logits
         n = rows.shape[0]
         logq = torch.log_softmax(drafter.lm_head(rows).float(), dim=-1)
         p = torch.softmax(tgt.float(), dim=-1)
