@@ -168,7 +168,7 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
     max_context = max_context or getattr(target.config.get_text_config(), "max_position_embeddings", 4096)
     names = list(drafters)
 
-    def respond(prompt, temperature, max_new_tokens, draft_mode, chain_length, drafter_name, compare):
+    def respond(prompt, temperature, max_new_tokens, draft_mode, chain_length, drafter_name, compare, tree_size=16):
         if not prompt or not prompt.strip():
             gr.Warning("Please type a prompt first.")
             yield "", "", "Type a prompt and press Send.", acceptance_frame(None)
@@ -190,6 +190,8 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
             gen.update(do_sample=False)
         if draft_mode == "fixed chain":
             gen["num_assistant_tokens"] = int(chain_length)
+        elif draft_mode == "tree":
+            gen.update(draft_mode="tree", tree_total_tokens=int(tree_size))
         drafter = drafters[drafter_name]
         stop = threading.Event()
         try:
@@ -233,18 +235,19 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
                                    title="acceptance per draft position", elem_id="chart")
                 temperature = gr.Slider(0, 1.5, value=0, step=0.05, label="temperature (0 = greedy)")
                 max_new = gr.Slider(8, 512, value=128, step=8, label="max new tokens")
-                mode = gr.Radio(["adaptive", "fixed chain"], value="adaptive", label="drafting")
+                mode = gr.Radio(["adaptive", "fixed chain", "tree"], value="adaptive", label="drafting")
                 chain = gr.Slider(1, 8, value=5, step=1, label="chain length (fixed chain)")
+                tree_size = gr.Slider(4, 64, value=16, step=4, label="tree size: verified tokens (tree)")
                 which = gr.Radio(names, value=names[0], label="drafter", visible=len(names) > 1)
                 compare = gr.Checkbox(label="also run plain generate() and show the speedup", value=False)
         if examples:
             gr.Examples(examples=[[e] for e in examples], inputs=[prompt])
         event = send.click(
-            respond, [prompt, temperature, max_new, mode, chain, which, compare], [eagle_out, plain_out, stats_md, chart],
+            respond, [prompt, temperature, max_new, mode, chain, which, compare, tree_size], [eagle_out, plain_out, stats_md, chart],
             api_name="generate", concurrency_limit=1,
         )
         prompt.submit(
-            respond, [prompt, temperature, max_new, mode, chain, which, compare], [eagle_out, plain_out, stats_md, chart],
+            respond, [prompt, temperature, max_new, mode, chain, which, compare, tree_size], [eagle_out, plain_out, stats_md, chart],
             concurrency_limit=1,
         )
         stop_btn.click(None, None, None, cancels=[event])

@@ -64,7 +64,7 @@ def test_client_streams_labelled_tokens_equal_to_plain_generate():
     url = _serve(demo)
     try:
         client = Client(url, verbose=False)
-        job = client.submit("w4 w5 w6", 0, 24, "fixed chain", 3, "random", False, api_name="/generate")
+        job = client.submit("w4 w5 w6", 0, 24, "fixed chain", 3, "random", False, 16, api_name="/generate")
         outputs = list(job)
         assert len(outputs) >= 2  # streamed, not one final answer
         final_html = job.outputs()[-1][0]
@@ -78,8 +78,12 @@ def test_client_streams_labelled_tokens_equal_to_plain_generate():
         shown = "".join(html.unescape(t) for label, t in texts if label != "rejected")
         assert shown == "".join(tok.decode([i]) for i in ref)
         # an empty prompt gets a message, not a crash
-        empty = client.predict("", 0, 8, "adaptive", 5, "random", False, api_name="/generate")
+        empty = client.predict("", 0, 8, "adaptive", 5, "random", False, 16, api_name="/generate")
         assert "Type a prompt" in empty[2]
+        # tree mode streams labelled tokens too, with the same final text
+        tree = client.predict("w4 w5 w6", 0, 24, "tree", 3, "random", False, 8, api_name="/generate")
+        tree_texts = re.findall(r'class="tok tok-(\w+)" title="\w+">(.*?)</span>', tree[0])
+        assert "".join(html.unescape(t) for label, t in tree_texts if label != "rejected") == shown
     finally:
         demo.close()
 
