@@ -47,7 +47,7 @@ def test_greedy_equality_on_smollm2(smollm2):
                 stats = eagle_hf.last_stats()
                 assert stats.new_tokens == out.shape[1] - enc["input_ids"].shape[1]
                 if name == "shipped":
-                    assert stats.mean_acceptance_length > 1.3, stats.summary()
+                    assert stats.mean_acceptance_length > 1.15, stats.summary()  # a random drafter gives ~1.0
 
 
 @pytest.mark.slow

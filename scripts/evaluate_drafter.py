@@ -1,0 +1,58 @@
+"""Mean acceptance length of a drafter on the shipped prompt sets (greedy, chain of K drafts), per position.
+
+    python scripts/evaluate_drafter.py --drafter eagle_hf/assets/smollm2-135m-eagle3.1 --out results/acceptance.json
+"""
+
+import argparse
+import json
+import time
+
+import eagle_hf
+from eagle_hf import EagleDrafter
+from eagle_hf.evaluation import PROMPT_SETS, load_prompt_set, measure_acceptance
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--drafter", default=eagle_hf.DEFAULT_DRAFTER)
+    p.add_argument("--sets", default=",".join(PROMPT_SETS))
+    p.add_argument("--limit", type=int, default=None, help="prompts per set (default: all)")
+    p.add_argument("--limit-others", type=int, default=None, help="prompts per set other than mt_bench")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--num-draft-tokens", type=int, default=5)
+    p.add_argument("--out", default="acceptance.json")
+    args = p.parse_args()
+    target, tok = eagle_hf.load_default_target()
+    drafter = EagleDrafter.from_pretrained(args.drafter)
+    results = {"drafter": args.drafter, "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
+               "target_dtype": str(target.dtype), "sets": {}}
+    for name in args.sets.split(","):
+        limit = args.limit if name == "mt_bench" or args.limit_others is None else args.limit_others
+        prompts = load_prompt_set(name, limit=limit)
+        start = time.perf_counter()
+        stats = measure_acceptance(target, tok, drafter, prompts, args.max_new_tokens, args.num_draft_tokens)
+        results["sets"][name] = {
+            "prompts": len(prompts),
+            "mean_acceptance_length": stats.mean_acceptance_length,
+            "acceptance_per_position": stats.acceptance_per_position,
+            "cycles": stats.cycles,
+            "new_tokens": stats.new_tokens,
+            "tokens_per_second": stats.tokens_per_second,
+            "seconds": time.perf_counter() - start,
+        }
+        print(name, json.dumps(results["sets"][name]), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    print(markdown(results))
+
+
+def markdown(results) -> str:
+    lines = ["| prompt set | prompts | mean acceptance length (τ) | acceptance at draft position 1..5 |", "|---|---|---|---|"]
+    for name, r in results["sets"].items():
+        pos = ", ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+        lines.append(f"| {name} | {r['prompts']} | {r['mean_acceptance_length']:.2f} | {pos} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
