@@ -38,13 +38,7 @@ CASES = [(1, 10), (4, 24), (13, 17), (7, 1), (9, 2), (20, 6)]
 WRONG_NEW = (3, 4, 11, 19)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The tiny models are dominated by thread-pool overhead; one intra-op thread is ~4x faster on a busy CPU.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 _MODELS: dict = {}
