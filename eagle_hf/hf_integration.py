@@ -257,6 +257,8 @@ class EagleCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         if self._round == "fallback":
             self.stats.fallback_steps += 1
+        elif self._round == "last":
+            self.stats.final_steps += 1
         if self._round != "draft":
             return
         num_matches = int(num_matches)

@@ -22,6 +22,7 @@ class SpecDecodeStats:
     accepted_per_cycle: list[int] = field(default_factory=list)
     draft_length_per_cycle: list[int] = field(default_factory=list)
     fallback_steps: int = 0  # rounds decoded plainly because drafting did not pay (adaptive schedule)
+    final_steps: int = 0  # rounds decoded plainly because no room was left to draft (max_new_tokens)
     new_tokens: int = 0
     drafter_time: float = 0.0  # seconds in the drafter
     total_time: float = 0.0  # wall time of the whole generate() call
@@ -57,8 +58,8 @@ class SpecDecodeStats:
 
     @property
     def steps(self) -> int:
-        """Rounds after the prefill: speculative cycles plus plain fallback steps."""
-        return self.cycles + self.fallback_steps
+        """Rounds after the prefill: speculative cycles plus plain (fallback and final) steps."""
+        return self.cycles + self.fallback_steps + self.final_steps
 
     @property
     def fallback_ratio(self) -> float:
@@ -114,6 +115,7 @@ def merge_stats(items: list[SpecDecodeStats]) -> SpecDecodeStats:
         out.drafted += s.drafted
         out.accepted += s.accepted
         out.fallback_steps += s.fallback_steps
+        out.final_steps += s.final_steps
         out.new_tokens += s.new_tokens
         out.drafter_time += s.drafter_time
         out.total_time += s.total_time

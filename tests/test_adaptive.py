@@ -62,9 +62,9 @@ def test_adaptive_default_is_exact_and_stats_add_up():
             assert torch.equal(out, ref)
             s = eagle_hf.last_stats()
             assert s.fallback_steps > 0
-            assert s.steps == s.cycles + s.fallback_steps
-            # every round yields tokens: 1 from the prefill, accepted+1 per cycle, 1 per fallback step
-            assert 1 + s.accepted + s.cycles + s.fallback_steps == s.new_tokens
+            assert s.steps == s.cycles + s.fallback_steps + s.final_steps
+            # every round yields tokens: 1 from the prefill, accepted+1 per cycle, 1 per plain step
+            assert 1 + s.accepted + s.cycles + s.fallback_steps + s.final_steps == s.new_tokens
             assert 0 < s.fallback_ratio <= 1
 
 
