@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_loading import write_folder
 import torch
 from safetensors.torch import save_file
 from transformers import GenerationConfig, LlamaConfig
@@ -152,15 +153,7 @@ def eagle31_tensors() -> dict[str, torch.Tensor]:
 
 
 def write(folder, config=None, tensors=None, fmt="safetensors"):
-    folder.mkdir(parents=True, exist_ok=True)
-    if config is not None:
-        (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
-    if tensors is not None:
-        if fmt == "safetensors":
-            save_file(tensors, str(folder / "model.safetensors"))
-        else:
-            torch.save(tensors, str(folder / "pytorch_model.bin"))
-    return folder
+    return write_folder(folder, config, tensors, fmt)
 
 
 def test_valid_checkpoint_loads(tmp_path):

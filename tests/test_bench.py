@@ -2,7 +2,6 @@
 
 import json
 
-import torch
 from conftest import tiny_drafter
 
 from eagle_hf.bench import Mode, results_markdown, run_benchmark, standard_modes, write_results

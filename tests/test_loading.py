@@ -138,9 +138,11 @@ def speculators_config(drafter, ids, norm_before_residual=False) -> dict:
     }
 
 
-def write_folder(folder: Path, config: dict, tensors: dict | None = None, fmt: str = "safetensors") -> Path:
+def write_folder(folder: Path, config: dict | str | None, tensors: dict | None = None, fmt: str = "safetensors") -> Path:
+    """A checkpoint folder: config.json (a dict, or raw text for corrupt-file tests) and one weight file."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    if config is not None:
+        (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps(config, indent=2))
     if tensors is not None:
         if fmt == "safetensors":
             save_file(tensors, str(folder / "model.safetensors"))

@@ -28,7 +28,7 @@ def rope(x, pos, theta):
 
 def reference_chain(sd, cfg, aux, tokens, embed, n_chain, chain_tokens):
     """Step 0 over all rows (causal), then `n_chain` chain rows after the last one. Returns logits per step."""
-    eps, h, nh, nkv, d = cfg.rms_norm_eps, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    eps, nh, nkv, d = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     theta = cfg.rope_theta
     if cfg.fc_norm:
         chunks = aux.chunk(cfg.num_aux_hidden_states, -1)

@@ -7,12 +7,12 @@ import torch
 from conftest import VOCAB, tiny_drafter, tiny_target
 
 from eagle_hf import EagleDrafter
-from eagle_hf.training.data import build_dataset, generate_with_capture, load_shards
+from eagle_hf.training.data import generate_with_capture, load_shards
 from eagle_hf.training.pipeline import RunConfig, run_training
 from eagle_hf.training.prompts import PromptFormatError, first_user_turn, load_prompts, render_chat
 from eagle_hf.training.trainer import TrainConfig
 from eagle_hf.training.ttt import ttt_loss, ttt_mask
-from eagle_hf.training.vocab import build_draft_vocab, count_tokens
+from eagle_hf.training.vocab import build_draft_vocab
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"

@@ -44,6 +44,6 @@ def cmd_train(args) -> int:
         temperature=args.temperature, seed=args.seed, responses=args.responses, train=tcfg,
     )
     target, tok = _load_target(args.target, args.dtype)
-    drafter = run_training(target, tok, args.out, run)
+    run_training(target, tok, args.out, run)
     print(f"Saved {'EAGLE-3' if args.eagle3 else 'EAGLE-3.1'} drafter to {args.out}")
     return 0
