@@ -26,8 +26,9 @@ from eagle_hf.evaluation import load_prompt_set
 
 LABELS = {
     "accepted": ("draft token accepted by the target", "#b7f0c1"),
-    "target": ("token from the target itself (bonus / correction / plain step)", "#c9dcff"),
+    "target": ("token from the target itself (bonus / correction)", "#c9dcff"),
     "rejected": ("draft token rejected by the target", "#ffc4c4"),
+    "plain": ("plain step: drafting did not pay, the adaptive schedule fell back", "#e4e4e4"),
 }
 CSS = """
 .tokens {font-family: ui-monospace, monospace; font-size: 15px; line-height: 1.9; white-space: pre-wrap; overflow-wrap: anywhere}
@@ -35,6 +36,7 @@ CSS = """
 .tok-accepted {background: #b7f0c1}
 .tok-target {background: #c9dcff}
 .tok-rejected {background: #ffc4c4; text-decoration: line-through; color: #8a2020; font-size: 12px}
+.tok-plain {background: #e4e4e4; border-bottom: 2px dotted #888}
 .legend span {margin-right: 14px}
 """
 
@@ -42,7 +44,7 @@ CSS = """
 @dataclass
 class TokenEvent:
     text: str
-    label: str  # accepted | target | rejected
+    label: str  # accepted | target | rejected | plain
 
 
 @dataclass
@@ -116,6 +118,9 @@ def labelled_stream(target, tokenizer, drafter, enc, gen_kwargs, stop: threading
         if cycle is None:
             for i in chunk:
                 run.events.append(TokenEvent(decode(i), "target"))
+        elif not cycle[0]:  # a plain (fallback) step
+            for i in chunk:
+                run.events.append(TokenEvent(decode(i), "plain"))
         else:
             drafts, n = cycle
             for i in chunk[:n]:

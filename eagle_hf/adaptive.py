@@ -1,11 +1,12 @@
 """Adaptive speculation: pick the draft length each cycle from measured costs and running acceptance.
 
 Expected tokens per cycle with k drafts, given conditional acceptance a_i of draft position i:
-``E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i``. A cycle costs one target forward over k+1 tokens, ``c(k+1)``, plus
-k drafter steps, ``k * d`` (both relative to a one-token target forward, measured on the current device).
-Plain decoding yields 1 token per ``c(1) = 1``. The controller drafts ``argmax_k E(k) / cost(k)`` tokens and
-falls back to plain decoding (k = 0) when no k beats 1, probing again every ``probe_every`` steps so that it
-comes back when acceptance recovers. Given the same measurements it makes the same decisions.
+``E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i``. A cycle costs one target forward over the verified tokens (k+1 for a
+chain; up to ``1 + k * top_k`` for a tree of depth k) plus k drafter steps, all relative to a one-token target
+forward measured on the current device. Plain decoding yields 1 token per unit cost. The controller drafts
+``argmax_k E(k) / cost(k)`` and falls back to plain decoding (k = 0) when no k beats 1, probing again after
+``probe_every`` plain steps; each failed probe doubles the wait (up to ``max_probe_every``), so a drafter that
+never helps costs almost nothing. Given the same measurements it makes the same decisions.
 """
 
 from __future__ import annotations
@@ -26,26 +27,41 @@ class CostModel:
     verify: list[float]
     draft_step: float
 
-    def cycle(self, k: int) -> float:
-        n = min(k + 1, len(self.verify))
-        extra = max(0, k + 1 - len(self.verify)) * (self.verify[-1] - self.verify[-2] if len(self.verify) > 1 else 1.0)
-        return self.verify[n - 1] + extra + k * self.draft_step
+    def forward(self, n: int) -> float:
+        """Target forward over n tokens; extrapolated linearly past the measured range."""
+        if n <= len(self.verify):
+            return self.verify[n - 1]
+        slope = self.verify[-1] - self.verify[-2] if len(self.verify) > 1 else 1.0
+        return self.verify[-1] + (n - len(self.verify)) * slope
+
+    def cycle(self, k: int, verified: int | None = None) -> float:
+        """One draft-and-verify cycle: k drafter steps and a forward over `verified` tokens (a chain: k + 1)."""
+        return self.forward(verified if verified is not None else k + 1) + k * self.draft_step
 
 
 @dataclass
 class DraftLengthController:
+    """Chooses the draft length (chain) or depth (tree) of each cycle; 0 means decode this step plainly."""
+
     cost: CostModel
     max_draft: int = 8
-    prior: float = 0.5  # acceptance assumed before anything is observed
-    decay: float = 0.85  # weight of the past in the running acceptance estimates
-    probe_every: int = 16  # plain steps between probes while falling back
+    prior: float = 0.5  # acceptance assumed before anything is observed ...
+    prior_weight: float = 2.0  # ... worth this many observations, so the first cycles move the estimate fast
+    decay: float = 0.85  # weight of the past in the running acceptance estimates, once warmed up
+    probe_every: int = 16  # plain steps before the first probe while falling back
+    max_probe_every: int = 256  # each failed probe doubles the wait, up to this
     min_gain: float = 1.0  # draft only when the expected speedup exceeds this
+    tree: tuple[int, int] | None = None  # (top_k, total_tokens): cost trees of depth k instead of chains of k
     acceptance: list[float] = field(default_factory=list)
+    _seen: list[int] = field(default_factory=list)
     _plain_steps: int = 0
+    _wait: int = 0
 
     def __post_init__(self):
         if not self.acceptance:
             self.acceptance = [self.prior] * self.max_draft
+        self._seen = [0] * len(self.acceptance)
+        self._wait = self.probe_every
 
     def expected_tokens(self, k: int) -> float:
         total, run = 1.0, 1.0
@@ -54,27 +70,35 @@ class DraftLengthController:
             total += run
         return total
 
+    def cycle_cost(self, k: int) -> float:
+        if self.tree is None:
+            return self.cost.cycle(k)
+        top_k, total_tokens = self.tree
+        return self.cost.cycle(k, verified=min(total_tokens, 1 + k * top_k))
+
     def best(self) -> tuple[int, float]:
         """(k, expected speedup over plain decoding) of the best draft length."""
-        gains = [(k, self.expected_tokens(k) / self.cost.cycle(k)) for k in range(1, self.max_draft + 1)]
+        gains = [(k, self.expected_tokens(k) / self.cycle_cost(k)) for k in range(1, self.max_draft + 1)]
         return max(gains, key=lambda x: x[1])
 
     def choose(self) -> int:
         k, gain = self.best()
         if gain > self.min_gain:
-            self._plain_steps = 0
+            self._plain_steps, self._wait = 0, self.probe_every
+            return k
+        if self._plain_steps >= self._wait:  # probe: draft once to refresh the estimates
+            self._plain_steps, self._wait = 0, min(2 * self._wait, self.max_probe_every)
             return k
         self._plain_steps += 1
-        if self._plain_steps >= self.probe_every:  # probe: draft once to refresh the estimates
-            self._plain_steps = 0
-            return k
         return 0
 
     def update(self, drafted: int, accepted: int) -> None:
         """Positions < accepted were accepted, position `accepted` (if drafted) was rejected, later ones unseen."""
-        for i in range(min(drafted, accepted + 1)):
+        for i in range(min(drafted, accepted + 1, len(self.acceptance))):
             hit = 1.0 if i < accepted else 0.0
-            self.acceptance[i] = self.decay * self.acceptance[i] + (1 - self.decay) * hit
+            self._seen[i] += 1
+            rate = max(1 - self.decay, 1 / (self._seen[i] + self.prior_weight))
+            self.acceptance[i] += rate * (hit - self.acceptance[i])
 
 
 _COST_CACHE: dict[tuple, CostModel] = {}
@@ -88,8 +112,8 @@ def measure_costs(target, drafter, max_tokens: int = 9, context: int = 64, repea
     """
     from transformers import DynamicCache
 
-    key = (id(target), drafter.config.hidden_size, str(target.device), str(target.dtype), max_tokens)
-    if key in _COST_CACHE:
+    key = (id(target), drafter.config.hidden_size, str(target.device), str(target.dtype))
+    if key in _COST_CACHE and len(_COST_CACHE[key].verify) >= max_tokens:
         return _COST_CACHE[key]
     device = target.device
     vocab = target.config.get_text_config().vocab_size
@@ -147,7 +171,23 @@ def choose_tree_size(cost: CostModel) -> int:
     """`total_tokens` with the best assumed gain per measured verify cost (needs costs up to 32 tokens)."""
     best, best_value = TREE_SIZES[0], 0.0
     for size, gain in zip(TREE_SIZES, TREE_GAINS):
-        value = gain / cost.cycle(size - 1)
+        value = gain / cost.forward(size)
         if value > best_value:
             best, best_value = size, value
     return best
+
+
+def controller_for(target, drafter, settings: dict) -> DraftLengthController | None:
+    """The per-call controller of the "adaptive" schedule (None for fixed schedules), chain or tree."""
+    if settings.get("schedule") != "adaptive":
+        return None
+    tree = settings.get("mode") == "tree"
+    total = int(settings["total_tokens"])
+    cost = measure_costs(target, drafter, max_tokens=max(9, total if tree else 0))
+    return DraftLengthController(
+        cost,
+        max_draft=int(settings["depth"] if tree else settings["max_draft_tokens"]),
+        probe_every=int(settings["probe_every"]),
+        min_gain=float(settings["min_gain"]),
+        tree=(int(settings["top_k"]), total) if tree else None,
+    )

@@ -41,7 +41,9 @@ def standard_modes(drafter, assistant=None, chain_lengths=(3, 5), early_exit_lay
     if drafter is not None:
         for k in chain_lengths:
             modes.append(Mode(f"eagle chain {k}", {"assistant_model": drafter, "num_assistant_tokens": k}, True))
-        modes.append(Mode("eagle tree", {"assistant_model": drafter, "draft_mode": "tree"}, True))
+        fixed_tree = {"draft_mode": "tree", "num_assistant_tokens_schedule": "constant"}
+        modes.append(Mode("eagle tree", {"assistant_model": drafter, **fixed_tree}, True))
+        modes.append(Mode("eagle tree adaptive", {"assistant_model": drafter, "draft_mode": "tree"}, True))
         modes.append(Mode("eagle default", {"assistant_model": drafter}, True))
     return modes
 
@@ -126,6 +128,8 @@ def summarize(per_mode: dict, n_prompts: int) -> dict:
                 mean_acceptance_length=pooled.mean_acceptance_length,
                 acceptance_per_position=pooled.acceptance_per_position,
                 drafter_share=pooled.drafter_time / pooled.total_time if pooled.total_time else 0.0,
+                fallback_ratio=pooled.fallback_ratio,
+                mean_draft_length=pooled.drafted / pooled.cycles if pooled.cycles else 0.0,
             )
         out[name] = entry
     return out
@@ -156,14 +160,22 @@ def results_markdown(results: dict) -> str:
         f"{s['limit'] or 'all'} prompts per set, {s['repeats']} repeat(s)."
     )
     lines.append("")
-    lines.append("| prompt set | mode | tok/s (median) | speedup (median per prompt) | τ | accepted per position | outputs ≠ plain |")
-    lines.append("|---|---|---|---|---|---|---|")
+    lines.append(
+        "| prompt set | mode | tok/s (median) | speedup (median per prompt) | τ | accepted per position "
+        "| mean draft length | plain steps | outputs ≠ plain |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|")
     for set_name, modes in results["sets"].items():
         for name, e in modes.items():
             tau = f"{e['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in e else "–"
             pos = ", ".join(f"{a:.2f}" for a in e.get("acceptance_per_position", [])[:6]) or "–"
             mism = len(e["mismatches"]) if s["temperature"] == 0 else "n/a"
-            lines.append(f"| {set_name} | {name} | {e['tok_s_median']:.1f} | {e['speedup_median']:.2f}x | {tau} | {pos} | {mism} |")
+            length = f"{e['mean_draft_length']:.1f}" if "mean_draft_length" in e else "–"
+            plain = f"{e['fallback_ratio']:.0%}" if "fallback_ratio" in e else "–"
+            lines.append(
+                f"| {set_name} | {name} | {e['tok_s_median']:.1f} | {e['speedup_median']:.2f}x | {tau} | {pos} "
+                f"| {length} | {plain} | {mism} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -26,7 +26,7 @@ from packaging.version import Version
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.utils import GenerationMixin
 
-from .adaptive import DraftLengthController, choose_tree_size, measure_costs
+from .adaptive import choose_tree_size, controller_for, measure_costs
 from .capture import gather_aux, hidden_state_request, num_decoder_layers, resolve_aux_layer_ids
 from .config import DEFAULT_DRAFT_SETTINGS
 from .drafting import DraftState, draft_chain
@@ -260,6 +260,9 @@ class EagleCandidateGenerator(CandidateGenerator):
         elif self._round == "last":
             self.stats.final_steps += 1
         if self._round != "draft":
+            if self._round != "prefill":
+                for listener in self.listeners:  # a plain step: no drafts, the target's own token
+                    listener([], 0, int(input_ids[0, -1]))
             return
         num_matches = int(num_matches)
         self.stats.record_cycle(self._last_drafted, num_matches)
@@ -366,12 +369,9 @@ def generate(self, *args, **kwargs):
         if int(settings["total_tokens"]) <= 0:  # -1: size the tree from this device's measured verify costs
             settings["total_tokens"] = choose_tree_size(measure_costs(self, drafter, max_tokens=32))
             logger.info("Tree size chosen from measured verify costs: %d tokens", settings["total_tokens"])
+    settings["controller"] = controller_for(self, drafter, settings)
+    if settings["mode"] == "tree":
         return _generate_tree(self, drafter, args, kwargs, aux_ids, settings)
-    if settings["schedule"] == "adaptive":
-        settings["controller"] = DraftLengthController(
-            measure_costs(self, drafter), max_draft=int(settings["max_draft_tokens"]),
-            probe_every=int(settings["probe_every"]), min_gain=float(settings["min_gain"]),
-        )
     return _run_with_stats(self, args, kwargs, {"aux_ids": aux_ids, "settings": settings})
 
 

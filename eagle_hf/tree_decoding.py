@@ -91,49 +91,71 @@ def tree_generate(
     if streamer is not None:
         streamer.put(torch.tensor([token]))
     state = DraftState()
-    pending_aux = gather_aux(out.hidden_states, aux_ids)  # [1, n, A]
-    pending_tok = seq[:, 1:]  # token after each row
+    pending_aux = gather_aux(out.hidden_states, aux_ids)  # [1, n, A]: real rows the drafter has not seen yet
+    pending_tok = seq[:, 1:]  # [1, n] the token after each of those rows
+    controller = settings.get("controller")  # DraftLengthController when the schedule is adaptive
     done = token in eos_ids or seq.shape[1] >= max_length or bool(stopping_criteria(seq, None).all())
     while not done:
-        t0 = time.perf_counter()
-        w = drafter.fc.weight
-        d_logits, d_hidden = state.extend(drafter, pending_aux.to(w.device, w.dtype), pending_tok.to(w.device))
         room = max_length - seq.shape[1] - 1
-        tree = draft_tree(drafter, state, token, d_logits, d_hidden, max(1, min(depth, room)), top_k, min(total, room + 1))
-        stats.drafter_time += time.perf_counter() - t0
-
-        past_len = cache.get_seq_length()
-        positions = (past_len + tree.depths()).to(device)[None]
-        mask = tree_attention_mask(tree, past_len, target.dtype, device)
-        out = target(
-            input_ids=tree.tokens[None].to(device), attention_mask=mask, position_ids=positions,
-            past_key_values=cache, use_cache=True, output_hidden_states=request,
-        )
-        node_logits = _process(logits_processor, seq, tree, out.logits[0].float())  # [N+1, V]
-        if do_sample:
-            path, bonus = accept_sampling(tree, torch.softmax(node_logits, -1))
+        levels = controller.choose() if controller is not None else depth
+        if levels <= 0 or room <= 0:  # a plain step: the target decodes one token, the drafter catches up later
+            out = target(input_ids=seq[:, -1:], past_key_values=cache, use_cache=True, output_hidden_states=request)
+            logits = out.logits[:, -1].float()  # [1, V]
+            logits = logits_processor(seq, logits) if len(logits_processor) else logits
+            token = int(torch.multinomial(torch.softmax(logits, -1), 1)) if do_sample else int(logits.argmax(-1))
+            new, keep_nodes, node_logits = [token], [0], logits
+            aux = gather_aux(out.hidden_states, aux_ids)  # [1, 1, A]
+            if levels <= 0:
+                stats.fallback_steps += 1
+            else:
+                stats.final_steps += 1
+            shown, accepted = [], 0
         else:
-            path = accept_greedy(tree, node_logits.argmax(-1))
-            bonus = int(node_logits[path[-1]].argmax())
-        new = [int(tree.tokens[n]) for n in path[1:]] + [bonus]
-        # crop at EOS and at max_length, as the assisted loop does
-        new = new[: max_length - seq.shape[1]]
-        for i, tok in enumerate(new):
-            if tok in eos_ids:
-                new = new[: i + 1]
-                break
-        accepted = len(new) - 1
-        keep_nodes = path[: accepted + 1]
-        compact_cache(cache, past_len, torch.tensor(keep_nodes, device=device))
-        aux = gather_aux(out.hidden_states, aux_ids)[:, keep_nodes]  # [1, a+1, A]
+            t0 = time.perf_counter()
+            w = drafter.fc.weight
+            d_logits, d_hidden = state.extend(drafter, pending_aux.to(w.device, w.dtype), pending_tok.to(w.device))
+            levels = min(levels, room)
+            tree = draft_tree(drafter, state, token, d_logits, d_hidden, levels, top_k, min(total, room + 1))
+            stats.drafter_time += time.perf_counter() - t0
+
+            past_len = cache.get_seq_length()
+            positions = (past_len + tree.depths()).to(device)[None]
+            mask = tree_attention_mask(tree, past_len, target.dtype, device)
+            out = target(
+                input_ids=tree.tokens[None].to(device), attention_mask=mask, position_ids=positions,
+                past_key_values=cache, use_cache=True, output_hidden_states=request,
+            )
+            node_logits = _process(logits_processor, seq, tree, out.logits[0].float())  # [N+1, V]
+            if do_sample:
+                path, bonus = accept_sampling(tree, torch.softmax(node_logits, -1))
+            else:
+                path = accept_greedy(tree, node_logits.argmax(-1))
+                bonus = int(node_logits[path[-1]].argmax())
+            new = [int(tree.tokens[n]) for n in path[1:]] + [bonus]
+            # crop at EOS and at max_length, as the assisted loop does
+            new = new[: max_length - seq.shape[1]]
+            for i, tok in enumerate(new):
+                if tok in eos_ids:
+                    new = new[: i + 1]
+                    break
+            accepted = len(new) - 1
+            keep_nodes = path[: accepted + 1]
+            compact_cache(cache, past_len, torch.tensor(keep_nodes, device=device))
+            aux = gather_aux(out.hidden_states, aux_ids)[:, keep_nodes]  # [1, a+1, A]
+            drafted = int(tree.depths().max())
+            stats.record_cycle(drafted, accepted)  # per position = per tree depth
+            if controller is not None:
+                controller.update(drafted, accepted)
+            shown = _shown_drafts(tree, path)
+            pending_aux, pending_tok = pending_aux[:, :0], pending_tok[:, :0]  # the drafter has seen them now
         seq = torch.cat([seq, torch.tensor([new], device=device, dtype=seq.dtype)], 1)
         scores.extend(node_logits[n : n + 1] for n in keep_nodes)
         if streamer is not None:
             streamer.put(torch.tensor(new))
-        stats.record_cycle(int(tree.depths().max()), accepted)  # per position = per tree depth
         for listener in listeners:
-            listener(_shown_drafts(tree, path), accepted, new[-1])
-        pending_aux, pending_tok = aux, seq[:, -(accepted + 1) :]
+            listener(shown, accepted, new[-1])
+        pending_aux = torch.cat([pending_aux, aux.to(pending_aux.device)], 1)
+        pending_tok = torch.cat([pending_tok, seq[:, -(accepted + 1) :]], 1)
         token = new[-1]
         done = token in eos_ids or seq.shape[1] >= max_length or bool(stopping_criteria(seq, None).all())
     if streamer is not None:

@@ -1,11 +1,13 @@
 """Adaptive speculation: decisions on synthetic costs/acceptance; exactness and stats with adaptation on."""
 
+import pytest
 import torch
 from conftest import tiny_drafter, tiny_target
 
 import eagle_hf
 from eagle_hf.adaptive import CostModel, DraftLengthController, measure_costs
 
+MEASURED_CPU = CostModel(verify=[1.0] + [1.4] * 15, draft_step=0.023)  # SmolLM2 bf16 on this project's CPU
 CPU_LIKE = CostModel(verify=[1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.4, 1.5], draft_step=0.06)
 
 
@@ -18,11 +20,51 @@ def test_falls_back_when_drafts_are_rejected_and_returns_when_they_are_accepted(
             c.update(k, 0)
     decisions = [c.choose() for _ in range(8)]
     assert decisions.count(0) >= 6 and any(decisions), decisions  # mostly plain, with periodic probes
-    for _ in range(40):  # the drafter becomes good: probes succeed and drafting resumes
+    for _ in range(200):  # the drafter becomes good: the next probe succeeds and drafting resumes
         k = c.choose()
         if k:
             c.update(k, k)
     assert c.choose() >= 5
+
+
+def test_failed_probes_back_off_and_a_good_probe_resets_the_wait():
+    c = DraftLengthController(CPU_LIKE, max_draft=8, probe_every=4, max_probe_every=16)
+    waits, plain = [], 0
+    for _ in range(120):  # a drafter that is never right
+        k = c.choose()
+        if k:
+            c.update(k, 0)
+            waits.append(plain)
+            plain = 0
+        else:
+            plain += 1
+    probes = [w for w in waits if w > 0]
+    assert probes[:4] == [4, 8, 16, 16], waits  # 4, then doubling, capped
+    for _ in range(30):  # the drafter becomes right: drafting resumes and the wait is back to probe_every
+        k = c.choose()
+        if k:
+            c.update(k, k)
+    assert c.choose() > 0 and c._wait == 4
+
+
+def test_first_cycles_move_the_estimate_fast():
+    c = DraftLengthController(CPU_LIKE, max_draft=8)
+    c.update(4, 0)
+    c.update(4, 0)
+    assert c.acceptance[0] == 0.5 * (2 / 3) * (3 / 4)  # the prior counts as two observations
+    c = DraftLengthController(MEASURED_CPU, max_draft=8)
+    cycles = 0
+    while (k := c.choose()) > 0:
+        c.update(k, 0)
+        cycles += 1
+    assert 1 <= cycles <= 3  # a drafter that misses its first cycles is dropped within three
+
+
+def test_tree_cycles_cost_their_verified_nodes():
+    c = DraftLengthController(CPU_LIKE, max_draft=5, tree=(4, 16))
+    assert c.cycle_cost(1) == CPU_LIKE.cycle(1, verified=5)
+    assert c.cycle_cost(5) == CPU_LIKE.forward(16) + 5 * CPU_LIKE.draft_step
+    assert CPU_LIKE.forward(12) == 1.5 + 3 * (1.5 - 1.4)  # linear past the measured range
 
 
 def test_draft_length_follows_the_cost_curve():
@@ -50,22 +92,27 @@ def test_measured_costs_are_relative_and_monotone():
     assert cost.draft_step > 0
 
 
-def test_adaptive_default_is_exact_and_stats_add_up():
-    for family in ("llama", "gemma3"):
-        target = tiny_target(family)
-        drafter = tiny_drafter(target)  # random: acceptance ~0, so the controller falls back
-        for seed in range(3):
-            torch.manual_seed(seed)
-            ids = torch.randint(1, 96, (1, 6))
-            ref = target.generate(ids, max_new_tokens=40, do_sample=False)
-            out = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=drafter)
-            assert torch.equal(out, ref)
-            s = eagle_hf.last_stats()
-            assert s.fallback_steps > 0
-            assert s.steps == s.cycles + s.fallback_steps + s.final_steps
-            # every round yields tokens: 1 from the prefill, accepted+1 per cycle, 1 per plain step
-            assert 1 + s.accepted + s.cycles + s.fallback_steps + s.final_steps == s.new_tokens
-            assert 0 < s.fallback_ratio <= 1
+@pytest.mark.parametrize("family,mode", [("llama", "chain"), ("gemma3", "chain"), ("llama", "tree"), ("qwen3", "tree")])
+def test_adaptive_default_is_exact_and_stats_add_up(family, mode):
+    target = tiny_target(family)
+    drafter = tiny_drafter(target)  # random: acceptance ~0, so the controller falls back
+    for seed in range(3):
+        torch.manual_seed(seed)
+        ids = torch.randint(1, 96, (1, 6))
+        ref = target.generate(ids, max_new_tokens=40, do_sample=False)
+        events = []
+        out = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=drafter, draft_mode=mode,
+                              draft_listeners=[lambda drafts, n, last: events.append((list(drafts), n, last))])
+        assert torch.equal(out, ref)
+        s = eagle_hf.last_stats()
+        assert s.fallback_steps > 0
+        assert s.steps == s.cycles + s.fallback_steps + s.final_steps
+        # every round yields tokens: 1 from the prefill, accepted+1 per cycle, 1 per plain step
+        assert 1 + s.accepted + s.cycles + s.fallback_steps + s.final_steps == s.new_tokens
+        assert 0 < s.fallback_ratio <= 1
+        # listeners hear every round after the prefill; plain steps come with no drafts
+        assert len(events) == s.steps and sum(1 for d, _, _ in events if not d) == s.fallback_steps + s.final_steps
+        assert [last for _, _, last in events] == _round_ends(ref[0, 6:].tolist(), s, events)
 
 
 def test_switches_off():
@@ -84,3 +131,12 @@ def test_tree_size_follows_the_verify_curve():
     steep = CostModel(verify=[1.0 + 0.1 * i for i in range(32)], draft_step=0.0)
     assert choose_tree_size(flat) == 32
     assert choose_tree_size(steep) == 8
+
+
+def _round_ends(new_tokens: list[int], stats, events) -> list[int]:
+    """The last token of every round after the prefill (1 token), from the per-round accepted counts."""
+    ends, i = [], 1
+    for drafts, n, _ in events:
+        i += n + 1
+        ends.append(new_tokens[i - 1])
+    return ends

@@ -84,6 +84,11 @@ def test_client_streams_labelled_tokens_equal_to_plain_generate():
         tree = client.predict("w4 w5 w6", 0, 24, "tree", 3, "random", False, 8, api_name="/generate")
         tree_texts = re.findall(r'class="tok tok-(\w+)" title="\w+">(.*?)</span>', tree[0])
         assert "".join(html.unescape(t) for label, t in tree_texts if label != "rejected") == shown
+        # the adaptive schedule falls back with a random drafter: those steps are marked as plain
+        adaptive = client.predict("w4 w5 w6", 0, 24, "adaptive", 3, "random", False, 16, api_name="/generate")
+        adaptive_texts = re.findall(r'class="tok tok-(\w+)" title="\w+">(.*?)</span>', adaptive[0])
+        assert "plain" in {label for label, _ in adaptive_texts}
+        assert "".join(html.unescape(t) for label, t in adaptive_texts if label != "rejected") == shown
     finally:
         demo.close()
 

@@ -25,6 +25,6 @@ def test_quantized_target(tmp_path, bits):
         ref = target.generate(ids, max_new_tokens=20, do_sample=False)
         for mode in ("chain", "tree"):
             out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=drafter,
-                                  num_assistant_tokens=3, draft_mode=mode)
+                                  num_assistant_tokens=3, draft_mode=mode, num_assistant_tokens_schedule="constant")
             assert torch.equal(out, ref), mode
             assert eagle_hf.last_stats().cycles > 0

@@ -101,14 +101,16 @@ def test_tree_mode_greedy_equals_plain_generate(family):
         torch.manual_seed(seed)
         ids = torch.randint(1, 96, (1, 8))
         ref = target.generate(ids, max_new_tokens=32, do_sample=False)
-        out = target.generate(ids, max_new_tokens=32, do_sample=False, assistant_model=drafter, draft_mode="tree",
-                              tree_depth=4, tree_top_k=3, tree_total_tokens=10)
-        assert torch.equal(out, ref)
+        for schedule in ("constant", "adaptive"):
+            out = target.generate(ids, max_new_tokens=32, do_sample=False, assistant_model=drafter, draft_mode="tree",
+                                  tree_depth=4, tree_top_k=3, tree_total_tokens=10, num_assistant_tokens_schedule=schedule)
+            assert torch.equal(out, ref), schedule
         # with an oracle tree: long accepted paths, same output, and a cache equal to a plain forward's
         truth = ref[0].tolist() + [0] * 8
         with oracle_tree(truth):
             res = target.generate(ids, max_new_tokens=32, do_sample=False, assistant_model=drafter, draft_mode="tree",
-                                  tree_depth=5, tree_top_k=2, tree_total_tokens=8, return_dict_in_generate=True)
+                                  tree_depth=5, tree_top_k=2, tree_total_tokens=8, return_dict_in_generate=True,
+                                  num_assistant_tokens_schedule="constant")
         assert torch.equal(res.sequences, ref)
         stats = eagle_hf.last_stats()
         assert stats.mean_acceptance_length > 2.0, stats.summary()
@@ -148,7 +150,8 @@ def test_tree_mode_sampling_is_lossless():
     try:
         for _ in range(1200):
             out = target.generate(PROMPT, assistant_model=drafter, do_sample=True, temperature=0.9, top_k=6,
-                                  max_new_tokens=4, draft_mode="tree", tree_depth=3, tree_top_k=2, tree_total_tokens=6)
+                                  max_new_tokens=4, draft_mode="tree", tree_depth=3, tree_top_k=2, tree_total_tokens=6,
+                                  num_assistant_tokens_schedule="constant")
             rows.append(tuple(out[0, PROMPT.shape[1]:].tolist()))
             accepted += eagle_hf.last_stats().accepted
     finally:
