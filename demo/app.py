@@ -9,7 +9,6 @@ Environment variables EAGLE_HF_TARGET, EAGLE_HF_DRAFTER, EAGLE_HF_DRAFTER_EAGLE3
 from __future__ import annotations
 
 import argparse
-import html
 import os
 import queue
 import threading
@@ -23,45 +22,16 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import eagle_hf
 from eagle_hf.evaluation import load_prompt_set
-
-LABELS = {
-    "accepted": ("draft token accepted by the target", "#b7f0c1"),
-    "target": ("token from the target itself (bonus / correction)", "#c9dcff"),
-    "rejected": ("draft token rejected by the target", "#ffc4c4"),
-    "plain": ("plain step: drafting did not pay, the adaptive schedule fell back", "#e4e4e4"),
-}
-CSS = """
-.tokens {font-family: ui-monospace, monospace; font-size: 15px; line-height: 1.9; white-space: pre-wrap; overflow-wrap: anywhere}
-.tok {border-radius: 3px; padding: 1px 0}
-.tok-accepted {background: #b7f0c1}
-.tok-target {background: #c9dcff}
-.tok-rejected {background: #ffc4c4; text-decoration: line-through; color: #8a2020; font-size: 12px}
-.tok-plain {background: #e4e4e4; border-bottom: 2px dotted #888}
-.legend span {margin-right: 14px}
-"""
-
-
-@dataclass
-class TokenEvent:
-    text: str
-    label: str  # accepted | target | rejected | plain
-
+from eagle_hf.visualize import CSS, TokenEvent, label_round, legend_html, tokens_html
 
 @dataclass
 class Run:
     events: list[TokenEvent] = field(default_factory=list)
     new_ids: list[int] = field(default_factory=list)
+    tokenizer: object = None
 
     def html(self) -> str:
-        spans = [
-            f'<span class="tok tok-{e.label}" title="{e.label}">{html.escape(e.text)}</span>' for e in self.events
-        ]
-        return '<div class="tokens">' + "".join(spans) + "</div>"
-
-
-def legend_html() -> str:
-    items = "".join(f'<span><span class="tok tok-{k}">&nbsp;{k}&nbsp;</span> {v[0]}</span>' for k, v in LABELS.items())
-    return f'<div class="legend">{items}</div>'
+        return tokens_html(self.events, self.tokenizer)
 
 
 class _Stop(StoppingCriteria):
@@ -95,8 +65,7 @@ def labelled_stream(target, tokenizer, drafter, enc, gen_kwargs, stop: threading
     reports the drafts of that round, so a chunk is labelled once the next event tells whether it was a cycle.
     """
     q: queue.Queue = queue.Queue()
-    run = Run()
-    decode = lambda i: tokenizer.decode([i], skip_special_tokens=False)  # noqa: E731
+    run = Run(tokenizer=tokenizer)
     result: dict = {}
 
     def work():
@@ -115,20 +84,8 @@ def labelled_stream(target, tokenizer, drafter, enc, gen_kwargs, stop: threading
     pending: list[int] | None = None
 
     def flush(chunk, cycle):
-        if cycle is None:
-            for i in chunk:
-                run.events.append(TokenEvent(decode(i), "target"))
-        elif not cycle[0]:  # a plain (fallback) step
-            for i in chunk:
-                run.events.append(TokenEvent(decode(i), "plain"))
-        else:
-            drafts, n = cycle
-            for i in chunk[:n]:
-                run.events.append(TokenEvent(decode(i), "accepted"))
-            for i in drafts[n:]:
-                run.events.append(TokenEvent(decode(i), "rejected"))
-            for i in chunk[n:]:
-                run.events.append(TokenEvent(decode(i), "target"))
+        drafts, accepted = cycle if cycle is not None else (None, 0)
+        run.events.extend(label_round(chunk, drafts, accepted))
         run.new_ids.extend(chunk)
 
     while True:
@@ -201,7 +158,7 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
         stop = threading.Event()
         try:
             start = time.perf_counter()
-            run, stats = Run(), None
+            run, stats = Run(tokenizer=tokenizer), None
             for run, stats, error in labelled_stream(target, tokenizer, drafter, enc, gen, stop):
                 if error:
                     gr.Warning(error)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from .config import EagleConfig
-from .default import DEFAULT_DRAFTER, DEFAULT_TARGET_NAME, load_default_target
+from .default import DEFAULT_DRAFTER, DEFAULT_TARGET_NAME, load_default_target, load_target
 from .hf_integration import EagleCompatibilityError, install
 from .modeling import EagleDrafter
 from .checkpoint import DrafterLoadError
@@ -32,4 +32,5 @@ __all__ = [
     "SpecDecodeStats",
     "last_stats",
     "load_default_target",
+    "load_target",
 ]

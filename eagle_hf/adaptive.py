@@ -11,7 +11,9 @@ never helps costs almost nothing. Given the same measurements it makes the same 
 
 from __future__ import annotations
 
+import functools
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -47,13 +49,15 @@ class DraftLengthController:
     max_draft: int = 8
     prior: float = 0.5  # acceptance assumed before anything is observed ...
     prior_weight: float = 2.0  # ... worth this many observations, so the first cycles move the estimate fast
-    decay: float = 0.85  # weight of the past in the running acceptance estimates, once warmed up
+    decay: float = 0.95  # weight of the past in the running acceptance estimates, once warmed up
     probe_every: int = 16  # plain steps before the first probe while falling back
-    max_probe_every: int = 256  # each failed probe doubles the wait, up to this
-    min_gain: float = 1.0  # draft only when the expected speedup exceeds this
+    max_probe_every: int = 64  # each failed probe doubles the wait, up to this
+    min_gain: float = 1.0  # start (or resume) drafting when the expected speedup exceeds this ...
+    keep_gain: float = 0.95  # ... and keep drafting until it falls below this: noisy estimates do not flap
     tree: tuple[int, int] | None = None  # (top_k, total_tokens): cost trees of depth k instead of chains of k
     acceptance: list[float] = field(default_factory=list)
     _seen: list[int] = field(default_factory=list)
+    _drafting: bool = True
     _plain_steps: int = 0
     _wait: int = 0
 
@@ -83,9 +87,10 @@ class DraftLengthController:
 
     def choose(self) -> int:
         k, gain = self.best()
-        if gain > self.min_gain:
-            self._plain_steps, self._wait = 0, self.probe_every
+        if gain > (self.keep_gain if self._drafting else self.min_gain):
+            self._drafting, self._plain_steps, self._wait = True, 0, self.probe_every
             return k
+        self._drafting = False
         if self._plain_steps >= self._wait:  # probe: draft once to refresh the estimates
             self._plain_steps, self._wait = 0, min(2 * self._wait, self.max_probe_every)
             return k
@@ -105,10 +110,10 @@ _COST_CACHE: dict[tuple, CostModel] = {}
 
 
 @torch.no_grad()
-def measure_costs(target, drafter, max_tokens: int = 9, context: int = 64, repeats: int = 3) -> CostModel:
+def measure_costs(target, drafter, max_tokens: int = 9, context: int = 128, repeats: int = 5) -> CostModel:
     """Time target forwards over 1..max_tokens new tokens (on a `context`-token cache) and one drafter step.
 
-    Cached per (target, drafter width, device, dtype): about half a second once per process on a CPU.
+    Cached per (target, drafter width, device, dtype): about a second once per process on a CPU.
     """
     from transformers import DynamicCache
 
@@ -119,27 +124,29 @@ def measure_costs(target, drafter, max_tokens: int = 9, context: int = 64, repea
     vocab = target.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (1, context + max_tokens), device=device)
 
-    def timed(fn) -> float:
-        best = float("inf")
-        for _ in range(repeats):
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            best = min(best, time.perf_counter() - t0)
-        return best
+    def timed(fns: list) -> list[float]:
+        """Median time of each fn over `repeats` interleaved rounds (after one untimed round)."""
+        samples = [[] for _ in fns]
+        for r in range(repeats + 1):
+            for i, fn in enumerate(fns):
+                _sync(device)
+                t0 = time.perf_counter()
+                fn()
+                _sync(device)
+                if r:
+                    samples[i].append(time.perf_counter() - t0)
+        return [statistics.median(s) for s in samples]
 
     cache = DynamicCache(config=target.config)
     if hasattr(cache, "activate_past_recording"):  # sliding-window layers must be able to roll back
         cache.activate_past_recording()
     target(ids[:, :context], past_key_values=cache, use_cache=True)
-    times = []
-    for n in range(1, max_tokens + 1):
-        def run(n=n):
-            target(ids[:, context : context + n], past_key_values=cache, use_cache=True)
-            cache.crop(-n)
 
-        times.append(timed(run))
+    def forward(n: int):
+        target(ids[:, context : context + n], past_key_values=cache, use_cache=True)
+        cache.crop(-n)
+
+    times = timed([functools.partial(forward, n) for n in range(1, max_tokens + 1)])
     base = times[0]
     verify = [max(t / base, 1.0) for t in times]
     for i in range(1, len(verify)):  # monotone, for a well-behaved argmax
@@ -148,7 +155,7 @@ def measure_costs(target, drafter, max_tokens: int = 9, context: int = 64, repea
     hidden = torch.zeros(1, 1, h, device=device, dtype=drafter.fc.weight.dtype)
     tok = torch.zeros(1, 1, dtype=torch.long, device=device)
     past_out = drafter.step(hidden.expand(1, context, h), tok.expand(1, context), torch.arange(context, device=device)[None])
-    draft = timed(lambda: drafter.step(hidden, tok, torch.tensor([[context]], device=device), past=past_out.kv))
+    (draft,) = timed([lambda: drafter.step(hidden, tok, torch.tensor([[context]], device=device), past=past_out.kv)])
     model = CostModel(verify=verify, draft_step=draft / base)
     logger.info("Measured costs on %s: verify %s, drafter step %.3f (relative to one target token)",
                 device, [round(v, 2) for v in verify], model.draft_step)
@@ -189,5 +196,6 @@ def controller_for(target, drafter, settings: dict) -> DraftLengthController | N
         max_draft=int(settings["depth"] if tree else settings["max_draft_tokens"]),
         probe_every=int(settings["probe_every"]),
         min_gain=float(settings["min_gain"]),
+        keep_gain=float(settings.get("keep_gain", 0.95)),
         tree=(int(settings["top_k"]), total) if tree else None,
     )

@@ -11,15 +11,9 @@ from pathlib import Path
 def _load_target(name: str, dtype_name: str):
     import torch
 
-    dtype = getattr(torch, dtype_name)
-    if name == "default":
-        from .default import load_default_target
+    from .default import load_target
 
-        return load_default_target(dtype=dtype)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(name)
-    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval(), tok
+    return load_target(name, dtype=getattr(torch, dtype_name))
 
 
 def load_drafter_for(target, name: str):

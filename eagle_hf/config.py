@@ -28,7 +28,8 @@ DEFAULT_DRAFT_SETTINGS: dict[str, Any] = {
     "schedule": "adaptive",
     "max_draft_tokens": 8,  # upper bound of the adaptive schedule
     "probe_every": 16,  # adaptive: plain steps between probes while falling back
-    "min_gain": 1.0,  # adaptive: draft only when the expected speedup exceeds this
+    "min_gain": 1.0,  # adaptive: start drafting when the expected speedup exceeds this ...
+    "keep_gain": 0.95,  # ... and fall back when it drops below this
     "confidence_threshold": 0.0,  # stop a chain early when the drafter's own top probability falls below
 }
 

@@ -62,3 +62,14 @@ def load_default_target(dtype: torch.dtype = torch.bfloat16, device: str | torch
     model.config.name_or_path = DEFAULT_TARGET_NAME
     model.name_or_path = DEFAULT_TARGET_NAME
     return model, tokenizer
+
+
+def load_target(name: str = "default", dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
+    """`(model, tokenizer)` for ``"default"`` (the embedded SmolLM2, offline) or a Hub id / folder."""
+    if name == "default":
+        return load_default_target(dtype=dtype, device=device)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
+    return model.eval(), tokenizer

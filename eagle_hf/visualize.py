@@ -1,0 +1,111 @@
+"""Accepted / rejected draft tokens as coloured HTML: shared by the demo and the notebooks.
+
+Each round of speculative decoding emits a chunk: the drafts the target accepted, then one token of the target's
+own (the bonus token after a fully accepted draft, or the recovered token that replaces the first rejected
+draft). The rejected drafts are shown struck through; rounds decoded plainly by the adaptive schedule are grey.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+LABELS = {
+    "accepted": "draft token accepted by the target",
+    "target": "token from the target itself (bonus / recovered token)",
+    "rejected": "draft token rejected by the target",
+    "plain": "plain step: drafting did not pay, the adaptive schedule fell back",
+}
+CSS = """
+.tokens {font-family: ui-monospace, monospace; font-size: 15px; line-height: 1.9; white-space: pre-wrap; overflow-wrap: anywhere}
+.tok {border-radius: 3px; padding: 1px 0}
+.tok-accepted {background: #b7f0c1}
+.tok-target {background: #c9dcff}
+.tok-rejected {background: #ffc4c4; text-decoration: line-through; color: #8a2020; font-size: 12px}
+.tok-plain {background: #e4e4e4; border-bottom: 2px dotted #888}
+.legend span {margin-right: 14px}
+"""
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    label: str  # accepted | target | rejected | plain
+
+
+def label_round(chunk: list[int], drafts: list[int] | None, accepted: int) -> list[TokenEvent]:
+    """Label one round's emitted `chunk`. drafts None: the prefill (the target's token); []: a plain step."""
+    if drafts is None:
+        return [TokenEvent(i, "target") for i in chunk]
+    if not drafts:
+        return [TokenEvent(i, "plain") for i in chunk]
+    return (
+        [TokenEvent(i, "accepted") for i in chunk[:accepted]]
+        + [TokenEvent(i, "rejected") for i in drafts[accepted:]]
+        + [TokenEvent(i, "target") for i in chunk[accepted:]]
+    )
+
+
+class DraftRecorder:
+    """A `draft_listeners` entry that remembers every round: ``generate(..., draft_listeners=[recorder])``."""
+
+    def __init__(self):
+        self.rounds: list[tuple[list[int], int, int]] = []  # (drafts, accepted, the target's token)
+
+    def __call__(self, drafts, accepted: int, last_token: int) -> None:
+        self.rounds.append((list(drafts), int(accepted), int(last_token)))
+
+    def events(self, new_ids: list[int]) -> list[TokenEvent]:
+        """Label the generated tokens `new_ids` (prompt excluded) from the recorded rounds."""
+        events = label_round(new_ids[:1], None, 0)
+        pos = 1
+        for drafts, accepted, last in self.rounds:
+            chunk = (drafts[:accepted] + [last]) if drafts else [last]
+            if new_ids[pos : pos + len(chunk)] != chunk:  # cut short (EOS, stop strings): the rest as is
+                break
+            events += label_round(chunk, drafts, accepted)
+            pos += len(chunk)
+        events += [TokenEvent(i, "target") for i in new_ids[pos:]]
+        return events
+
+
+def tokens_html(events: list[TokenEvent], tokenizer, with_style: bool = False) -> str:
+    spans = "".join(
+        f'<span class="tok tok-{e.label}" title="{e.label}">'
+        f"{html.escape(tokenizer.decode([e.token_id], skip_special_tokens=False))}</span>"
+        for e in events
+    )
+    style = f"<style>{CSS}</style>" if with_style else ""
+    return f'{style}<div class="tokens">{spans}</div>'
+
+
+def legend_html() -> str:
+    items = "".join(f'<span><span class="tok tok-{k}">&nbsp;{k}&nbsp;</span> {v}</span>' for k, v in LABELS.items())
+    return f'<div class="legend">{items}</div>'
+
+
+class LabelledTokens:
+    """Generated tokens with their labels; renders inline in Jupyter (``_repr_html_``)."""
+
+    def __init__(self, events: list[TokenEvent], tokenizer, stats=None):
+        self.events, self.tokenizer, self.stats = events, tokenizer, stats
+
+    def counts(self) -> dict[str, int]:
+        out = dict.fromkeys(LABELS, 0)
+        for e in self.events:
+            out[e.label] += 1
+        return out
+
+    def _repr_html_(self) -> str:
+        summary = f"<p>{html.escape(self.stats.summary())}</p>" if self.stats is not None else ""
+        return f"<style>{CSS}</style>{legend_html()}{tokens_html(self.events, self.tokenizer)}{summary}"
+
+
+def generate_labelled(target, tokenizer, drafter, inputs: dict, **generate_kwargs) -> LabelledTokens:
+    """Run ``target.generate(**inputs, assistant_model=drafter, ...)`` and label every generated token."""
+    from .stats import last_stats
+
+    recorder = DraftRecorder()
+    out = target.generate(**inputs, assistant_model=drafter, draft_listeners=[recorder], **generate_kwargs)
+    new_ids = out[0, inputs["input_ids"].shape[1] :].tolist()
+    return LabelledTokens(recorder.events(new_ids), tokenizer, last_stats())
