@@ -60,7 +60,10 @@ def resolve_folder(name_or_path: str | os.PathLike, revision: str | None = None,
             f"`huggingface-cli download {name_or_path}` on a connected machine, or pass a local folder."
         ) from err
     except (HfHubHTTPError, ValueError) as err:
-        raise DrafterLoadError(f"Could not fetch drafter {name_or_path!r} from the Hub: {err}") from err
+        raise DrafterLoadError(
+            f"Could not fetch drafter {name_or_path!r} from the Hub: {err}. If you meant a local folder, no folder "
+            f"exists at {Path(name_or_path).resolve()}."
+        ) from err
     return Path(folder)
 
 

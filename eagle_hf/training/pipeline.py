@@ -58,10 +58,10 @@ def check_output_dir(out: Path, run: RunConfig) -> None:
 def run_training(target, tokenizer, out_dir: str | Path, run: RunConfig, prompts_source=None) -> EagleDrafter:
     out = Path(out_dir)
     check_output_dir(out, run)
-    if run.draft_vocab_size > target.config.get_text_config().vocab_size:
+    if not 0 < run.draft_vocab_size <= target.config.get_text_config().vocab_size:
         raise ValueError(
-            f"draft_vocab_size={run.draft_vocab_size} is larger than the target vocabulary "
-            f"({target.config.get_text_config().vocab_size})."
+            f"draft_vocab_size={run.draft_vocab_size} must be between 1 and the target vocabulary size "
+            f"({target.config.get_text_config().vocab_size}); 8192-32000 is typical."
         )
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("The target tokenizer has no chat template; set `tokenizer.chat_template` first.")
