@@ -21,7 +21,7 @@ class SpecDecodeStats:
     accepted_per_position: list[int] = field(default_factory=list)
     accepted_per_cycle: list[int] = field(default_factory=list)
     draft_length_per_cycle: list[int] = field(default_factory=list)
-    fallback_steps: int = 0  # rounds decoded plainly because drafting did not pay (adaptive schedule)
+    fallback_steps: int = 0  # plain rounds: the adaptive schedule fell back, or the confidence threshold pruned all drafts
     final_steps: int = 0  # rounds decoded plainly because no room was left to draft (max_new_tokens)
     new_tokens: int = 0
     drafter_time: float = 0.0  # seconds in the drafter

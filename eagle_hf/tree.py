@@ -7,6 +7,7 @@ nodes 1..N are drafts, parents before children. A chain is the tree with ``top_k
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -77,10 +78,15 @@ def draft_tree(
     depth: int,
     top_k: int,
     total_tokens: int,
+    confidence_threshold: float = 0.0,
 ) -> DraftTree:
     """Expand the top-k children of the best nodes per level by cumulative log-probability, keep the best
-    `total_tokens - 1` drafts. logits: [1, Vd] and hidden: [1, 1, H] of the last real drafter row."""
+    `total_tokens - 1` drafts. logits: [1, Vd] and hidden: [1, 1, H] of the last real drafter row.
+
+    Branches whose cumulative draft probability falls below `confidence_threshold` are pruned: not expanded,
+    not verified (a chain's threshold, applied to whole paths)."""
     device = hidden.device
+    min_logp = math.log(confidence_threshold) if confidence_threshold > 0 else -math.inf
     real = state.kv
     base = state.length - 1  # position of the last real row
     # candidate tables (node ids are candidate indices + 1; 0 is the root)
@@ -99,6 +105,10 @@ def draft_tree(
     fed: list[int] = []  # candidates with drafter rows in `tree_kv`, in order
     tree_kv = None
     for level in range(1, depth):
+        frontier = [c for c in frontier if cand_score[c] >= min_logp]  # best first, so this keeps a prefix
+        if not frontier:
+            break
+        frontier_hidden = frontier_hidden[:, : len(frontier)]
         k = len(frontier)
         toks = torch.tensor([[cand_tokens[c] for c in frontier]], device=device)  # [1, k]
         pos = torch.full((1, k), base + level, device=device)
@@ -130,7 +140,8 @@ def draft_tree(
         frontier_hidden = out.hidden[:, [b // top_k for b in best]]  # [1, k', H]
     # global selection: best total_tokens - 1 candidates, closed under ancestors, parents before children
     n_keep = min(total_tokens - 1, len(cand_tokens))
-    order = sorted(range(len(cand_tokens)), key=lambda c: (-cand_score[c], c))
+    # a path's score only falls with depth, so dropping low scores keeps the selection closed under ancestors
+    order = sorted((c for c in range(len(cand_tokens)) if cand_score[c] >= min_logp), key=lambda c: (-cand_score[c], c))
     keep: set[int] = set()
     for c in order:
         if len(keep) >= n_keep:

@@ -115,7 +115,8 @@ def tree_generate(
             w = drafter.fc.weight
             d_logits, d_hidden = state.extend(drafter, pending_aux.to(w.device, w.dtype), pending_tok.to(w.device))
             levels = min(levels, room)
-            tree = draft_tree(drafter, state, token, d_logits, d_hidden, levels, top_k, min(total, room + 1))
+            tree = draft_tree(drafter, state, token, d_logits, d_hidden, levels, top_k, min(total, room + 1),
+                              float(settings.get("confidence_threshold") or 0.0))
             stats.drafter_time += time.perf_counter() - t0
 
             past_len = cache.get_seq_length()
@@ -143,10 +144,13 @@ def tree_generate(
             compact_cache(cache, past_len, torch.tensor(keep_nodes, device=device))
             aux = gather_aux(out.hidden_states, aux_ids)[:, keep_nodes]  # [1, a+1, A]
             drafted = int(tree.depths().max())
-            stats.record_cycle(drafted, accepted)  # per position = per tree depth
-            if controller is not None:
+            if drafted == 0:  # every branch was below the confidence threshold: that was a plain step
+                stats.fallback_steps += 1
+            else:
+                stats.record_cycle(drafted, accepted)  # per position = per tree depth
+            if controller is not None and drafted:
                 controller.update(drafted, accepted)
-            shown = _shown_drafts(tree, path)
+            shown = _shown_drafts(tree, path) if drafted else []
             pending_aux, pending_tok = pending_aux[:, :0], pending_tok[:, :0]  # the drafter has seen them now
         seq = torch.cat([seq, torch.tensor([new], device=device, dtype=seq.dtype)], 1)
         scores.extend(node_logits[n : n + 1] for n in keep_nodes)

@@ -180,3 +180,24 @@ def test_custom_generate_folder_and_callable(tmp_path):
     out = target.generate(ids, custom_generate=folder, trust_remote_code=True, drafter=str(tmp_path / "drafter"),
                           max_new_tokens=20, do_sample=False, draft_mode="chain")
     assert torch.equal(out, ref)
+
+
+def test_confidence_threshold_prunes_tree_branches():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids = torch.randint(1, 96, (1, 6))
+    ref = target.generate(ids, max_new_tokens=24, do_sample=False)
+    fixed = dict(draft_mode="tree", tree_depth=4, tree_top_k=3, tree_total_tokens=10,
+                 num_assistant_tokens_schedule="constant")
+    out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter, **fixed)
+    full = eagle_hf.last_stats()
+    out_pruned = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter,
+                                 assistant_confidence_threshold=0.02, **fixed)
+    pruned = eagle_hf.last_stats()
+    assert torch.equal(out, ref) and torch.equal(out_pruned, ref)
+    assert pruned.drafted < full.drafted  # a random drafter is rarely confident: most branches go
+    out_none = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter,
+                               assistant_confidence_threshold=1.0, **fixed)
+    s = eagle_hf.last_stats()
+    assert torch.equal(out_none, ref)
+    assert s.cycles == 0 and s.fallback_steps == s.steps - s.final_steps  # nothing drafted: every round was plain
