@@ -3,7 +3,8 @@
 Expected tokens per cycle with k drafts, given conditional acceptance a_i of draft position i:
 ``E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i``. A cycle costs one target forward over the verified tokens (k+1 for a
 chain; up to ``1 + k * top_k`` for a tree of depth k) plus k drafter steps, all relative to a one-token target
-forward measured on the current device. Plain decoding yields 1 token per unit cost. The controller drafts
+forward measured on the current device; the drafter's share is re-measured in the loop (its Python and sampling
+overheads are larger than a bare drafter step). Plain decoding yields 1 token per unit cost. The controller drafts
 ``argmax_k E(k) / cost(k)`` and falls back to plain decoding (k = 0) when no k beats 1, probing again after
 ``probe_every`` plain steps; each failed probe doubles the wait (up to ``max_probe_every``), so a drafter that
 never helps costs almost nothing. Given the same measurements it makes the same decisions.
@@ -28,6 +29,7 @@ class CostModel:
 
     verify: list[float]
     draft_step: float
+    base_seconds: float = 0.0  # the one-token target forward all costs are relative to (0: unknown)
 
     def forward(self, n: int) -> float:
         """Target forward over n tokens; extrapolated linearly past the measured range."""
@@ -55,7 +57,10 @@ class DraftLengthController:
     min_gain: float = 1.0  # start (or resume) drafting when the expected speedup exceeds this ...
     keep_gain: float = 0.95  # ... and keep drafting until it falls below this: noisy estimates do not flap
     tree: tuple[int, int] | None = None  # (top_k, total_tokens): cost trees of depth k instead of chains of k
+    warmup: int = 8  # cycles observed at the first position before `keep_gain` (rather than `min_gain`) applies
     acceptance: list[float] = field(default_factory=list)
+    draft_step: float = -1.0  # drafter cost per draft step, measured in the loop (starts at the offline measurement)
+    round_overhead: float = 0.0  # drafter cost per drafting round besides the steps (catch-up, bookkeeping)
     _seen: list[int] = field(default_factory=list)
     _drafting: bool = True
     _plain_steps: int = 0
@@ -66,6 +71,8 @@ class DraftLengthController:
             self.acceptance = [self.prior] * self.max_draft
         self._seen = [0] * len(self.acceptance)
         self._wait = self.probe_every
+        if self.draft_step < 0:
+            self.draft_step = self.cost.draft_step
 
     def expected_tokens(self, k: int) -> float:
         total, run = 1.0, 1.0
@@ -75,10 +82,8 @@ class DraftLengthController:
         return total
 
     def cycle_cost(self, k: int) -> float:
-        if self.tree is None:
-            return self.cost.cycle(k)
-        top_k, total_tokens = self.tree
-        return self.cost.cycle(k, verified=min(total_tokens, 1 + k * top_k))
+        verified = k + 1 if self.tree is None else min(self.tree[1], 1 + k * self.tree[0])
+        return self.cost.forward(verified) + k * self.draft_step + self.round_overhead
 
     def best(self) -> tuple[int, float]:
         """(k, expected speedup over plain decoding) of the best draft length."""
@@ -87,7 +92,8 @@ class DraftLengthController:
 
     def choose(self) -> int:
         k, gain = self.best()
-        if gain > (self.keep_gain if self._drafting else self.min_gain):
+        keep = self.keep_gain if self._seen[0] >= self.warmup else self.min_gain
+        if gain > (keep if self._drafting else self.min_gain):
             self._drafting, self._plain_steps, self._wait = True, 0, self.probe_every
             return k
         self._drafting = False
@@ -96,6 +102,14 @@ class DraftLengthController:
             return k
         self._plain_steps += 1
         return 0
+
+    def observe_drafter(self, overhead_seconds: float, step_seconds: float, steps: int) -> None:
+        """Measured drafter time of one drafting round: catch-up/bookkeeping, and `steps` draft steps."""
+        if self.cost.base_seconds <= 0 or steps <= 0:
+            return
+        rate = 0.3
+        self.round_overhead += rate * (overhead_seconds / self.cost.base_seconds - self.round_overhead)
+        self.draft_step += rate * (step_seconds / steps / self.cost.base_seconds - self.draft_step)
 
     def update(self, drafted: int, accepted: int) -> None:
         """Positions < accepted were accepted, position `accepted` (if drafted) was rejected, later ones unseen."""
@@ -156,7 +170,7 @@ def measure_costs(target, drafter, max_tokens: int = 9, context: int = 128, repe
     tok = torch.zeros(1, 1, dtype=torch.long, device=device)
     past_out = drafter.step(hidden.expand(1, context, h), tok.expand(1, context), torch.arange(context, device=device)[None])
     (draft,) = timed([lambda: drafter.step(hidden, tok, torch.tensor([[context]], device=device), past=past_out.kv)])
-    model = CostModel(verify=verify, draft_step=draft / base)
+    model = CostModel(verify=verify, draft_step=draft / base, base_seconds=base)
     logger.info("Measured costs on %s: verify %s, drafter step %.3f (relative to one target token)",
                 device, [round(v, 2) for v in verify], model.draft_step)
     _COST_CACHE[key] = model

@@ -238,6 +238,7 @@ class EagleCandidateGenerator(CandidateGenerator):
             next_tokens = torch.cat([t for _, t in self._pending], 1)
             self._pending.clear()
             logits, hidden = self.state.extend(self.drafter, aux_rows, next_tokens)
+            caught_up = time.perf_counter()
             tokens, q_logits = draft_chain(
                 self.drafter,
                 self.state,
@@ -248,6 +249,8 @@ class EagleCandidateGenerator(CandidateGenerator):
                 float(self.settings.get("confidence_threshold") or 0.0),
             )
         self._round = "draft"
+        if self.controller is not None:
+            self.controller.observe_drafter(caught_up - start, time.perf_counter() - caught_up, len(tokens))
         self._last_drafted = len(tokens)
         self._last_draft = tokens
         candidates = torch.cat([input_ids, torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)], 1)

@@ -114,10 +114,14 @@ def tree_generate(
             t0 = time.perf_counter()
             w = drafter.fc.weight
             d_logits, d_hidden = state.extend(drafter, pending_aux.to(w.device, w.dtype), pending_tok.to(w.device))
+            t1 = time.perf_counter()
             levels = min(levels, room)
             tree = draft_tree(drafter, state, token, d_logits, d_hidden, levels, top_k, min(total, room + 1),
                               float(settings.get("confidence_threshold") or 0.0))
-            stats.drafter_time += time.perf_counter() - t0
+            t2 = time.perf_counter()
+            stats.drafter_time += t2 - t0
+            if controller is not None:
+                controller.observe_drafter(t1 - t0, t2 - t1, levels)
 
             past_len = cache.get_seq_length()
             positions = (past_len + tree.depths()).to(device)[None]

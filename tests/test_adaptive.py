@@ -140,3 +140,17 @@ def _round_ends(new_tokens: list[int], stats, events) -> list[int]:
         i += n + 1
         ends.append(new_tokens[i - 1])
     return ends
+
+
+def test_drafter_costs_are_remeasured_in_the_loop():
+    cost = CostModel(verify=[1.0] + [1.1] * 8, draft_step=0.05, base_seconds=0.01)
+    c = DraftLengthController(cost, max_draft=8)
+    before = c.cycle_cost(4)
+    for _ in range(30):  # rounds whose drafter work really costs 0.2 (catch-up) + 0.1 per step
+        c.observe_drafter(0.002, 0.004, 4)
+    assert abs(c.draft_step - 0.1) < 1e-3 and abs(c.round_overhead - 0.2) < 1e-3
+    assert abs(c.cycle_cost(4) - (1.1 + 0.4 + 0.2)) < 1e-2 and c.cycle_cost(4) > before
+    # without an absolute base time the offline measurement stays
+    c = DraftLengthController(CostModel(verify=[1.0, 1.1], draft_step=0.05), max_draft=2)
+    c.observe_drafter(1.0, 1.0, 1)
+    assert c.draft_step == 0.05 and c.round_overhead == 0.0

@@ -77,7 +77,7 @@ def oracle_tree(truth: list[int]):
     """Patch draft_tree: one branch follows the true greedy continuation (with a wrong token at depth 3),
     a sibling branch is wrong from the start."""
 
-    def fake(drafter, state, root_token, logits, hidden, depth, top_k, total_tokens):
+    def fake(drafter, state, root_token, logits, hidden, depth, top_k, total_tokens, confidence_threshold=0.0):
         seq_len = state.length + 1  # real drafter rows pair features t with token t+1
         assert truth[seq_len - 1] == root_token
         cont = truth[seq_len : seq_len + depth]
