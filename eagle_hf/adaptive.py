@@ -111,8 +111,15 @@ class DraftLengthController:
         self.round_overhead += rate * (overhead_seconds / self.cost.base_seconds - self.round_overhead)
         self.draft_step += rate * (step_seconds / steps / self.cost.base_seconds - self.draft_step)
 
-    def update(self, drafted: int, accepted: int) -> None:
-        """Positions < accepted were accepted, position `accepted` (if drafted) was rejected, later ones unseen."""
+    def update(self, drafted: int, accepted: int, confidences: list[float] | None = None) -> None:
+        """Positions < accepted were accepted, position `accepted` (if drafted) was rejected, later ones unseen.
+
+        `confidences`: the drafter's own (conditional) probability of each draft. Before the first observation
+        they replace the flat prior: a trained drafter's confidence tracks its acceptance, and an untrained one,
+        whose drafts have probability ~1/vocabulary, is dropped after a single cycle instead of several."""
+        if confidences and not any(self._seen):
+            for i in range(len(self.acceptance)):
+                self.acceptance[i] = min(max(confidences[min(i, len(confidences) - 1)], 0.01), 0.99)
         for i in range(min(drafted, accepted + 1, len(self.acceptance))):
             hit = 1.0 if i < accepted else 0.0
             self._seen[i] += 1

@@ -50,20 +50,22 @@ def draft_chain(
     num_tokens: int,
     choose: Chooser,
     confidence_threshold: float = 0.0,
-) -> tuple[list[int], list[torch.Tensor]]:
+) -> tuple[list[int], list[torch.Tensor], list[float]]:
     """Draft up to `num_tokens` tokens after the last real row (a tree with top-k 1).
 
-    logits: [1, Vd] of the last real row; hidden: [1, 1, H]. Returns target ids and, when sampling, the
-    processed target-vocabulary logits each draft was sampled from.
+    logits: [1, Vd] of the last real row; hidden: [1, 1, H]. Returns target ids, when sampling the processed
+    target-vocabulary logits each draft was sampled from, and the drafter's probability of each draft.
     """
     tokens: list[int] = []
     q_logits: list[torch.Tensor] = []
+    probs: list[float] = []
     past = state.kv
     position = state.length - 1
     device = hidden.device
     for j in range(num_tokens):
         token, q, prob = choose(logits, tokens)
         tokens.append(int(token))
+        probs.append(prob)
         if q is not None:
             q_logits.append(q)
         if j == num_tokens - 1 or prob < confidence_threshold:
@@ -73,4 +75,4 @@ def draft_chain(
         out = drafter.step(hidden, ids, torch.tensor([[position]], device=device), past=past)
         past = past.append(out.kv)
         logits, hidden = out.logits[:, -1], out.hidden
-    return tokens, q_logits
+    return tokens, q_logits, probs

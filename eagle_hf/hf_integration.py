@@ -199,6 +199,7 @@ class EagleCandidateGenerator(CandidateGenerator):
         self._last_drafted = 0
         self.listeners = list(settings.get("listeners") or [])
         self._last_draft: list[int] = []
+        self._last_probs: list[float] = []
 
     # -- choosing a draft token -------------------------------------------------------------------------
     def _choose(self, draft_logits: torch.Tensor, prefix: torch.Tensor, drafted: list[int]):
@@ -239,7 +240,7 @@ class EagleCandidateGenerator(CandidateGenerator):
             self._pending.clear()
             logits, hidden = self.state.extend(self.drafter, aux_rows, next_tokens)
             caught_up = time.perf_counter()
-            tokens, q_logits = draft_chain(
+            tokens, q_logits, probs = draft_chain(
                 self.drafter,
                 self.state,
                 logits,
@@ -253,6 +254,7 @@ class EagleCandidateGenerator(CandidateGenerator):
             self.controller.observe_drafter(caught_up - start, time.perf_counter() - caught_up, len(tokens))
         self._last_drafted = len(tokens)
         self._last_draft = tokens
+        self._last_probs = probs
         candidates = torch.cat([input_ids, torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)], 1)
         candidate_logits = torch.stack(q_logits, dim=1) if q_logits else None  # [1, k, V]
         self.stats.drafter_time += time.perf_counter() - start
@@ -274,7 +276,7 @@ class EagleCandidateGenerator(CandidateGenerator):
         num_matches = int(num_matches)
         self.stats.record_cycle(self._last_drafted, num_matches)
         if self.controller is not None:
-            self.controller.update(self._last_drafted, num_matches)
+            self.controller.update(self._last_drafted, num_matches, self._last_probs)
         for listener in self.listeners:
             listener(self._last_draft, num_matches, int(input_ids[0, -1]))
         if self.settings["schedule"] in ("heuristic", "heuristic_transient"):

@@ -33,6 +33,12 @@ class DraftTree:
             d[i] = d[self.parents[i]] + 1
         return d
 
+    def confidences(self) -> list[float]:
+        """Per depth 1..D: the drafter's conditional probability along its best-scoring path."""
+        depths = self.depths()
+        best = [float(self.scores[depths == d].max()) for d in range(int(depths.max()) + 1)]  # best[0] = 0 (root)
+        return [math.exp(b - a) for a, b in zip(best, best[1:])]
+
     def ancestor_mask(self) -> torch.Tensor:
         """bool [N+1, N+1]: row i sees node j iff j is i or an ancestor of i."""
         n = self.size

@@ -153,7 +153,7 @@ def tree_generate(
             else:
                 stats.record_cycle(drafted, accepted)  # per position = per tree depth
             if controller is not None and drafted:
-                controller.update(drafted, accepted)
+                controller.update(drafted, accepted, tree.confidences())
             shown = _shown_drafts(tree, path) if drafted else []
             pending_aux, pending_tok = pending_aux[:, :0], pending_tok[:, :0]  # the drafter has seen them now
         seq = torch.cat([seq, torch.tensor([new], device=device, dtype=seq.dtype)], 1)

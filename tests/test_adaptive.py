@@ -154,3 +154,24 @@ def test_drafter_costs_are_remeasured_in_the_loop():
     c = DraftLengthController(CostModel(verify=[1.0, 1.1], draft_step=0.05), max_draft=2)
     c.observe_drafter(1.0, 1.0, 1)
     assert c.draft_step == 0.05 and c.round_overhead == 0.0
+
+
+def test_the_drafters_confidence_replaces_the_flat_prior():
+    c = DraftLengthController(MEASURED_CPU, max_draft=8)
+    c.update(3, 0, [1e-4, 1e-4, 1e-4])  # an untrained drafter: its drafts have probability ~1/vocabulary
+    assert c.choose() == 0  # dropped after one cycle
+    c = DraftLengthController(MEASURED_CPU, max_draft=8)
+    c.update(3, 3, [0.9, 0.8, 0.7])  # a confident drafter that was right
+    assert c.acceptance[0] > 0.9 and c.acceptance[5] == 0.7 and c.choose() >= 3
+    c.update(3, 0, [1e-4, 1e-4, 1e-4])  # later confidences do not reset what was observed
+    assert c.acceptance[0] > 0.5
+
+
+def test_tree_confidences_follow_the_best_path():
+    import math
+
+    from eagle_hf.tree import DraftTree
+
+    tree = DraftTree(torch.tensor([5, 1, 2, 3]), torch.tensor([-1, 0, 0, 1]),
+                     torch.tensor([0.0, math.log(0.6), math.log(0.3), math.log(0.6 * 0.5)]))
+    assert [round(x, 6) for x in tree.confidences()] == [0.6, 0.5]
