@@ -91,5 +91,6 @@ def test_notebook_runs_top_to_bottom(nb, tmp_path):
     finally:
         os.environ.clear()
         os.environ.update(old)
+    nbformat.write(notebook, tmp_path / nb.name)  # the executed copy, to look at with --basetemp
     errors = [o for c in notebook.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
