@@ -22,16 +22,21 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import eagle_hf
 from eagle_hf.evaluation import load_prompt_set
-from eagle_hf.visualize import CSS, TokenEvent, label_round, legend_html, tokens_html
+from eagle_hf.visualize import CSS, TokenEvent, label_round, legend_html, token_span, tokens_html
 
 @dataclass
 class Run:
     events: list[TokenEvent] = field(default_factory=list)
     new_ids: list[int] = field(default_factory=list)
     tokenizer: object = None
+    spans: list[str] = field(default_factory=list)  # each event rendered once, as it arrives
+
+    def add(self, events: list[TokenEvent]) -> None:
+        self.events.extend(events)
+        self.spans.extend(token_span(e, self.tokenizer) for e in events)
 
     def html(self) -> str:
-        return tokens_html(self.events, self.tokenizer)
+        return tokens_html(self.events, self.tokenizer, spans=self.spans)
 
 
 class _Stop(StoppingCriteria):
@@ -85,7 +90,7 @@ def labelled_stream(target, tokenizer, drafter, enc, gen_kwargs, stop: threading
 
     def flush(chunk, cycle):
         drafts, accepted = cycle if cycle is not None else (None, 0)
-        run.events.extend(label_round(chunk, drafts, accepted))
+        run.add(label_round(chunk, drafts, accepted))
         run.new_ids.extend(chunk)
 
     while True:

@@ -82,7 +82,11 @@ class DraftLengthController:
         return total
 
     def cycle_cost(self, k: int) -> float:
-        verified = k + 1 if self.tree is None else min(self.tree[1], 1 + k * self.tree[0])
+        if self.tree is None:
+            verified = k + 1
+        else:  # draft_tree: top_k candidates at depth 1, top_k * top_k at each further depth, best total_tokens kept
+            top_k, total_tokens = self.tree
+            verified = min(total_tokens, 1 + top_k + (k - 1) * top_k * top_k)
         return self.cost.forward(verified) + k * self.draft_step + self.round_overhead
 
     def best(self) -> tuple[int, float]:
@@ -104,7 +108,8 @@ class DraftLengthController:
         return 0
 
     def observe_drafter(self, overhead_seconds: float, step_seconds: float, steps: int) -> None:
-        """Measured drafter time of one drafting round: catch-up/bookkeeping, and `steps` draft steps."""
+        """Measured drafter time of a regular drafting round: its catch-up on the last cycle's rows, and the
+        `steps` drafts (chain tokens or tree levels; the cost is averaged per draft)."""
         if self.cost.base_seconds <= 0 or steps <= 0:
             return
         rate = 0.3

@@ -130,6 +130,21 @@ def resolve_settings(drafter: EagleDrafter, kwargs: dict[str, Any]) -> dict[str,
         )
     if settings["mode"] not in ("chain", "tree"):
         raise EagleCompatibilityError(f"draft_mode must be 'chain' or 'tree', got {settings['mode']!r} {source}.")
+    for name, keyword in (("depth", "tree_depth"), ("top_k", "tree_top_k"), ("max_draft_tokens", "max_draft_tokens"),
+                          ("probe_every", "probe_every")):
+        if int(settings[name]) < 1:
+            raise EagleCompatibilityError(f"{keyword} must be at least 1, got {settings[name]} {source}.")
+    total = int(settings["total_tokens"])
+    if total < 2 and total != -1:
+        raise EagleCompatibilityError(
+            f"tree_total_tokens must be at least 2 (the root and one draft), or -1 to size the tree from measured "
+            f"costs; got {total} {source}."
+        )
+    if float(settings["keep_gain"]) > float(settings["min_gain"]):
+        raise EagleCompatibilityError(
+            f"keep_gain ({settings['keep_gain']}) must not exceed min_gain ({settings['min_gain']}): the adaptive "
+            f"schedule starts drafting above min_gain and stops below keep_gain {source}."
+        )
     return settings
 
 
@@ -222,6 +237,7 @@ class EagleCandidateGenerator(CandidateGenerator):
             self._round = "prefill"
             return input_ids, None  # the target prefills; drafting starts from its hidden states
         start = time.perf_counter()
+        after_cycle = self._round == "draft"  # the drafter catches up on accepted+1 rows, not on a backlog
         with torch.no_grad():
             device = self.drafter.fc.weight.device
             aux = gather_aux(model_outputs.hidden_states, self.aux_ids, device)  # [1, t, A*H_t]
@@ -250,7 +266,7 @@ class EagleCandidateGenerator(CandidateGenerator):
                 float(self.settings.get("confidence_threshold") or 0.0),
             )
         self._round = "draft"
-        if self.controller is not None:
+        if self.controller is not None and after_cycle:
             self.controller.observe_drafter(caught_up - start, time.perf_counter() - caught_up, len(tokens))
         self._last_drafted = len(tokens)
         self._last_draft = tokens

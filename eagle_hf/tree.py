@@ -34,10 +34,18 @@ class DraftTree:
         return d
 
     def confidences(self) -> list[float]:
-        """Per depth 1..D: the drafter's conditional probability along its best-scoring path."""
+        """Per depth 1..D: the drafter's probability that one of the children of its best node at the depth
+        above is right (the sibling mass a tree's verification can accept from)."""
         depths = self.depths()
-        best = [float(self.scores[depths == d].max()) for d in range(int(depths.max()) + 1)]  # best[0] = 0 (root)
-        return [math.exp(b - a) for a, b in zip(best, best[1:])]
+        out, node = [], 0
+        for d in range(1, int(depths.max()) + 1):
+            children = [i for i in range(1, self.size) if int(self.parents[i]) == node]
+            if not children:
+                break
+            parent_score = float(self.scores[node])
+            out.append(min(1.0, sum(math.exp(float(self.scores[c]) - parent_score) for c in children)))
+            node = max(children, key=lambda c: float(self.scores[c]))
+        return out
 
     def ancestor_mask(self) -> torch.Tensor:
         """bool [N+1, N+1]: row i sees node j iff j is i or an ancestor of i."""

@@ -95,6 +95,7 @@ def tree_generate(
     pending_tok = seq[:, 1:]  # [1, n] the token after each of those rows
     controller = settings.get("controller")  # DraftLengthController when the schedule is adaptive
     done = token in eos_ids or seq.shape[1] >= max_length or bool(stopping_criteria(seq, None).all())
+    after_cycle = False  # whether the last round was a draft-and-verify cycle
     while not done:
         room = max_length - seq.shape[1] - 1
         levels = controller.choose() if controller is not None else depth
@@ -109,7 +110,7 @@ def tree_generate(
                 stats.fallback_steps += 1
             else:
                 stats.final_steps += 1
-            shown, accepted = [], 0
+            shown, accepted, after_cycle = [], 0, False
         else:
             t0 = time.perf_counter()
             w = drafter.fc.weight
@@ -120,7 +121,7 @@ def tree_generate(
                               float(settings.get("confidence_threshold") or 0.0))
             t2 = time.perf_counter()
             stats.drafter_time += t2 - t0
-            if controller is not None:
+            if controller is not None and after_cycle:  # a backlog after plain steps is not a round's cost
                 controller.observe_drafter(t1 - t0, t2 - t1, levels)
 
             past_len = cache.get_seq_length()
@@ -155,6 +156,9 @@ def tree_generate(
             if controller is not None and drafted:
                 controller.update(drafted, accepted, tree.confidences())
             shown = _shown_drafts(tree, path) if drafted else []
+            if len(new) < len(path):  # cut at EOS / max_length: nothing after the cut was rejected
+                shown = shown[:accepted]
+            after_cycle = drafted > 0
             pending_aux, pending_tok = pending_aux[:, :0], pending_tok[:, :0]  # the drafter has seen them now
         seq = torch.cat([seq, torch.tensor([new], device=device, dtype=seq.dtype)], 1)
         scores.extend(node_logits[n : n + 1] for n in keep_nodes)

@@ -2,7 +2,7 @@
 
 Each round of speculative decoding emits a chunk: the drafts the target accepted, then one token of the target's
 own (the bonus token after a fully accepted draft, or the recovered token that replaces the first rejected
-draft). The rejected drafts are shown struck through; rounds decoded plainly by the adaptive schedule are grey.
+draft). The rejected drafts are shown struck through; rounds decoded without drafts (plain steps) are grey.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ LABELS = {
     "accepted": "draft token accepted by the target",
     "target": "token from the target itself (bonus / recovered token)",
     "rejected": "draft token rejected by the target",
-    "plain": "plain step: drafting did not pay, the adaptive schedule fell back",
+    "plain": "plain step: no drafts this round (the adaptive schedule fell back, or none was confident enough)",
 }
 CSS = """
 .tokens {font-family: ui-monospace, monospace; font-size: 15px; line-height: 1.9; white-space: pre-wrap; overflow-wrap: anywhere}
@@ -69,14 +69,16 @@ class DraftRecorder:
         return events
 
 
-def tokens_html(events: list[TokenEvent], tokenizer, with_style: bool = False) -> str:
-    spans = "".join(
-        f'<span class="tok tok-{e.label}" title="{e.label}">'
-        f"{html.escape(tokenizer.decode([e.token_id], skip_special_tokens=False))}</span>"
-        for e in events
-    )
+def token_span(event: TokenEvent, tokenizer) -> str:
+    text = html.escape(tokenizer.decode([event.token_id], skip_special_tokens=False))
+    return f'<span class="tok tok-{event.label}" title="{event.label}">{text}</span>'
+
+
+def tokens_html(events: list[TokenEvent], tokenizer, with_style: bool = False, spans: list[str] | None = None) -> str:
+    """The labelled tokens as HTML; `spans`: already rendered `token_span`s of the events (a streaming display)."""
+    body = "".join(spans if spans is not None else (token_span(e, tokenizer) for e in events))
     style = f"<style>{CSS}</style>" if with_style else ""
-    return f'{style}<div class="tokens">{spans}</div>'
+    return f'{style}<div class="tokens">{body}</div>'
 
 
 def legend_html() -> str:

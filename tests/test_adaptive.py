@@ -62,7 +62,8 @@ def test_first_cycles_move_the_estimate_fast():
 
 def test_tree_cycles_cost_their_verified_nodes():
     c = DraftLengthController(CPU_LIKE, max_draft=5, tree=(4, 16))
-    assert c.cycle_cost(1) == CPU_LIKE.cycle(1, verified=5)
+    assert c.cycle_cost(1) == CPU_LIKE.cycle(1, verified=5)  # the root and its top-4 children
+    assert c.cycle_cost(2) == CPU_LIKE.forward(16) + 2 * CPU_LIKE.draft_step  # 4 + 16 candidates: the best 15 kept
     assert c.cycle_cost(5) == CPU_LIKE.forward(16) + 5 * CPU_LIKE.draft_step
     assert CPU_LIKE.forward(12) == 1.5 + 3 * (1.5 - 1.4)  # linear past the measured range
 
@@ -174,4 +175,28 @@ def test_tree_confidences_follow_the_best_path():
 
     tree = DraftTree(torch.tensor([5, 1, 2, 3]), torch.tensor([-1, 0, 0, 1]),
                      torch.tensor([0.0, math.log(0.6), math.log(0.3), math.log(0.6 * 0.5)]))
-    assert [round(x, 6) for x in tree.confidences()] == [0.6, 0.5]
+    assert [round(x, 6) for x in tree.confidences()] == [0.9, 0.5]  # siblings 0.6 + 0.3, then the child of 0.6
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_recorded_rounds_label_every_generated_token(mode):
+    from unittest import mock
+
+    from eagle_hf.visualize import DraftRecorder
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids = torch.randint(1, 96, (1, 6))
+    ref = target.generate(ids, max_new_tokens=30, do_sample=False)
+    decisions = iter([2, 0, 0, 3, 0, 1] * 20)  # a scripted schedule: drafting rounds between plain steps
+    with mock.patch("eagle_hf.adaptive.DraftLengthController.choose", lambda self: next(decisions)):
+        recorder = DraftRecorder()
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=drafter, draft_mode=mode,
+                              draft_listeners=[recorder])
+    assert torch.equal(out, ref)  # plain steps in between: the drafter caught up on their rows
+    s = eagle_hf.last_stats()
+    events = recorder.events(out[0, 6:].tolist())
+    assert [e.token_id for e in events if e.label != "rejected"] == out[0, 6:].tolist()
+    labels = [e.label for e in events]
+    assert labels.count("accepted") == s.accepted and labels.count("plain") == s.fallback_steps + s.final_steps
+    assert labels.count("target") == 1 + s.cycles  # the prefill's token and one per cycle

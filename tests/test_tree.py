@@ -201,3 +201,52 @@ def test_confidence_threshold_prunes_tree_branches():
     s = eagle_hf.last_stats()
     assert torch.equal(out_none, ref)
     assert s.cycles == 0 and s.fallback_steps == s.steps - s.final_steps  # nothing drafted: every round was plain
+
+
+def test_pruned_tree_is_the_full_tree_above_the_threshold():
+    import math
+
+    from eagle_hf.drafting import DraftState
+    from eagle_hf.tree import draft_tree
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, seed=3)
+    drafter.bind_target_embedding(target.get_input_embeddings())
+    with torch.no_grad():
+        drafter.lm_head.weight.mul_(30.0)  # a peaky drafter: some branches are confident, others not
+    ids = torch.randint(1, 96, (1, 9))
+    from eagle_hf.capture import gather_aux
+    from eagle_hf.hf_integration import check_compatible
+
+    out = target(ids, output_hidden_states=True)
+    aux = gather_aux(out.hidden_states, check_compatible(target, drafter))[:, :-1]  # [1, 8, A]
+    trees = {}
+    for threshold in (0.0, 0.05):
+        state = DraftState()
+        logits, hidden = state.extend(drafter, aux, ids[:, 1:])
+        trees[threshold] = draft_tree(drafter, state, int(ids[0, -1]), logits, hidden, 4, 3, 1000, threshold)
+    full, pruned = trees[0.0], trees[0.05]
+    keep = [i for i in range(full.size) if float(full.scores[i]) >= math.log(0.05)]
+    assert 1 < len(keep) < full.size  # the threshold bites, but not everywhere
+    assert sorted(map(tuple, zip(pruned.tokens.tolist(), pruned.scores.tolist()))) == sorted(
+        map(tuple, zip(full.tokens[keep].tolist(), full.scores[keep].tolist())))
+    assert all(int(pruned.parents[i]) < i for i in range(1, pruned.size))  # parents before children
+
+
+def test_drafter_catches_up_after_plain_steps():
+    """With plain steps between cycles (a scripted adaptive schedule), the drafter's rows stay aligned with the
+    sequence: the oracle tree asserts that its root is the token after the drafter's last real row."""
+    from unittest import mock
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids = torch.randint(1, 96, (1, 8))
+    ref = target.generate(ids, max_new_tokens=40, do_sample=False)
+    decisions = iter([3, 0, 0, 2, 0, 4, 0, 0, 0, 1] * 10)
+    with oracle_tree(ref[0].tolist() + [0] * 8), \
+            mock.patch("eagle_hf.adaptive.DraftLengthController.choose", lambda self: next(decisions)):
+        out = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=drafter, draft_mode="tree",
+                              tree_depth=5, tree_top_k=2, tree_total_tokens=8)
+    assert torch.equal(out, ref)
+    s = eagle_hf.last_stats()
+    assert s.fallback_steps > 5 and s.accepted > 5
