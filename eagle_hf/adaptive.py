@@ -61,6 +61,8 @@ class DraftLengthController:
     acceptance: list[float] = field(default_factory=list)
     draft_step: float = -1.0  # drafter cost per draft step, measured in the loop (starts at the offline measurement)
     round_overhead: float = 0.0  # drafter cost per drafting round besides the steps (catch-up, bookkeeping)
+    loop_overhead: float = 0.1  # cost of every round outside the target forward and the drafter (the decoding
+    # loop itself: logits processing, stopping criteria, cache bookkeeping); re-measured on plain rounds
     _seen: list[int] = field(default_factory=list)
     _drafting: bool = True
     _plain_steps: int = 0
@@ -90,8 +92,12 @@ class DraftLengthController:
         return self.cost.forward(verified) + k * self.draft_step + self.round_overhead
 
     def best(self) -> tuple[int, float]:
-        """(k, expected speedup over plain decoding) of the best draft length."""
-        gains = [(k, self.expected_tokens(k) / self.cycle_cost(k)) for k in range(1, self.max_draft + 1)]
+        """(k, expected speedup over plain decoding) of the best draft length.
+
+        A plain round costs 1 + loop overhead and yields one token; a cycle costs cycle_cost(k) + loop overhead."""
+        plain = 1.0 + self.loop_overhead
+        gains = [(k, self.expected_tokens(k) * plain / (self.cycle_cost(k) + self.loop_overhead))
+                 for k in range(1, self.max_draft + 1)]
         return max(gains, key=lambda x: x[1])
 
     def choose(self) -> int:
@@ -115,6 +121,11 @@ class DraftLengthController:
         rate = 0.3
         self.round_overhead += rate * (overhead_seconds / self.cost.base_seconds - self.round_overhead)
         self.draft_step += rate * (step_seconds / steps / self.cost.base_seconds - self.draft_step)
+
+    def observe_plain_round(self, seconds: float) -> None:
+        """Measured wall time of a whole plain round (target forward plus the decoding loop's own work)."""
+        if self.cost.base_seconds > 0:
+            self.loop_overhead += 0.3 * (max(seconds / self.cost.base_seconds - 1.0, 0.0) - self.loop_overhead)
 
     def update(self, drafted: int, accepted: int, confidences: list[float] | None = None) -> None:
         """Positions < accepted were accepted, position `accepted` (if drafted) was rejected, later ones unseen.

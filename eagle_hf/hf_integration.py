@@ -215,6 +215,7 @@ class EagleCandidateGenerator(CandidateGenerator):
         self.listeners = list(settings.get("listeners") or [])
         self._last_draft: list[int] = []
         self._last_probs: list[float] = []
+        self._round_start: float | None = None
 
     # -- choosing a draft token -------------------------------------------------------------------------
     def _choose(self, draft_logits: torch.Tensor, prefix: torch.Tensor, drafted: list[int]):
@@ -237,6 +238,9 @@ class EagleCandidateGenerator(CandidateGenerator):
             self._round = "prefill"
             return input_ids, None  # the target prefills; drafting starts from its hidden states
         start = time.perf_counter()
+        if self.controller is not None and self._round == "fallback" and self._round_start is not None:
+            self.controller.observe_plain_round(start - self._round_start)  # the whole plain round that just ended
+        self._round_start = start
         after_cycle = self._round == "draft"  # the drafter catches up on accepted+1 rows, not on a backlog
         with torch.no_grad():
             device = self.drafter.fc.weight.device

@@ -97,6 +97,7 @@ def tree_generate(
     done = token in eos_ids or seq.shape[1] >= max_length or bool(stopping_criteria(seq, None).all())
     after_cycle = False  # whether the last round was a draft-and-verify cycle
     while not done:
+        round_start = time.perf_counter()
         room = max_length - seq.shape[1] - 1
         levels = controller.choose() if controller is not None else depth
         if levels <= 0 or room <= 0:  # a plain step: the target decodes one token, the drafter catches up later
@@ -170,6 +171,8 @@ def tree_generate(
         pending_tok = torch.cat([pending_tok, seq[:, -(accepted + 1) :]], 1)
         token = new[-1]
         done = token in eos_ids or seq.shape[1] >= max_length or bool(stopping_criteria(seq, None).all())
+        if controller is not None and levels <= 0:
+            controller.observe_plain_round(time.perf_counter() - round_start)
     if streamer is not None:
         streamer.end()
     return seq, scores[: seq.shape[1] - input_ids.shape[1]]

@@ -40,7 +40,7 @@ def test_failed_probes_back_off_and_a_good_probe_resets_the_wait():
             plain += 1
     probes = [w for w in waits if w > 0]
     assert probes[:4] == [4, 8, 16, 16], waits  # 4, then doubling, capped
-    for _ in range(30):  # the drafter becomes right: drafting resumes and the wait is back to probe_every
+    for _ in range(200):  # the drafter becomes right: drafting resumes and the wait is back to probe_every
         k = c.choose()
         if k:
             c.update(k, k)
@@ -200,3 +200,14 @@ def test_recorded_rounds_label_every_generated_token(mode):
     labels = [e.label for e in events]
     assert labels.count("accepted") == s.accepted and labels.count("plain") == s.fallback_steps + s.final_steps
     assert labels.count("target") == 1 + s.cycles  # the prefill's token and one per cycle
+
+
+def test_the_decoding_loops_own_cost_counts_for_plain_rounds_too():
+    cost = CostModel(verify=[1.0] + [1.1] * 8, draft_step=0.1, base_seconds=0.01)
+    c = DraftLengthController(cost, max_draft=8, acceptance=[0.3] * 8)
+    c.loop_overhead = 0.0
+    lean = c.best()[1]
+    for _ in range(40):
+        c.observe_plain_round(0.015)  # a plain round takes 1.5 target forwards: the loop costs 0.5
+    assert abs(c.loop_overhead - 0.5) < 1e-3
+    assert c.best()[1] > lean  # a cost paid by every round makes rounds that yield more tokens worth more
