@@ -223,8 +223,10 @@ def test_resume_after_interruption(tmp_path):
 
 def test_bad_training_inputs(tmp_path):
     target, tok = tiny_target("llama"), tiny_tokenizer()
-    with pytest.raises(ValueError, match="larger than the target vocabulary"):
-        run_training(target, tok, tmp_path / "a", RunConfig(prompts=str(write_prompts(tmp_path / "p.jsonl")), draft_vocab_size=VOCAB + 1))
+    for size in (VOCAB + 1, 0):  # refused before any compute
+        with pytest.raises(ValueError, match="must be between 1 and the target vocabulary size"):
+            run_training(target, tok, tmp_path / "a", RunConfig(prompts=str(write_prompts(tmp_path / "p.jsonl")),
+                                                              draft_vocab_size=size))
     with pytest.raises(ValueError, match="no chat template"):
         run_training(target, tiny_tokenizer(chat_template=None), tmp_path / "b", RunConfig(prompts=str(tmp_path / "p.jsonl"), draft_vocab_size=48))
     (tmp_path / "c").mkdir()
