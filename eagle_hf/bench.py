@@ -102,7 +102,10 @@ def run_benchmark(
                     for name, new in outputs.items():
                         if not torch.equal(new, base) and pid not in per_mode[name]["mismatches"]:
                             per_mode[name]["mismatches"].append(pid)
-                            logger.error("Output of %s differs from plain generate() on %s prompt %s", name, set_name, pid)
+                            # in float32 a difference is a bug; in bf16/fp16 multi-token forwards flip near-ties
+                            level = logging.ERROR if target.dtype == torch.float32 else logging.INFO
+                            logger.log(level, "Output of %s differs from plain generate() on %s prompt %s",
+                                       name, set_name, pid)
         results["sets"][set_name] = summarize(per_mode, len(prompts))
     results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return results
