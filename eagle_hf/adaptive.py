@@ -2,9 +2,9 @@
 
 Expected tokens per cycle with k drafts, given conditional acceptance a_i of draft position i:
 ``E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i``. A cycle costs one target forward over the verified tokens (k+1 for a
-chain; up to ``1 + k * top_k`` for a tree of depth k) plus k drafter steps, all relative to a one-token target
-forward measured on the current device; the drafter's share is re-measured in the loop (its Python and sampling
-overheads are larger than a bare drafter step). Plain decoding yields 1 token per unit cost. The controller drafts
+chain; up to ``1 + top_k + (k-1) * top_k**2`` for a tree of depth k) plus k drafts, all relative to a one-token
+target forward measured on the current device; the drafter's share and the decoding loop's own per-round cost
+are re-measured in the loop. Plain decoding yields 1 token per round. The controller drafts
 ``argmax_k E(k) / cost(k)`` and falls back to plain decoding (k = 0) when no k beats 1, probing again after
 ``probe_every`` plain steps; each failed probe doubles the wait (up to ``max_probe_every``), so a drafter that
 never helps costs almost nothing. Given the same measurements it makes the same decisions.
@@ -37,10 +37,6 @@ class CostModel:
             return self.verify[n - 1]
         slope = self.verify[-1] - self.verify[-2] if len(self.verify) > 1 else 1.0
         return self.verify[-1] + (n - len(self.verify)) * slope
-
-    def cycle(self, k: int, verified: int | None = None) -> float:
-        """One draft-and-verify cycle: k drafter steps and a forward over `verified` tokens (a chain: k + 1)."""
-        return self.forward(verified if verified is not None else k + 1) + k * self.draft_step
 
 
 @dataclass
@@ -118,14 +114,18 @@ class DraftLengthController:
         `steps` drafts (chain tokens or tree levels; the cost is averaged per draft)."""
         if self.cost.base_seconds <= 0 or steps <= 0:
             return
-        rate = 0.3
-        self.round_overhead += rate * (overhead_seconds / self.cost.base_seconds - self.round_overhead)
-        self.draft_step += rate * (step_seconds / steps / self.cost.base_seconds - self.draft_step)
+        self.round_overhead = _ema(self.round_overhead, overhead_seconds / self.cost.base_seconds)
+        self.draft_step = _ema(self.draft_step, step_seconds / steps / self.cost.base_seconds)
 
     def observe_plain_round(self, seconds: float) -> None:
         """Measured wall time of a whole plain round (target forward plus the decoding loop's own work)."""
         if self.cost.base_seconds > 0:
-            self.loop_overhead += 0.3 * (max(seconds / self.cost.base_seconds - 1.0, 0.0) - self.loop_overhead)
+            self.loop_overhead = _ema(self.loop_overhead, max(seconds / self.cost.base_seconds - 1.0, 0.0))
+
+    @property
+    def seeded(self) -> bool:
+        """Whether acceptance has been observed (after that, the drafter's confidences are not needed)."""
+        return any(self._seen)
 
     def update(self, drafted: int, accepted: int, confidences: list[float] | None = None) -> None:
         """Positions < accepted were accepted, position `accepted` (if drafted) was rejected, later ones unseen.
@@ -133,7 +133,7 @@ class DraftLengthController:
         `confidences`: the drafter's own (conditional) probability of each draft. Before the first observation
         they replace the flat prior: a trained drafter's confidence tracks its acceptance, and an untrained one,
         whose drafts have probability ~1/vocabulary, is dropped after a single cycle instead of several."""
-        if confidences and not any(self._seen):
+        if confidences and not self.seeded:
             for i in range(len(self.acceptance)):
                 self.acceptance[i] = min(max(confidences[min(i, len(confidences) - 1)], 0.01), 0.99)
         for i in range(min(drafted, accepted + 1, len(self.acceptance))):
@@ -141,6 +141,11 @@ class DraftLengthController:
             self._seen[i] += 1
             rate = max(1 - self.decay, 1 / (self._seen[i] + self.prior_weight))
             self.acceptance[i] += rate * (hit - self.acceptance[i])
+
+
+def _ema(old: float, new: float, rate: float = 0.3) -> float:
+    """Running estimate of an in-loop timing: recent rounds weigh most."""
+    return old + rate * (new - old)
 
 
 _COST_CACHE: dict[tuple, CostModel] = {}
@@ -233,6 +238,6 @@ def controller_for(target, drafter, settings: dict) -> DraftLengthController | N
         max_draft=int(settings["depth"] if tree else settings["max_draft_tokens"]),
         probe_every=int(settings["probe_every"]),
         min_gain=float(settings["min_gain"]),
-        keep_gain=float(settings.get("keep_gain", 0.95)),
+        keep_gain=float(settings["keep_gain"]),
         tree=(int(settings["top_k"]), total) if tree else None,
     )

@@ -81,11 +81,17 @@ def tree_generate(
     listeners = list(settings.get("listeners") or [])
     scores: list[torch.Tensor] = []
 
-    # prefill
-    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=request, logits_to_keep=1)
-    logits = out.logits[:, -1:].float()[0]  # [1, V]
-    logits = logits_processor(input_ids, logits) if len(logits_processor) else logits
-    token = int(torch.multinomial(torch.softmax(logits, -1), 1)) if do_sample else int(logits.argmax(-1))
+    def decode_one(prefix: torch.Tensor, new_ids: torch.Tensor):
+        """Plain decoding: the target reads `new_ids` (the prompt, or the last token) after the cache; returns
+        its output, the processed logits [1, V] of the next token and that token."""
+        out = target(input_ids=new_ids, past_key_values=cache, use_cache=True, output_hidden_states=request,
+                     logits_to_keep=1)
+        logits = out.logits[:, -1].float()  # [1, V]
+        logits = logits_processor(prefix, logits) if len(logits_processor) else logits
+        token = int(torch.multinomial(torch.softmax(logits, -1), 1)) if do_sample else int(logits.argmax(-1))
+        return out, logits, token
+
+    out, logits, token = decode_one(input_ids, input_ids)  # prefill
     scores.append(logits)
     seq = torch.cat([input_ids, torch.tensor([[token]], device=device, dtype=input_ids.dtype)], 1)
     if streamer is not None:
@@ -101,11 +107,8 @@ def tree_generate(
         room = max_length - seq.shape[1] - 1
         levels = controller.choose() if controller is not None else depth
         if levels <= 0 or room <= 0:  # a plain step: the target decodes one token, the drafter catches up later
-            out = target(input_ids=seq[:, -1:], past_key_values=cache, use_cache=True, output_hidden_states=request)
-            logits = out.logits[:, -1].float()  # [1, V]
-            logits = logits_processor(seq, logits) if len(logits_processor) else logits
-            token = int(torch.multinomial(torch.softmax(logits, -1), 1)) if do_sample else int(logits.argmax(-1))
-            new, keep_nodes, node_logits = [token], [0], logits
+            out, node_logits, token = decode_one(seq, seq[:, -1:])
+            new, keep_nodes = [token], [0]
             aux = gather_aux(out.hidden_states, aux_ids)  # [1, 1, A]
             if levels <= 0:
                 stats.fallback_steps += 1
@@ -126,7 +129,8 @@ def tree_generate(
                 controller.observe_drafter(t1 - t0, t2 - t1, levels)
 
             past_len = cache.get_seq_length()
-            positions = (past_len + tree.depths()).to(device)[None]
+            depths = tree.depths()  # [N+1]
+            positions = (past_len + depths).to(device)[None]
             mask = tree_attention_mask(tree, past_len, target.dtype, device)
             out = target(
                 input_ids=tree.tokens[None].to(device), attention_mask=mask, position_ids=positions,
@@ -149,13 +153,13 @@ def tree_generate(
             keep_nodes = path[: accepted + 1]
             compact_cache(cache, past_len, torch.tensor(keep_nodes, device=device))
             aux = gather_aux(out.hidden_states, aux_ids)[:, keep_nodes]  # [1, a+1, A]
-            drafted = int(tree.depths().max())
+            drafted = int(depths.max())
             if drafted == 0:  # every branch was below the confidence threshold: that was a plain step
                 stats.fallback_steps += 1
             else:
                 stats.record_cycle(drafted, accepted)  # per position = per tree depth
             if controller is not None and drafted:
-                controller.update(drafted, accepted, tree.confidences())
+                controller.update(drafted, accepted, None if controller.seeded else tree.confidences())
             shown = _shown_drafts(tree, path) if drafted else []
             if len(new) < len(path):  # cut at EOS / max_length: nothing after the cut was rejected
                 shown = shown[:accepted]

@@ -62,7 +62,7 @@ def test_first_cycles_move_the_estimate_fast():
 
 def test_tree_cycles_cost_their_verified_nodes():
     c = DraftLengthController(CPU_LIKE, max_draft=5, tree=(4, 16))
-    assert c.cycle_cost(1) == CPU_LIKE.cycle(1, verified=5)  # the root and its top-4 children
+    assert c.cycle_cost(1) == CPU_LIKE.forward(5) + CPU_LIKE.draft_step  # the root and its top-4 children
     assert c.cycle_cost(2) == CPU_LIKE.forward(16) + 2 * CPU_LIKE.draft_step  # 4 + 16 candidates: the best 15 kept
     assert c.cycle_cost(5) == CPU_LIKE.forward(16) + 5 * CPU_LIKE.draft_step
     assert CPU_LIKE.forward(12) == 1.5 + 3 * (1.5 - 1.4)  # linear past the measured range
