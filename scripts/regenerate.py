@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -481,6 +482,22 @@ def main(argv=None) -> int:
             msg += f"; {store.records} answers in {args.out_dir}"
         logger.info("%s%s", "DONE " if final else "", msg)
 
+    def heartbeat() -> None:  # progress lines even while no answer ends (long prefills, a busy CPU)
+        nonlocal last_log
+        while True:
+            time.sleep(min(5.0, args.log_every))
+            now = time.perf_counter()
+            if args.max_seconds is not None and now - t0 >= args.max_seconds:
+                progress(final=True)
+                logging.shutdown()
+                if store is not None:
+                    store.close()
+                os._exit(0)
+            if now - last_log >= args.log_every:
+                last_log = now
+                progress()
+
+    threading.Thread(target=heartbeat, daemon=True).start()
     try:
         for idx, gen, fin in stream:
             n_tok = len(gen) - (1 if fin else 0)
@@ -490,12 +507,6 @@ def main(argv=None) -> int:
             if store is not None:
                 store.add({"idx": idx, "prompt": prompts[idx],
                            "response": tokenizer.decode(gen, skip_special_tokens=True), "finished": bool(fin)})
-            now = time.perf_counter()
-            if now - last_log >= args.log_every:
-                progress()
-                last_log = now
-            if args.max_seconds is not None and now - t0 >= args.max_seconds:
-                break
     except KeyboardInterrupt:
         logger.info("Interrupted")
     finally:
