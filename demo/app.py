@@ -223,14 +223,12 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
 
 
 def load_everything(target_name: str, drafter_name: str, drafter_eagle3: str | None, dtype: str):
-    from eagle_hf.cli import _load_target, load_drafter_for
-
-    target, tok = _load_target(target_name, dtype)
-    drafter, label = load_drafter_for(target, drafter_name)
+    target, tok = eagle_hf.load_target(target_name, dtype=getattr(torch, dtype))
+    drafter, label = eagle_hf.load_drafter(drafter_name, target)
     version = "EAGLE-3.1" if drafter.config.fc_norm and drafter.config.norm_output else "EAGLE-3"
     drafters = {f"{version} ({label})": drafter}
     if drafter_eagle3:
-        d3, label3 = load_drafter_for(target, drafter_eagle3)
+        d3, label3 = eagle_hf.load_drafter(drafter_eagle3, target)
         drafters[f"EAGLE-3 ({label3})"] = d3
     return target, tok, drafters
 

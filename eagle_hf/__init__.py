@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 
-from .config import EagleConfig
-from .default import DEFAULT_DRAFTER, DEFAULT_TARGET_NAME, load_default_target, load_target
-from .hf_integration import EagleCompatibilityError, install
-from .modeling import EagleDrafter
 from .checkpoint import DrafterLoadError
+from .config import EagleConfig
+from .default import DEFAULT_DRAFTER, DEFAULT_TARGET_NAME, load_default_target, load_drafter, load_target
+from .errors import EagleCompatibilityError
+from .hf import install, write_custom_generate
+from .modeling import EagleDrafter
+from .settings import DraftSettings
 from .stats import SpecDecodeStats, last_stats
 
 __version__ = "0.1.0"
@@ -25,6 +27,7 @@ install()
 __all__ = [
     "DEFAULT_DRAFTER",
     "DEFAULT_TARGET_NAME",
+    "DraftSettings",
     "DrafterLoadError",
     "EagleCompatibilityError",
     "EagleConfig",
@@ -32,5 +35,7 @@ __all__ = [
     "SpecDecodeStats",
     "last_stats",
     "load_default_target",
+    "load_drafter",
     "load_target",
+    "write_custom_generate",
 ]

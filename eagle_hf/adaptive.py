@@ -12,13 +12,8 @@ never helps costs almost nothing. Given the same measurements it makes the same 
 
 from __future__ import annotations
 
-import functools
 import logging
-import statistics
-import time
 from dataclasses import dataclass, field
-
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -148,68 +143,6 @@ def _ema(old: float, new: float, rate: float = 0.3) -> float:
     return old + rate * (new - old)
 
 
-_COST_CACHE: dict[tuple, CostModel] = {}
-
-
-@torch.no_grad()
-def measure_costs(target, drafter, max_tokens: int = 9, context: int = 128, repeats: int = 5) -> CostModel:
-    """Time target forwards over 1..max_tokens new tokens (on a `context`-token cache) and one drafter step.
-
-    Cached per (target, drafter width, device, dtype): about a second once per process on a CPU.
-    """
-    from transformers import DynamicCache
-
-    key = (id(target), drafter.config.hidden_size, str(target.device), str(target.dtype))
-    if key in _COST_CACHE and len(_COST_CACHE[key].verify) >= max_tokens:
-        return _COST_CACHE[key]
-    device = target.device
-    vocab = target.config.get_text_config().vocab_size
-    ids = torch.randint(0, vocab, (1, context + max_tokens), device=device)
-
-    def timed(fns: list) -> list[float]:
-        """Median time of each fn over `repeats` interleaved rounds (after one untimed round)."""
-        samples = [[] for _ in fns]
-        for r in range(repeats + 1):
-            for i, fn in enumerate(fns):
-                _sync(device)
-                t0 = time.perf_counter()
-                fn()
-                _sync(device)
-                if r:
-                    samples[i].append(time.perf_counter() - t0)
-        return [statistics.median(s) for s in samples]
-
-    cache = DynamicCache(config=target.config)
-    if hasattr(cache, "activate_past_recording"):  # sliding-window layers must be able to roll back
-        cache.activate_past_recording()
-    target(ids[:, :context], past_key_values=cache, use_cache=True)
-
-    def forward(n: int):
-        target(ids[:, context : context + n], past_key_values=cache, use_cache=True)
-        cache.crop(-n)
-
-    times = timed([functools.partial(forward, n) for n in range(1, max_tokens + 1)])
-    base = times[0]
-    verify = [max(t / base, 1.0) for t in times]
-    for i in range(1, len(verify)):  # monotone, for a well-behaved argmax
-        verify[i] = max(verify[i], verify[i - 1])
-    h = drafter.config.hidden_size
-    hidden = torch.zeros(1, 1, h, device=device, dtype=drafter.fc.weight.dtype)
-    tok = torch.zeros(1, 1, dtype=torch.long, device=device)
-    past_out = drafter.step(hidden.expand(1, context, h), tok.expand(1, context), torch.arange(context, device=device)[None])
-    (draft,) = timed([lambda: drafter.step(hidden, tok, torch.tensor([[context]], device=device), past=past_out.kv)])
-    model = CostModel(verify=verify, draft_step=draft / base, base_seconds=base)
-    logger.info("Measured costs on %s: verify %s, drafter step %.3f (relative to one target token)",
-                device, [round(v, 2) for v in verify], model.draft_step)
-    _COST_CACHE[key] = model
-    return model
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 #: tree sizes tried by the automatic choice, and the acceptance gain a bigger tree is assumed to buy (relative
 #: to the smallest), as the EAGLE reference's `total_token=-1` tuning does
 TREE_SIZES = (8, 12, 16, 24, 32)
@@ -224,20 +157,3 @@ def choose_tree_size(cost: CostModel) -> int:
         if value > best_value:
             best, best_value = size, value
     return best
-
-
-def controller_for(target, drafter, settings: dict) -> DraftLengthController | None:
-    """The per-call controller of the "adaptive" schedule (None for fixed schedules), chain or tree."""
-    if settings.get("schedule") != "adaptive":
-        return None
-    tree = settings.get("mode") == "tree"
-    total = int(settings["total_tokens"])
-    cost = measure_costs(target, drafter, max_tokens=max(9, total if tree else 0))
-    return DraftLengthController(
-        cost,
-        max_draft=int(settings["depth"] if tree else settings["max_draft_tokens"]),
-        probe_every=int(settings["probe_every"]),
-        min_gain=float(settings["min_gain"]),
-        keep_gain=float(settings["keep_gain"]),
-        tree=(int(settings["top_k"]), total) if tree else None,
-    )

@@ -8,36 +8,22 @@ import sys
 from pathlib import Path
 
 
-def _load_target(name: str, dtype_name: str):
+def _target(args):
     import torch
 
     from .default import load_target
 
-    return load_target(name, dtype=getattr(torch, dtype_name))
-
-
-def load_drafter_for(target, name: str):
-    """`default` (the shipped drafter, or a random one when none is shipped), `random`, a folder or a Hub id."""
-    from .default import DEFAULT_DRAFTER
-    from .modeling import EagleDrafter
-
-    if name == "default" and Path(DEFAULT_DRAFTER, "config.json").is_file():
-        return EagleDrafter.from_pretrained(DEFAULT_DRAFTER), "shipped EAGLE-3.1 drafter"
-    if name in ("default", "random"):
-        import torch
-
-        torch.manual_seed(0)
-        return EagleDrafter.for_target(target), "RANDOM drafter (untrained: expect almost no accepted drafts)"
-    return EagleDrafter.from_pretrained(name), name
+    return load_target(args.target, dtype=getattr(torch, args.dtype))
 
 
 def cmd_generate(args) -> int:
     import torch
 
     from . import last_stats
+    from .default import load_drafter
 
-    target, tok = _load_target(args.target, args.dtype)
-    drafter, label = load_drafter_for(target, args.drafter)
+    target, tok = _target(args)
+    drafter, label = load_drafter(args.drafter, target)
     enc = tok.apply_chat_template(
         [{"role": "user", "content": args.prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
     )
@@ -55,9 +41,10 @@ def cmd_generate(args) -> int:
 
 def cmd_bench(args) -> int:
     from .bench import run_benchmark, results_markdown, standard_modes, write_results
+    from .default import load_drafter
 
-    target, tok = _load_target(args.target, args.dtype)
-    drafter, label = load_drafter_for(target, args.drafter)
+    target, tok = _target(args)
+    drafter, label = load_drafter(args.drafter, target)
     assistant = None
     if args.assistant:
         from transformers import AutoModelForCausalLM

@@ -16,24 +16,6 @@ EAGLE3_ARCHITECTURES = (
 )
 SPECULATORS_ARCHITECTURES = ("Eagle3DraftModel", "Eagle3Speculator")
 
-#: Drafting defaults saved with a drafter; every key can be overridden per `generate()` call.
-DEFAULT_DRAFT_SETTINGS: dict[str, Any] = {
-    "mode": "chain",  # "chain" or "tree" (dynamic draft tree, EAGLE-2 style)
-    "depth": 5,  # tree: draft levels
-    "top_k": 4,  # tree: children expanded per frontier node
-    "total_tokens": 16,  # tree: verified tokens including the root
-    "num_draft_tokens": 5,  # chain length K for the "constant" and "heuristic" schedules
-    # "adaptive": draft length per cycle from measured costs and running acceptance, plain decoding when drafting
-    # does not pay (eagle_hf.adaptive); "constant"; "heuristic": +2 when every draft was accepted, -1 otherwise
-    "schedule": "adaptive",
-    "max_draft_tokens": 8,  # upper bound of the adaptive schedule
-    "probe_every": 16,  # adaptive: plain steps between probes while falling back
-    "min_gain": 1.0,  # adaptive: start drafting when the expected speedup exceeds this ...
-    "keep_gain": 0.95,  # ... and fall back when it drops below this
-    "confidence_threshold": 0.0,  # stop a chain early when the drafter's own top probability falls below
-}
-
-
 class EagleConfig(PretrainedConfig):
     r"""Configuration of an EAGLE-3 / EAGLE-3.1 drafter.
 
@@ -52,7 +34,7 @@ class EagleConfig(PretrainedConfig):
         norm_before_residual: speculators: the first layer's residual is `hidden_norm(h)`.
         own_embedding: the drafter ships `embed_tokens`; otherwise it uses the target's embedding.
         rope_theta: drafter RoPE base; 10000 when a checkpoint does not say (as the EAGLE reference does).
-        draft_settings: this drafter's overrides of `DEFAULT_DRAFT_SETTINGS` (`schedule`, `num_draft_tokens`, ...).
+        draft_settings: this drafter's overrides of the `eagle_hf.settings.DraftSettings` defaults (`mode`, `depth`, ...).
     """
 
     model_type = "llama"  # what vLLM / SGLang expect in an EAGLE-3 drafter's config.json
@@ -110,7 +92,7 @@ class EagleConfig(PretrainedConfig):
         self.norm_before_fc = bool(norm_before_fc)
         self.norm_before_residual = bool(norm_before_residual)
         self.own_embedding = bool(own_embedding)
-        self.draft_settings = dict(draft_settings or {})  # overrides of DEFAULT_DRAFT_SETTINGS only
+        self.draft_settings = dict(draft_settings or {})  # overrides of the DraftSettings defaults only
         self.target_model = target_model
         kwargs.pop("architectures", None)
         super().__init__(tie_word_embeddings=tie_word_embeddings, architectures=["LlamaForCausalLMEagle3"], **kwargs)

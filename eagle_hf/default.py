@@ -73,3 +73,18 @@ def load_target(name: str = "default", dtype: torch.dtype = torch.bfloat16, devi
     tokenizer = AutoTokenizer.from_pretrained(name)
     model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
     return model.eval(), tokenizer
+
+
+def load_drafter(name: str = "default", target=None):
+    """``(drafter, label)`` for ``"default"`` (the shipped drafter; a random one shaped for `target` when none is
+    shipped), ``"random"`` (untrained, shaped for `target`), a folder or a Hub id."""
+    from .modeling import EagleDrafter
+
+    if name == "default" and Path(DEFAULT_DRAFTER, "config.json").is_file():
+        return EagleDrafter.from_pretrained(DEFAULT_DRAFTER), "shipped EAGLE-3.1 drafter"
+    if name in ("default", "random"):
+        if target is None:
+            raise ValueError("A random drafter is shaped for its target: pass `target=` to load_drafter('random', ...).")
+        torch.manual_seed(0)
+        return EagleDrafter.for_target(target), "RANDOM drafter (untrained: expect almost no accepted drafts)"
+    return EagleDrafter.from_pretrained(name), name

@@ -203,6 +203,92 @@ class EagleDrafter(PreTrainedModel):
         self._target_embedding = None
         self.post_init()
 
+    # ------------------------------------------------------------------ loading and saving
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path,
+        *,
+        revision: str | None = None,
+        aux_layer_ids: list[int] | None = None,
+        aux_layer_convention: str | None = None,
+        fc_norm: bool | None = None,
+        norm_output: bool | None = None,
+        dtype: torch.dtype | None = None,
+        **hub_kwargs,
+    ):
+        """Load a drafter from a Hub repo id or a local folder, in any published layout.
+
+        Args:
+            revision: Hub branch, tag or commit.
+            aux_layer_ids / aux_layer_convention: override which target layers the drafter reads
+                (``"boundary"``: id k = input of layer k, as vLLM; ``"output"``: id k = output of layer k, as SpecForge).
+            fc_norm / norm_output: override the EAGLE-3.1 flags, e.g. ``norm_output=False`` for drafters trained by
+                SpecForge <= 0.2.0, which fed back the pre-norm state whatever their config says.
+            dtype: cast the weights (by default they keep the checkpoint's dtype until `generate()` moves them to the
+                target's).
+            hub_kwargs: passed to ``huggingface_hub.snapshot_download`` (``cache_dir``, ``token``, ``local_files_only``...).
+        """
+        from .checkpoint import load_drafter
+
+        overrides = {k: v for k, v in (("fc_norm", fc_norm), ("norm_output", norm_output)) if v is not None}
+        return load_drafter(
+            cls,
+            pretrained_model_name_or_path,
+            revision=revision,
+            aux_layer_ids=aux_layer_ids,
+            aux_layer_convention=aux_layer_convention,
+            dtype=dtype,
+            config_overrides=overrides,
+            **hub_kwargs,
+        )
+
+    def save_pretrained(self, save_directory, target_model: str | None = None, **kwargs):
+        """Save in the EAGLE-3 layout vLLM and SGLang read (``model.safetensors`` + flat Llama ``config.json``).
+
+        The EAGLE-3.1 flags are top-level keys; our provenance (library version, aux-id convention, target) sits in
+        an ``eagle_hf`` block that engines ignore.
+        """
+        from . import __version__
+
+        if target_model is not None:
+            self.config.target_model = target_model
+        self.config.eagle_hf = {
+            "version": __version__,
+            "aux_layer_convention": "boundary",
+            "target_model": self.config.target_model,
+        }
+        return super().save_pretrained(save_directory, **kwargs)
+
+    @classmethod
+    def for_target(cls, target, draft_vocab_size: int | None = None, eagle31: bool = True, aux_layer_ids=None, **overrides):
+        """A freshly initialised drafter shaped for `target` (same width and heads, target's embedding)."""
+        text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+        if aux_layer_ids is None:  # shallow targets (< 5 layers) have fewer than 3 distinct default taps
+            from .capture import default_aux_layer_ids
+
+            default_ids = default_aux_layer_ids(int(text.num_hidden_layers))
+            aux_layer_ids = default_ids if len(default_ids) != 3 else None
+        kwargs = dict(
+            hidden_size=text.hidden_size,
+            intermediate_size=getattr(text, "intermediate_size", 4 * text.hidden_size),
+            num_attention_heads=text.num_attention_heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", text.num_attention_heads),
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+            vocab_size=text.vocab_size,
+            draft_vocab_size=draft_vocab_size or text.vocab_size,
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            rope_theta=(getattr(text, "rope_parameters", None) or {}).get("rope_theta", 10000.0),
+            max_position_embeddings=getattr(text, "max_position_embeddings", 2048),
+            fc_norm=eagle31,
+            norm_output=eagle31,
+            aux_layer_ids=aux_layer_ids,
+            target_model=getattr(target, "name_or_path", None),
+        )
+        kwargs.update(overrides)
+        drafter = cls(EagleConfig(**kwargs))
+        return drafter.to(target.get_input_embeddings().weight.dtype)
+
     # ------------------------------------------------------------------ target binding
     def bind_target_embedding(self, embedding: nn.Module) -> None:
         """Use the target's input embedding (drafters that ship none). Not registered: never saved."""
@@ -284,96 +370,3 @@ class EagleDrafter(PreTrainedModel):
             module.d2t.zero_()
             module.t2d.zero_()
             module.t2d[: module.config.draft_vocab_size] = True
-
-
-def _from_pretrained(
-    cls,
-    pretrained_model_name_or_path,
-    *,
-    revision: str | None = None,
-    aux_layer_ids: list[int] | None = None,
-    aux_layer_convention: str | None = None,
-    fc_norm: bool | None = None,
-    norm_output: bool | None = None,
-    dtype: torch.dtype | None = None,
-    **hub_kwargs,
-):
-    """Load a drafter from a Hub repo id or a local folder, in any published layout.
-
-    Args:
-        revision: Hub branch, tag or commit.
-        aux_layer_ids / aux_layer_convention: override which target layers the drafter reads
-            (``"boundary"``: id k = input of layer k, as vLLM; ``"output"``: id k = output of layer k, as SpecForge).
-        fc_norm / norm_output: override the EAGLE-3.1 flags, e.g. ``norm_output=False`` for drafters trained by
-            SpecForge <= 0.2.0, which fed back the pre-norm state whatever their config says.
-        dtype: cast the weights (by default they keep the checkpoint's dtype until `generate()` moves them to the
-            target's).
-        hub_kwargs: passed to ``huggingface_hub.snapshot_download`` (``cache_dir``, ``token``, ``local_files_only``...).
-    """
-    from .checkpoint import load_drafter
-
-    overrides = {k: v for k, v in (("fc_norm", fc_norm), ("norm_output", norm_output)) if v is not None}
-    return load_drafter(
-        cls,
-        pretrained_model_name_or_path,
-        revision=revision,
-        aux_layer_ids=aux_layer_ids,
-        aux_layer_convention=aux_layer_convention,
-        dtype=dtype,
-        config_overrides=overrides,
-        **hub_kwargs,
-    )
-
-
-def _save_pretrained(self, save_directory, target_model: str | None = None, **kwargs):
-    """Save in the EAGLE-3 layout vLLM and SGLang read (``model.safetensors`` + flat Llama ``config.json``).
-
-    The EAGLE-3.1 flags are top-level keys; our provenance (library version, aux-id convention, target) sits in
-    an ``eagle_hf`` block that engines ignore.
-    """
-    from . import __version__
-
-    if target_model is not None:
-        self.config.target_model = target_model
-    self.config.eagle_hf = {
-        "version": __version__,
-        "aux_layer_convention": "boundary",
-        "target_model": self.config.target_model,
-    }
-    return PreTrainedModel.save_pretrained(self, save_directory, **kwargs)
-
-
-EagleDrafter.from_pretrained = classmethod(_from_pretrained)
-EagleDrafter.save_pretrained = _save_pretrained
-
-
-def _for_target(cls, target, draft_vocab_size: int | None = None, eagle31: bool = True, aux_layer_ids=None, **overrides):
-    """A freshly initialised drafter shaped for `target` (same width and heads, target's embedding)."""
-    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    if aux_layer_ids is None:  # shallow targets (< 5 layers) have fewer than 3 distinct default taps
-        from .capture import default_aux_layer_ids
-
-        default_ids = default_aux_layer_ids(int(text.num_hidden_layers))
-        aux_layer_ids = default_ids if len(default_ids) != 3 else None
-    kwargs = dict(
-        hidden_size=text.hidden_size,
-        intermediate_size=getattr(text, "intermediate_size", 4 * text.hidden_size),
-        num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=getattr(text, "num_key_value_heads", text.num_attention_heads),
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-        vocab_size=text.vocab_size,
-        draft_vocab_size=draft_vocab_size or text.vocab_size,
-        rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
-        rope_theta=(getattr(text, "rope_parameters", None) or {}).get("rope_theta", 10000.0),
-        max_position_embeddings=getattr(text, "max_position_embeddings", 2048),
-        fc_norm=eagle31,
-        norm_output=eagle31,
-        aux_layer_ids=aux_layer_ids,
-        target_model=getattr(target, "name_or_path", None),
-    )
-    kwargs.update(overrides)
-    drafter = cls(EagleConfig(**kwargs))
-    return drafter.to(target.get_input_embeddings().weight.dtype)
-
-
-EagleDrafter.for_target = classmethod(_for_target)

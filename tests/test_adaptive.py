@@ -5,7 +5,8 @@ import torch
 from conftest import tiny_drafter, tiny_target
 
 import eagle_hf
-from eagle_hf.adaptive import CostModel, DraftLengthController, measure_costs
+from eagle_hf.adaptive import CostModel, DraftLengthController
+from eagle_hf.hf.costs import measure_costs
 
 MEASURED_CPU = CostModel(verify=[1.0] + [1.4] * 15, draft_step=0.023)  # SmolLM2 bf16 on this project's CPU
 CPU_LIKE = CostModel(verify=[1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.4, 1.5], draft_step=0.06)

@@ -17,7 +17,8 @@ from transformers import GenerationConfig, LlamaConfig
 import eagle_hf
 from conftest import HIDDEN, VOCAB, tiny_drafter, tiny_target
 from eagle_hf import DrafterLoadError, EagleCompatibilityError, EagleDrafter
-from eagle_hf import hf_integration
+from eagle_hf.hf import hooks as hf_integration
+from eagle_hf.hf.version import check_transformers_version
 
 DRAFT_VOCAB = 48
 
@@ -105,11 +106,11 @@ def test_bad_draft_length(target, drafter, no_generation):
 
 def test_unsupported_transformers_version():
     with pytest.raises(EagleCompatibilityError, match=r"supports transformers >=5\.20\.0,<6\.0\.0; found 4\.50\.0"):
-        hf_integration.check_transformers_version("4.50.0")
+        check_transformers_version("4.50.0")
     with pytest.raises(EagleCompatibilityError, match="found 6.0.0"):
-        hf_integration.check_transformers_version("6.0.0")
-    hf_integration.check_transformers_version("5.23.0")
-    hf_integration.check_transformers_version()  # the installed one
+        check_transformers_version("6.0.0")
+    check_transformers_version("5.23.0")
+    check_transformers_version()  # the installed one
 
 
 def test_no_drafter_no_change(target):

@@ -26,7 +26,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import eagle_hf
 from eagle_hf import EagleCompatibilityError
 from eagle_hf.capture import default_aux_layer_ids, gather_aux, hidden_state_request
-from eagle_hf.hf_integration import EagleCandidateGenerator
+from eagle_hf.hf import EagleCandidateGenerator
 
 from conftest import VOCAB, tiny_drafter, tiny_target
 

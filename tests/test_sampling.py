@@ -19,7 +19,7 @@ import torch
 
 import eagle_hf
 from conftest import tiny_drafter, tiny_target
-from eagle_hf.hf_integration import EagleCandidateGenerator
+from eagle_hf.hf import EagleCandidateGenerator
 
 scipy_stats = pytest.importorskip("scipy.stats")
 

@@ -7,9 +7,10 @@ import torch
 from conftest import tiny_drafter, tiny_target
 
 import eagle_hf
-from eagle_hf import tree_decoding
-from eagle_hf.tree import DraftTree, accept_greedy, accept_sampling
-from eagle_hf.tree_decoding import tree_attention_mask
+from eagle_hf import speculation
+from eagle_hf.hf.cache import tree_attention_mask
+from eagle_hf.tree import DraftTree
+from eagle_hf.verification import accept_greedy, accept_sampling
 
 #      0 (root)
 #     / \
@@ -77,7 +78,7 @@ def oracle_tree(truth: list[int]):
     """Patch draft_tree: one branch follows the true greedy continuation (with a wrong token at depth 3),
     a sibling branch is wrong from the start."""
 
-    def fake(drafter, state, root_token, logits, hidden, depth, top_k, total_tokens, confidence_threshold=0.0):
+    def fake(drafter, state, root_token, logits, hidden, depth, top_k, total_tokens, *args, **kwargs):
         seq_len = state.length + 1  # real drafter rows pair features t with token t+1
         assert truth[seq_len - 1] == root_token
         cont = truth[seq_len : seq_len + depth]
@@ -90,7 +91,7 @@ def oracle_tree(truth: list[int]):
         toks, parents = toks[:total_tokens], parents[:total_tokens]
         return DraftTree(torch.tensor(toks), torch.tensor(parents), torch.zeros(len(toks)))
 
-    return mock.patch.object(tree_decoding, "draft_tree", fake)
+    return mock.patch.object(speculation, "draft_tree", fake)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "qwen2"])
@@ -164,7 +165,7 @@ def test_tree_mode_sampling_is_lossless():
 
 
 def test_custom_generate_folder_and_callable(tmp_path):
-    from eagle_hf.hf_integration import write_custom_generate
+    from eagle_hf import write_custom_generate
 
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
@@ -207,7 +208,7 @@ def test_pruned_tree_is_the_full_tree_above_the_threshold():
     import math
 
     from eagle_hf.drafting import DraftState
-    from eagle_hf.tree import draft_tree
+    from eagle_hf.drafting import draft_tree
 
     target = tiny_target("llama")
     drafter = tiny_drafter(target, seed=3)
@@ -216,7 +217,7 @@ def test_pruned_tree_is_the_full_tree_above_the_threshold():
         drafter.lm_head.weight.mul_(30.0)  # a peaky drafter: some branches are confident, others not
     ids = torch.randint(1, 96, (1, 9))
     from eagle_hf.capture import gather_aux
-    from eagle_hf.hf_integration import check_compatible
+    from eagle_hf.hf import check_compatible
 
     out = target(ids, output_hidden_states=True)
     aux = gather_aux(out.hidden_states, check_compatible(target, drafter))[:, :-1]  # [1, 8, A]

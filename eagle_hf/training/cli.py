@@ -29,7 +29,9 @@ def add_train_parser(sub) -> None:
 
 
 def cmd_train(args) -> int:
-    from ..cli import _load_target
+    import torch
+
+    from ..default import load_target
     from .pipeline import RunConfig, run_training
     from .trainer import TrainConfig
 
@@ -43,7 +45,7 @@ def cmd_train(args) -> int:
         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
         temperature=args.temperature, seed=args.seed, responses=args.responses, train=tcfg,
     )
-    target, tok = _load_target(args.target, args.dtype)
+    target, tok = load_target(args.target, dtype=getattr(torch, args.dtype))
     run_training(target, tok, args.out, run)
     print(f"Saved {'EAGLE-3' if args.eagle3 else 'EAGLE-3.1'} drafter to {args.out}")
     return 0

@@ -1,0 +1,132 @@
+"""One EAGLE `generate()` call: its checks before any compute, and its context (visible to the hooks in this thread)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation.utils import GenerationMixin
+
+from ..capture import num_decoder_layers, resolve_aux_layer_ids
+from ..errors import EagleCompatibilityError
+from ..modeling import EagleDrafter
+from ..settings import DraftSettings
+from ..speculation import DraftListener
+from ..stats import SpecDecodeStats
+
+logger = logging.getLogger(__name__)
+
+_GENERATE_PARAMETERS = list(inspect.signature(GenerationMixin.generate).parameters)[1:]  # without self
+
+
+def as_keywords(args: tuple, kwargs: dict) -> dict:
+    """generate()'s positional arguments as keywords (in transformers' signature order): nothing is edited by
+    position afterwards."""
+    named = [p for p in _GENERATE_PARAMETERS if p != "kwargs"]
+    if len(args) > len(named):
+        raise TypeError(f"generate() takes at most {len(named)} positional arguments, got {len(args)}.")
+    out = dict(zip(named, args))
+    clash = set(out) & set(kwargs)
+    if clash:
+        raise TypeError(f"generate() got multiple values for {sorted(clash)}.")
+    return {**out, **kwargs}
+
+
+@dataclass
+class EagleCall:
+    """What the hooks of one EAGLE generate() call share: set for the call's duration in its thread."""
+
+    drafter: EagleDrafter
+    aux_ids: list[int]
+    settings: DraftSettings
+    stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    listeners: list[DraftListener] = field(default_factory=list)
+    controller: object | None = None  # DraftLengthController of the adaptive schedule
+
+
+_local = threading.local()
+
+
+def active_call() -> EagleCall | None:
+    return getattr(_local, "call", None)
+
+
+def set_active_call(call: EagleCall | None) -> None:
+    _local.call = call
+
+
+def check_compatible(target, drafter: EagleDrafter) -> list[int]:
+    """Validate that `drafter` can draft for `target`; return the boundary aux ids it reads."""
+    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    cfg = drafter.config
+    where = f"drafter {cfg.name_or_path or '(unnamed)'} and target {getattr(target, 'name_or_path', '?')}"
+    if cfg.vocab_size != text.vocab_size:
+        raise EagleCompatibilityError(
+            f"Vocabulary mismatch between {where}: the drafter was built for a {cfg.vocab_size}-token vocabulary, "
+            f"the target has {text.vocab_size}. This drafter belongs to another target model; use the drafter "
+            "trained for this target (or train one with `eagle-hf train`)."
+        )
+    if cfg.target_hidden_size != text.hidden_size:
+        raise EagleCompatibilityError(
+            f"Hidden-size mismatch between {where}: the drafter reads {cfg.target_hidden_size}-wide target hidden "
+            f"states, the target's are {text.hidden_size}-wide. This drafter belongs to another target model."
+        )
+    if drafter.embed_tokens is None:
+        emb = target.get_input_embeddings()
+        if emb.weight.shape[-1] != cfg.hidden_size:
+            raise EagleCompatibilityError(
+                f"The drafter ships no embedding and its width {cfg.hidden_size} differs from the target's "
+                f"embedding width {emb.weight.shape[-1]}; it cannot share the target's embedding."
+            )
+    ids = resolve_aux_layer_ids(cfg.aux_layer_ids, num_decoder_layers(target), "boundary")
+    if len(ids) != cfg.num_aux_hidden_states:
+        raise EagleCompatibilityError(
+            f"The {where} disagree on the captured layers: the drafter's fc reads {cfg.num_aux_hidden_states} "
+            f"target hidden states but resolves to the {len(ids)} taps {ids} on this {num_decoder_layers(target)}-layer "
+            "target. Load the drafter with `EagleDrafter.from_pretrained(..., aux_layer_ids=[...])`, one id per tap "
+            "the drafter was trained on."
+        )
+    return ids
+
+
+def check_call(kwargs: dict) -> None:
+    """Inputs and generation modes EAGLE drafting cannot serve, before any compute."""
+    inputs = kwargs.get("inputs", kwargs.get("input_ids"))
+    if isinstance(inputs, torch.Tensor):
+        if inputs.dim() == 2 and inputs.shape[0] > 1:
+            raise EagleCompatibilityError(
+                f"EAGLE drafting supports batch size 1; got {inputs.shape[0]} sequences. Call generate() once per "
+                "prompt (or generate without the drafter for batched throughput)."
+            )
+        if inputs.shape[-1] == 0:
+            raise EagleCompatibilityError("The prompt is empty: pass at least one token (e.g. the chat template's).")
+    gen_config = kwargs.get("generation_config")
+    nrs = kwargs.get("num_return_sequences", getattr(gen_config, "num_return_sequences", None)) or 1
+    if nrs > 1:
+        raise EagleCompatibilityError(
+            f"num_return_sequences={nrs} is not supported with EAGLE drafting; call generate() {nrs} times."
+        )
+    if (kwargs.get("num_beams") or getattr(gen_config, "num_beams", 1) or 1) > 1:
+        raise EagleCompatibilityError("Beam search cannot be combined with speculative decoding; drop num_beams.")
+
+
+def prompt_length(kwargs: dict) -> int | None:
+    inputs = kwargs.get("inputs", kwargs.get("input_ids"))
+    return int(inputs.shape[-1]) if isinstance(inputs, torch.Tensor) else None
+
+
+def prepare_drafter(target, drafter: EagleDrafter) -> None:
+    """Put the drafter on the target's device and dtype and give it the target's embedding when it has none."""
+    emb = target.get_input_embeddings()
+    device, dtype = emb.weight.device, emb.weight.dtype
+    if not dtype.is_floating_point:  # quantized embeddings
+        dtype = getattr(target, "dtype", torch.float32)
+    if drafter.fc.weight.device != device or drafter.fc.weight.dtype != dtype:
+        logger.info("Moving the drafter to %s / %s to match the target", device, dtype)
+        drafter.to(device=device, dtype=dtype)
+    if drafter.embed_tokens is None:
+        drafter.bind_target_embedding(emb)
+    drafter.eval()

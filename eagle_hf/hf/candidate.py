@@ -1,0 +1,91 @@
+"""Chain mode: the `Speculator` behind transformers' `CandidateGenerator` seam (its assisted loop verifies)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from ..capture import gather_aux, hidden_state_request
+from ..drafting import Choice
+from ..speculation import Speculator
+from ..verification import process_logits
+
+
+class EagleCandidateGenerator(CandidateGenerator):
+    """Chain drafting for transformers' assisted-decoding loop, from the target's own hidden states.
+
+    Each round: the target's last forward returned aux taps for the positions it verified; the accepted ones are
+    committed as real drafter rows, then the speculator drafts a chain. With ``do_sample`` drafts are sampled
+    from the drafter's distribution after the same logits processors as the target, and those exact
+    distributions are returned as ``candidate_logits`` for transformers' lossless rejection sampling.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, generation_config, logits_processor, call, speculator: Speculator):
+        self.aux_ids = list(call.aux_ids)
+        # a user who asked for all hidden states keeps them; we read our taps from the full tuple
+        wanted = True if generation_config.output_hidden_states else hidden_state_request(self.aux_ids)
+        self.model_kwargs_overrides = {"output_hidden_states": wanted}
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor
+        self.max_length = generation_config.max_length
+        self.speculator = speculator
+        self.drafter = speculator.drafter
+
+    @property
+    def state(self):
+        return self.speculator.state
+
+    @property
+    def stats(self):
+        return self.speculator.stats
+
+    def _choose(self, draft_logits: torch.Tensor, prefix: torch.Tensor, drafted: list[int]):
+        """draft_logits: [1, Vd] -> (target id, processed target logits [1, V] or None, its probability)."""
+        if not self.do_sample and len(self.logits_processor) == 0:
+            probs = torch.softmax(draft_logits.float(), dim=-1)
+            p, idx = probs.max(dim=-1)
+            return self.drafter.draft_to_target(idx)[0], None, float(p)
+        logits = self.drafter.target_logits(draft_logits.float())  # [1, V]
+        logits = process_logits(self.logits_processor, prefix, [drafted], logits)
+        probs = torch.softmax(logits, dim=-1)
+        token = torch.multinomial(probs, 1)[0, 0] if self.do_sample else probs.argmax(-1)[0]
+        return token, (logits if self.do_sample else None), float(probs[0, token])
+
+    def _chooser(self, prefix: torch.Tensor):
+        """The chain's chooser (one child per node) over `_choose`, for `draft_tree`."""
+
+        def choose(logits: torch.Tensor, paths: list[list[int]]) -> Choice:  # logits: [1, Vd]
+            token, q, prob = self._choose(logits[:1], prefix, paths[0])
+            return Choice(torch.tensor([[int(token)]]), torch.tensor([[math.log(max(prob, 1e-30))]]),
+                          None if q is None else q[:, None])  # q: [1, 1, V]
+
+        return choose
+
+    # -- CandidateGenerator API ---------------------------------------------------------------------------
+    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, n_last_matches=0):
+        sp = self.speculator
+        if is_first_iteration or model_outputs is None:
+            sp.round = "prefill"
+            return input_ids, None  # the target prefills; drafting starts from its hidden states
+        sp.begin_round()
+        device = self.drafter.fc.weight.device
+        with torch.no_grad():
+            aux = gather_aux(model_outputs.hidden_states, self.aux_ids, device)  # [1, t, A*H_t]
+            n_new = aux.shape[1] if sp.round == "prefill" else n_last_matches + 1
+            sp.commit(aux[:, :n_new], input_ids[:, -n_new:].to(device), position=input_ids.shape[1] - 1 - n_new)
+            depth = sp.choose_depth(room=self.max_length - input_ids.shape[1] - 1)
+            if depth == 0:  # plain decoding this round; the drafter catches up when drafting resumes
+                return input_ids, None
+            tree = sp.draft(int(input_ids[0, -1]), depth, depth + 1, self._chooser(input_ids.to(device)))
+        if tree.num_drafts == 0:
+            return input_ids, None
+        drafts = tree.tokens[1:].to(input_ids.device, input_ids.dtype)[None]  # [1, k]
+        q = tree.q_logits[1:][None] if tree.q_logits is not None else None  # [1, k, V]
+        return torch.cat([input_ids, drafts], 1), q
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        self.speculator.record(int(num_matches), int(input_ids[0, -1]))

@@ -1,0 +1,84 @@
+"""Costs measured on the target's device, and the adaptive schedule's controller for one call."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import statistics
+
+import torch
+
+from ..adaptive import CostModel, DraftLengthController
+from ..settings import DraftSettings
+from ..timing import Clock
+from .cache import new_cache
+
+logger = logging.getLogger(__name__)
+
+_COST_CACHE: dict[tuple, CostModel] = {}
+
+
+@torch.no_grad()
+def measure_costs(target, drafter, max_tokens: int = 9, context: int = 128, repeats: int = 5) -> CostModel:
+    """Time target forwards over 1..max_tokens new tokens (on a `context`-token cache) and one drafter step.
+
+    Cached per (target, drafter width, device, dtype): about a second once per process on a CPU.
+    """
+    key = (id(target), drafter.config.hidden_size, str(target.device), str(target.dtype))
+    if key in _COST_CACHE and len(_COST_CACHE[key].verify) >= max_tokens:
+        return _COST_CACHE[key]
+    device = target.device
+    vocab = target.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (1, context + max_tokens), device=device)
+
+    clock = Clock(device)
+
+    def timed(fns: list) -> list[float]:
+        """Median time of each fn over `repeats` interleaved rounds (after one untimed round)."""
+        samples = [[] for _ in fns]
+        for r in range(repeats + 1):
+            for i, fn in enumerate(fns):
+                t0 = clock()
+                fn()
+                if r:
+                    samples[i].append(clock() - t0)
+        return [statistics.median(s) for s in samples]
+
+    cache = new_cache(target)
+    target(ids[:, :context], past_key_values=cache, use_cache=True)
+
+    def forward(n: int):
+        target(ids[:, context : context + n], past_key_values=cache, use_cache=True)
+        cache.crop(-n)
+
+    times = timed([functools.partial(forward, n) for n in range(1, max_tokens + 1)])
+    base = times[0]
+    verify = [max(t / base, 1.0) for t in times]
+    for i in range(1, len(verify)):  # monotone, for a well-behaved argmax
+        verify[i] = max(verify[i], verify[i - 1])
+    h = drafter.config.hidden_size
+    hidden = torch.zeros(1, 1, h, device=device, dtype=drafter.fc.weight.dtype)
+    tok = torch.zeros(1, 1, dtype=torch.long, device=device)
+    past_out = drafter.step(hidden.expand(1, context, h), tok.expand(1, context), torch.arange(context, device=device)[None])
+    (draft,) = timed([lambda: drafter.step(hidden, tok, torch.tensor([[context]], device=device), past=past_out.kv)])
+    model = CostModel(verify=verify, draft_step=draft / base, base_seconds=base)
+    logger.info("Measured costs on %s: verify %s, drafter step %.3f (relative to one target token)",
+                device, [round(v, 2) for v in verify], model.draft_step)
+    _COST_CACHE[key] = model
+    return model
+
+
+def controller_for(target, drafter, settings: DraftSettings) -> DraftLengthController | None:
+    """The per-call controller of the "adaptive" schedule (None for fixed schedules), chain or tree."""
+    if not settings.adaptive:
+        return None
+    tree = settings.mode == "tree"
+    cost = measure_costs(target, drafter, max_tokens=max(9, settings.total_tokens if tree else settings.depth + 1))
+    return DraftLengthController(
+        cost,
+        max_draft=settings.depth,
+        probe_every=settings.probe_every,
+        min_gain=settings.min_gain,
+        keep_gain=settings.keep_gain,
+        tree=(settings.top_k, settings.total_tokens) if tree else None,
+    )

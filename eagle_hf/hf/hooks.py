@@ -1,0 +1,137 @@
+"""The two hooks that bring EAGLE drafters into transformers' own `generate()`; pass-through for every other call.
+
+* ``GenerationMixin.generate`` is wrapped to validate the drafter and the call before anything runs, resolve
+  the draft settings, and publish the call's :class:`SpecDecodeStats`. Chain mode then runs transformers'
+  assisted loop; tree mode runs `tree_custom_generate` through generate()'s own ``custom_generate`` argument.
+* ``GenerationMixin._get_candidate_generator`` returns our chain adapter when the assistant is an EAGLE drafter.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+from transformers.generation.utils import GenerationMixin
+
+from ..adaptive import choose_tree_size
+from .costs import controller_for, measure_costs
+from ..modeling import EagleDrafter
+from ..settings import CALL_KEYWORDS, OWN_KEYWORDS, DraftSettings
+from ..speculation import Speculator
+from ..stats import _set_last
+from .call import (
+    EagleCall, active_call, as_keywords, check_call, check_compatible, prepare_drafter, prompt_length, set_active_call,
+)
+from .cache import tree_unsupported_reason
+from .candidate import EagleCandidateGenerator
+from .stopping import trim_at_stopping_criteria
+from .tree_loop import tree_custom_generate
+from .version import check_transformers_version
+
+logger = logging.getLogger(__name__)
+
+_original_generate = GenerationMixin.generate
+_original_get_candidate_generator = GenerationMixin._get_candidate_generator
+
+#: inputs tree mode cannot take yet: the call runs in chain mode
+CHAIN_ONLY_INPUTS = ("pixel_values", "image_grid_thw", "token_type_ids", "inputs_embeds")
+
+
+@functools.wraps(_original_generate)
+def generate(self, *args, **kwargs):
+    drafter = kwargs.get("assistant_model")
+    if drafter is None and args:
+        drafter = as_keywords(args, {}).get("assistant_model")
+    if not isinstance(drafter, EagleDrafter):
+        return _original_generate(self, *args, **kwargs)
+    kwargs = as_keywords(args, kwargs)
+    check_transformers_version()
+    aux_ids = check_compatible(self, drafter)
+    check_call(kwargs)
+    settings = DraftSettings.resolve(drafter.config.draft_settings, kwargs.get("generation_config"),
+                                     {k: kwargs.pop(k, None) for k in CALL_KEYWORDS})
+    call = EagleCall(drafter, aux_ids, settings, listeners=list(kwargs.pop("draft_listeners", None) or []))
+    prepare_drafter(self, drafter)
+    if settings.mode == "tree":
+        reason = _tree_unsupported(self, kwargs)
+        if reason:
+            _log_fallback_once(self, reason)
+            settings.mode = "chain"
+    if settings.mode == "tree" and settings.total_tokens <= 0:  # -1: size the tree from measured verify costs
+        settings.total_tokens = choose_tree_size(measure_costs(self, drafter, max_tokens=32))
+        logger.info("Tree size chosen from measured verify costs: %d tokens", settings.total_tokens)
+    call.controller = controller_for(self, drafter, settings)
+    if settings.mode == "tree":
+        kwargs.pop("assistant_model")
+        kwargs["custom_generate"] = tree_custom_generate
+    for key in OWN_KEYWORDS:
+        kwargs.pop(key, None)
+    return _run(self, kwargs, call)
+
+
+def _run(self, kwargs: dict, call: EagleCall):
+    """Run transformers' generate() with `call` visible to our hooks; collect and publish the stats."""
+    set_active_call(call)
+    start = time.perf_counter()
+    try:
+        out = _original_generate(self, **kwargs)
+    finally:
+        set_active_call(None)
+        call.stats.total_time = time.perf_counter() - start
+    prompt_len = prompt_length(kwargs)
+    out = trim_at_stopping_criteria(out, prompt_len, kwargs)
+    sequences = getattr(out, "sequences", out)
+    if prompt_len is not None:
+        call.stats.new_tokens = int(sequences.shape[-1] - prompt_len)
+    _set_last(call.stats)
+    logger.info("EAGLE generate (%s): %s", call.settings.mode, call.stats.summary())
+    return out
+
+
+def speculator_for(target) -> tuple[EagleCall, Speculator]:
+    """The active call and a fresh speculator for it (one per decoding loop)."""
+    call = active_call()
+    return call, Speculator(call.drafter, call.settings, call.stats, call.controller, call.listeners)
+
+
+def _tree_unsupported(target, kwargs: dict) -> str | None:
+    special = [k for k in CHAIN_ONLY_INPUTS if kwargs.get(k) is not None]
+    if special:
+        return f"tree mode does not take {', '.join(special)} yet"
+    reason = tree_unsupported_reason(target)
+    return f"{type(target).__name__}: {reason}" if reason else None
+
+
+def _log_fallback_once(target, reason: str) -> None:
+    """Warn once per model (later calls log at debug level): the fallback is a property of the model."""
+    level = logging.DEBUG if getattr(target, "_eagle_hf_warned_fallback", False) else logging.WARNING
+    logger.log(level, "Tree drafting is not possible here (%s); falling back to chain drafting.", reason)
+    target._eagle_hf_warned_fallback = True
+
+
+def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                             assistant_model=None, **kwargs):
+    call = active_call()
+    if isinstance(assistant_model, EagleDrafter) and call is not None:
+        _, speculator = speculator_for(self)
+        return EagleCandidateGenerator(generation_config, logits_processor, call, speculator)
+    return _original_get_candidate_generator(
+        self, generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
+        logits_processor=logits_processor, model_kwargs=model_kwargs, assistant_model=assistant_model, **kwargs,
+    )
+
+
+def install() -> None:
+    """Install the two hooks (idempotent). Called by ``import eagle_hf``."""
+    if getattr(GenerationMixin, "_eagle_hf_installed", False):
+        return
+    GenerationMixin.generate = generate
+    GenerationMixin._get_candidate_generator = _get_candidate_generator
+    GenerationMixin._eagle_hf_installed = True
+
+
+def uninstall() -> None:
+    GenerationMixin.generate = _original_generate
+    GenerationMixin._get_candidate_generator = _original_get_candidate_generator
+    GenerationMixin._eagle_hf_installed = False

@@ -1,0 +1,196 @@
+"""`DraftSettings`: every drafting setting, one name each, typed and validated.
+
+Sources, lowest to highest precedence: the defaults below, the drafter's ``config.json`` (`draft_settings`), the
+call's ``generation_config``, the call's keywords. The `generate()` keywords are the field names, except where
+transformers already has a name for the same thing:
+
+=====================================  =======================  ====================================================
+``generate()`` keyword                 field                    note
+=====================================  =======================  ====================================================
+``draft_mode``                         ``mode``
+``num_assistant_tokens``               ``depth``                transformers' fixed draft length: also selects the
+                                                                ``"constant"`` schedule unless a schedule is given
+``num_assistant_tokens_schedule``      ``schedule``
+``assistant_confidence_threshold``     ``confidence_threshold``
+``tree_depth``                         ``depth``
+``tree_top_k``                         ``top_k``
+``tree_total_tokens``                  ``total_tokens``
+=====================================  =======================  ====================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .errors import EagleCompatibilityError
+
+logger = logging.getLogger(__name__)
+
+MODES = ("chain", "tree")
+SCHEDULES = ("adaptive", "constant", "heuristic", "heuristic_transient")
+MAX_DEPTH = 32
+
+#: generate() keyword -> field, where the keyword is not the field's own name
+CALL_KEYWORDS = {
+    "draft_mode": "mode",
+    "num_assistant_tokens": "depth",
+    "num_assistant_tokens_schedule": "schedule",
+    "assistant_confidence_threshold": "confidence_threshold",
+    "tree_depth": "depth",
+    "tree_top_k": "top_k",
+    "tree_total_tokens": "total_tokens",
+}
+#: keywords only eagle_hf reads (generate() must not see them)
+OWN_KEYWORDS = ("draft_mode", "tree_depth", "tree_top_k", "tree_total_tokens")
+
+#: `draft_settings` keys written by eagle_hf 0.1 drafters -> today's field
+LEGACY_KEYS = {"num_draft_tokens": "depth", "max_draft_tokens": "depth"}
+
+
+class DraftSettingsError(EagleCompatibilityError):
+    """A drafting setting is unknown, out of range or contradicts another one; the message names the fix."""
+
+
+@dataclass
+class DraftSettings:
+    """How one `generate()` call drafts. A chain is a tree with ``top_k = 1``.
+
+    Attributes:
+        mode: ``"chain"`` (transformers' assisted loop drafts one path) or ``"tree"`` (our loop verifies a dynamic
+            EAGLE-2 draft tree in one target forward).
+        schedule: ``"adaptive"`` picks each round's depth from measured costs and running acceptance and decodes
+            plainly when drafting does not pay; ``"constant"`` always drafts ``depth``; ``"heuristic"`` /
+            ``"heuristic_transient"`` (chain only) are transformers' schedules: +2 after a fully accepted draft,
+            -1 otherwise.
+        depth: the most drafts on one path: a chain's length, a tree's depth. The adaptive schedule chooses
+            each round's depth up to this.
+        top_k: tree mode: children expanded per frontier node. Chain mode is ``top_k = 1``.
+        total_tokens: tree mode: verified tokens per round, the root included; -1 sizes the tree from this
+            device's measured verify costs.
+        confidence_threshold: chain: end the chain after a draft whose probability is below this (transformers'
+            ``assistant_confidence_threshold``); tree: prune branches whose cumulative draft probability is
+            below it (a fully pruned tree is a plain step). 0 turns it off.
+        probe_every: adaptive: plain steps before drafting is tried again (doubles after each failed probe).
+        min_gain: adaptive: start drafting when the expected speedup over plain decoding exceeds this ...
+        keep_gain: adaptive: ... and keep drafting until it falls below this (hysteresis, after a warm-up).
+    """
+
+    mode: str = "chain"
+    schedule: str = "adaptive"
+    depth: int = 5
+    top_k: int = 4
+    total_tokens: int = 16
+    confidence_threshold: float = 0.0
+    probe_every: int = 16
+    min_gain: float = 1.0
+    keep_gain: float = 0.95
+    sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)  # field -> where it came from
+
+    @property
+    def branching(self) -> int:
+        """Children per expanded node: ``top_k`` in tree mode, 1 for a chain."""
+        return self.top_k if self.mode == "tree" else 1
+
+    @property
+    def adaptive(self) -> bool:
+        return self.schedule == "adaptive"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
+
+    def replace(self, **changes) -> DraftSettings:
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ building and checking
+    @classmethod
+    def resolve(cls, saved: dict | None, generation_config=None, call: dict | None = None) -> DraftSettings:
+        """Defaults < `saved` (a drafter's ``draft_settings``) < ``generation_config`` < `call` keywords."""
+        settings, sources = cls(), {}
+        names = {f.name for f in fields(cls)} - {"sources"}
+        for key, value in (saved or {}).items():
+            name = LEGACY_KEYS.get(key, key)
+            if name not in names:
+                raise DraftSettingsError(
+                    f"Unknown key {key!r} in the drafter's config.json `draft_settings`; valid keys: {sorted(names)}. "
+                    "Remove it from config.json."
+                )
+            if key in LEGACY_KEYS:
+                logger.info("draft_settings key %r is read as %r", key, name)
+            setattr(settings, name, value)
+            sources[name] = "the drafter's config.json `draft_settings`"
+        for where, values in (("generation_config", _from_generation_config(generation_config)), ("this call", call or {})):
+            for keyword, value in values.items():
+                if value is None:
+                    continue
+                setattr(settings, CALL_KEYWORDS.get(keyword, keyword), value)
+                sources[CALL_KEYWORDS.get(keyword, keyword)] = f"{keyword}= in {where}"
+        if _explicit_length(generation_config, call) and not _explicit_schedule(generation_config, call):
+            if settings.schedule == "adaptive":
+                settings.schedule = "constant"  # transformers' meaning: a fixed draft length
+                sources["schedule"] = "num_assistant_tokens= (a fixed draft length selects the constant schedule)"
+                logger.info("num_assistant_tokens=%s: constant schedule (pass num_assistant_tokens_schedule="
+                            "'adaptive' to adapt up to that depth)", settings.depth)
+        settings.sources = sources
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        def where(name: str) -> str:
+            return f"(from {self.sources.get(name, 'the defaults')})"
+
+        if self.mode not in MODES:
+            raise DraftSettingsError(f"draft_mode must be 'chain' or 'tree', got {self.mode!r} {where('mode')}.")
+        if self.schedule not in SCHEDULES:
+            raise DraftSettingsError(
+                f"num_assistant_tokens_schedule must be one of {SCHEDULES}, got {self.schedule!r} {where('schedule')}."
+            )
+        for name in ("depth", "top_k", "total_tokens", "probe_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or int(value) != value:
+                raise DraftSettingsError(f"{name} must be an integer, got {value!r} {where(name)}.")
+            setattr(self, name, int(value))
+        for name in ("confidence_threshold", "min_gain", "keep_gain"):
+            setattr(self, name, float(getattr(self, name)))
+        if not 1 <= self.depth <= MAX_DEPTH:
+            keyword = "num_assistant_tokens" if self.mode == "chain" else "tree_depth"
+            raise DraftSettingsError(f"{keyword} must be in 1..{MAX_DEPTH}, got {self.depth} {where('depth')}.")
+        if self.top_k < 1:
+            raise DraftSettingsError(f"tree_top_k must be at least 1, got {self.top_k} {where('top_k')}.")
+        if self.probe_every < 1:
+            raise DraftSettingsError(f"probe_every must be at least 1, got {self.probe_every} {where('probe_every')}.")
+        if self.total_tokens < 2 and self.total_tokens != -1:
+            raise DraftSettingsError(
+                f"tree_total_tokens must be at least 2 (the root and one draft), or -1 to size the tree from "
+                f"measured costs; got {self.total_tokens} {where('total_tokens')}."
+            )
+        if not 0.0 <= self.confidence_threshold <= 1.0:
+            raise DraftSettingsError(
+                f"assistant_confidence_threshold must be in [0, 1], got {self.confidence_threshold} "
+                f"{where('confidence_threshold')}."
+            )
+        if self.keep_gain > self.min_gain:
+            raise DraftSettingsError(
+                f"keep_gain ({self.keep_gain}) must not exceed min_gain ({self.min_gain}): the adaptive schedule "
+                f"starts drafting above min_gain and stops below keep_gain {where('keep_gain')}."
+            )
+
+
+def _from_generation_config(generation_config) -> dict[str, Any]:
+    if generation_config is None:
+        return {}
+    return {k: getattr(generation_config, k, None) for k in CALL_KEYWORDS}
+
+
+def _explicit_length(generation_config, call) -> bool:
+    return (call or {}).get("num_assistant_tokens") is not None or (
+        generation_config is not None and getattr(generation_config, "num_assistant_tokens", None) is not None
+    )
+
+
+def _explicit_schedule(generation_config, call) -> bool:
+    return (call or {}).get("num_assistant_tokens_schedule") is not None or (
+        generation_config is not None and getattr(generation_config, "num_assistant_tokens_schedule", None) is not None
+    )
