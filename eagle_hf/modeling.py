@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
 from .config import EagleConfig
+from .hf.models import rope_init
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +46,13 @@ class Rotary(nn.Module):
 
     def __init__(self, config: EagleConfig):
         super().__init__()
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
         rope = config.rope_parameters
         dim = config.head_dim
         if rope.get("rope_type", "default") in ("default", "mrope"):  # mrope on text-only positions = default
             inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             self.scaling = 1.0
         else:
-            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, None)
+            inv_freq, self.scaling = rope_init(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._inv_freq32 = inv_freq.float()
 

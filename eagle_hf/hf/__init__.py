@@ -6,24 +6,32 @@
 - `tree_loop`: tree mode, prefill / draft / verify / commit, as a `custom_generate`;
 - `cache`: the target's KV-cache compaction and tree attention masks;
 - `stopping`: EOS ids and plain generate()'s stopping point replayed;
+- `costs`: verify and drafter costs measured on the device, and the adaptive controller of a call;
+- `models`: what is read from transformers' model classes (final-norm scale, RoPE menu);
 - `version`: the supported transformers versions; `hub`: the Hub-hostable `custom_generate/` folder.
 
 Tested against transformers 5.23 (``SUPPORTED_TRANSFORMERS``); other versions raise a clear error on use.
 """
 
-from .call import check_compatible
-from .candidate import EagleCandidateGenerator
-from .hooks import generate, install, uninstall
-from .hub import write_custom_generate
-from .version import SUPPORTED_TRANSFORMERS, check_transformers_version
+from __future__ import annotations
 
-__all__ = [
-    "EagleCandidateGenerator",
-    "SUPPORTED_TRANSFORMERS",
-    "check_compatible",
-    "check_transformers_version",
-    "generate",
-    "install",
-    "uninstall",
-    "write_custom_generate",
-]
+import importlib
+
+_EXPORTS = {
+    "EagleCandidateGenerator": "candidate",
+    "SUPPORTED_TRANSFORMERS": "version",
+    "check_compatible": "call",
+    "check_transformers_version": "version",
+    "generate": "hooks",
+    "install": "hooks",
+    "uninstall": "hooks",
+    "write_custom_generate": "hub",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """Exports load on first use, so that `eagle_hf.modeling` can use `eagle_hf.hf.models` without a cycle."""
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

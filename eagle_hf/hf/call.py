@@ -45,6 +45,7 @@ class EagleCall:
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     listeners: list[DraftListener] = field(default_factory=list)
     controller: object | None = None  # DraftLengthController of the adaptive schedule
+    streamer: object | None = None  # the call's streamer (tree mode feeds it itself)
 
 
 _local = threading.local()

@@ -51,13 +51,20 @@ def generate(self, *args, **kwargs):
     check_call(kwargs)
     settings = DraftSettings.resolve(drafter.config.draft_settings, kwargs.get("generation_config"),
                                      {k: kwargs.pop(k, None) for k in CALL_KEYWORDS})
-    call = EagleCall(drafter, aux_ids, settings, listeners=list(kwargs.pop("draft_listeners", None) or []))
+    call = EagleCall(drafter, aux_ids, settings, listeners=list(kwargs.pop("draft_listeners", None) or []),
+                     streamer=kwargs.get("streamer"))
     prepare_drafter(self, drafter)
     if settings.mode == "tree":
         reason = _tree_unsupported(self, kwargs)
         if reason:
             _log_fallback_once(self, reason)
             settings.mode = "chain"
+    cache = kwargs.get("past_key_values")
+    if settings.mode == "chain" and cache is not None and cache.get_seq_length() > 0:
+        # transformers' assisted loop (5.23) diverges from plain decoding when the cache already holds a prefix,
+        # for its own prompt lookup too; our loop with one child per node is the same chain, and exact
+        logger.info("A prefilled past_key_values: chain drafting runs in eagle_hf's loop (a tree with top_k=1).")
+        settings.mode, settings.top_k, settings.total_tokens = "tree", 1, settings.depth + 1
     if settings.mode == "tree" and settings.total_tokens <= 0:  # -1: size the tree from measured verify costs
         settings.total_tokens = choose_tree_size(measure_costs(self, drafter, max_tokens=32))
         logger.info("Tree size chosen from measured verify costs: %d tokens", settings.total_tokens)

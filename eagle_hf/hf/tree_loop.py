@@ -152,7 +152,7 @@ def tree_custom_generate(model, input_ids, logits_processor, stopping_criteria, 
     cache = model_kwargs.get("past_key_values")
     call, speculator = speculator_for(model)
     loop = TreeLoop(model, speculator, call.aux_ids, cache, logits_processor, stopping_criteria, generation_config,
-                    model_kwargs.get("streamer"))
+                    call.streamer)
     seq, emitted = loop.run(input_ids)
     if not generation_config.return_dict_in_generate:
         return seq

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..capture import default_aux_layer_ids, num_decoder_layers, resolve_aux_layer_ids
+from ..hf.models import final_norm_scale
 from ..modeling import EagleDrafter
 from .data import build_dataset, build_dataset_from_responses, load_shards, read_responses
 from .prompts import load_prompts
@@ -113,23 +114,11 @@ def prepare_drafter_for_training(target, data_dir, run: RunConfig, aux_ids):
     target.requires_grad_(False)  # the target is frozen: its embedding must not collect gradients
     drafter.bind_target_embedding(target.get_input_embeddings())
     head = target.get_output_embeddings().weight[vocab.target_ids].detach().float()
-    final_norm = _final_norm_weight(target)
+    final_norm = final_norm_scale(target)
     torch.manual_seed(run.seed)
     initialise_from_target(drafter, samples, vocab, head, final_norm)
     drafter.config.draft_vocab_coverage = vocab.coverage
     return drafter, samples, vocab, head
-
-
-def _final_norm_weight(target) -> torch.Tensor:
-    base = target.get_decoder() if hasattr(target, "get_decoder") else target.model
-    norm = getattr(base, "norm", None)
-    if norm is None or not hasattr(norm, "weight"):
-        return torch.ones(target.config.get_text_config().hidden_size)
-    w = norm.weight.detach().float()
-    # Gemma-style norms multiply by (1 + w)
-    if type(norm).__name__.startswith("Gemma"):
-        w = 1.0 + w
-    return w
 
 
 def finalize(drafter: EagleDrafter, target, out: Path, result: dict, vocab) -> None:

@@ -1,0 +1,292 @@
+"""The shared speculation round: typed settings, one drafting function, the verification rule with sampled drafts,
+tree-mode parity with chain mode, device-synced timings (injected clock) and the package layout."""
+
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from scipy import stats as scipy_stats
+from transformers import GenerationConfig
+
+import eagle_hf
+from eagle_hf import DraftSettings, EagleCompatibilityError
+from eagle_hf.adaptive import CostModel, DraftLengthController
+from eagle_hf.drafting import DraftState, draft_tree
+from eagle_hf.speculation import Speculator
+from eagle_hf.stats import SpecDecodeStats
+from eagle_hf.timing import Clock
+from eagle_hf.tree import DraftTree
+from eagle_hf.verification import accept_sampling
+
+from conftest import tiny_drafter, tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------------------ settings
+def test_settings_precedence_and_aliases():
+    s = DraftSettings.resolve({"depth": 7, "mode": "tree"}, GenerationConfig(tree_top_k=3), {"tree_total_tokens": 9})
+    assert (s.mode, s.depth, s.top_k, s.total_tokens, s.schedule) == ("tree", 7, 3, 9, "adaptive")
+    assert "tree_total_tokens" in s.sources["total_tokens"] and "config.json" in s.sources["depth"]
+    # transformers' fixed draft length: depth K with the constant schedule, unless a schedule is named
+    s = DraftSettings.resolve({}, None, {"num_assistant_tokens": 3})
+    assert (s.depth, s.schedule) == (3, "constant")
+    s = DraftSettings.resolve({}, None, {"num_assistant_tokens": 3, "num_assistant_tokens_schedule": "adaptive"})
+    assert (s.depth, s.schedule) == (3, "adaptive")
+    # keys saved by eagle_hf 0.1 drafters
+    assert DraftSettings.resolve({"num_draft_tokens": 4}).depth == 4
+    assert DraftSettings().branching == 1 and DraftSettings(mode="tree").branching == 4
+
+
+@pytest.mark.parametrize("saved,call,message", [
+    ({"depht": 3}, {}, "Unknown key 'depht'"),
+    ({}, {"tree_depth": 2.5}, "depth must be an integer"),
+    ({}, {"assistant_confidence_threshold": 1.5}, r"must be in \[0, 1\]"),
+    ({}, {"tree_top_k": 0}, "tree_top_k must be at least 1"),
+    ({"keep_gain": 1.2}, {}, "keep_gain"),
+    ({}, {"draft_mode": "forest"}, "draft_mode must be 'chain' or 'tree'"),
+])
+def test_bad_settings_name_the_problem(saved, call, message):
+    with pytest.raises(EagleCompatibilityError, match=message):
+        DraftSettings.resolve(saved, None, call)
+
+
+def test_unknown_saved_setting_fails_before_generation():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    drafter.config.draft_settings = {"max_draft": 4}
+    with pytest.raises(EagleCompatibilityError, match="config.json `draft_settings`"):
+        target.generate(torch.randint(1, 96, (1, 5)), assistant_model=drafter, max_new_tokens=4)
+    drafter.config.draft_settings = {}
+
+
+# ------------------------------------------------------------------------------------------------ drafting
+def _drafter_state(seed=3, peaky=30.0):
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, seed=seed)
+    drafter.bind_target_embedding(target.get_input_embeddings())
+    with torch.no_grad():
+        drafter.lm_head.weight.mul_(peaky)
+    ids = torch.randint(1, 96, (1, 9), generator=torch.Generator().manual_seed(seed))
+    from eagle_hf.capture import gather_aux
+    from eagle_hf.hf import check_compatible
+
+    out = target(ids, output_hidden_states=True)
+    aux = gather_aux(out.hidden_states, check_compatible(target, drafter))[:, :-1]  # [1, 8, A]
+    state = DraftState()
+    logits, hidden = state.extend(drafter, aux, ids[:, 1:])
+    return drafter, state, int(ids[0, -1]), logits, hidden
+
+
+def test_a_chain_is_the_tree_with_top_k_one():
+    """top_k=1 grows the greedy chain: each draft is the argmax after its parent, parents are the previous node."""
+    drafter, state, root, logits, hidden = _drafter_state()
+    tree = draft_tree(drafter, state, root, logits, hidden, 5, 1, 6)
+    assert tree.parents.tolist() == [-1, 0, 1, 2, 3, 4] and tree.depths().tolist() == [0, 1, 2, 3, 4, 5]
+    # recompute the chain step by step with the drafter's cache: same tokens
+    past, pos, h, lg, tokens = state.kv, state.next_position - 1, hidden, logits, []
+    for _ in range(5):
+        tok = int(drafter.draft_to_target(lg.argmax(-1))[0])
+        tokens.append(tok)
+        pos += 1
+        out = drafter.step(h, torch.tensor([[tok]]), torch.tensor([[pos]]), past=past)
+        past, lg, h = past.append(out.kv), out.logits[:, -1], out.hidden
+    assert tree.tokens[1:].tolist() == tokens
+    # the chain's confidences are each draft's own probability
+    own = [math.exp(float(tree.scores[i]) - float(tree.scores[i - 1])) for i in range(1, 6)]
+    assert tree.confidences() == pytest.approx(own)
+
+
+def test_chain_threshold_keeps_the_first_unsure_draft_and_tree_threshold_prunes_it():
+    drafter, state, root, logits, hidden = _drafter_state(peaky=1.0)  # unsure: probabilities ~1/96
+    chain = draft_tree(drafter, state, root, logits, hidden, 5, 1, 6, 0.5, prune=False)
+    tree = draft_tree(drafter, state, root, logits, hidden, 5, 1, 6, 0.5, prune=True)
+    assert chain.num_drafts == 1 and tree.num_drafts == 0
+
+
+# ------------------------------------------------------------------------------------------------ verification
+def test_sampled_and_deterministic_siblings_are_accepted_exactly():
+    """A root with a sampled child (drawn from q, with q recorded) and a deterministic sibling: the first emitted
+    token is distributed as the target's p (chi-square), whichever child is tried and whatever q is."""
+    vocab = 8
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(vocab, generator=g) * 1.5, -1)
+    q_logits = torch.randn(vocab, generator=g) * 2.0
+    q = torch.softmax(q_logits, -1)
+    first, n = [], 6000
+    for _ in range(n):
+        x = int(torch.multinomial(q, 1, generator=g))  # the sampled draft
+        tree = DraftTree(torch.tensor([0, x, 3]), torch.tensor([-1, 0, 0]), torch.zeros(3),
+                         q_logits=torch.stack([torch.zeros(vocab), q_logits, torch.zeros(vocab)]))
+        tree.q_logits[2] = torch.full((vocab,), -1e9)
+        tree.q_logits[2, 3] = 0.0  # node 2 is deterministic: one-hot on token 3
+        path, token = accept_sampling(tree, torch.stack([p, p, p]), generator=g)
+        first.append(int(tree.tokens[path[1]]) if len(path) > 1 else token)
+    observed = torch.bincount(torch.tensor(first), minlength=vocab).double()
+    assert scipy_stats.chisquare(observed.numpy(), (p.double() * n).numpy()).pvalue > 1e-3
+
+
+# ------------------------------------------------------------------------------------------------ tree parity
+def test_tree_mode_returns_what_chain_mode_returns():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids = torch.randint(1, 96, (1, 7), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_scores=True,
+              output_logits=True, output_hidden_states=True)
+    plain = target.generate(ids, **kw)
+    tree = target.generate(ids, assistant_model=drafter, draft_mode="tree", tree_depth=3, tree_top_k=2,
+                           tree_total_tokens=6, num_assistant_tokens_schedule="constant", **kw)
+    assert torch.equal(tree.sequences, plain.sequences)
+    assert len(tree.scores) == len(tree.logits) == len(tree.hidden_states) == 12
+    for a, b in zip(tree.logits, plain.logits):
+        assert torch.allclose(a, b, atol=1e-4)
+    assert tree.hidden_states[0][0].shape[1] == 7 and tree.hidden_states[5][-1].shape[1] == 1
+    assert torch.allclose(tree.hidden_states[5][-1], plain.hidden_states[5][-1], atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_a_cache_passed_in_is_used_and_returned(mode):
+    """Multi-turn reuse: generate once, then continue from the returned cache with a longer prompt."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    first = torch.randint(1, 96, (1, 6), generator=torch.Generator().manual_seed(4))
+    kw = dict(do_sample=False, return_dict_in_generate=True, assistant_model=drafter, draft_mode=mode)
+    res = target.generate(first, max_new_tokens=8, **kw)
+    follow = torch.cat([res.sequences, torch.randint(1, 96, (1, 3), generator=torch.Generator().manual_seed(5))], 1)
+    out = target.generate(follow, max_new_tokens=10, past_key_values=res.past_key_values, **kw)
+    assert torch.equal(out.sequences, target.generate(follow, max_new_tokens=10, do_sample=False))
+    assert out.past_key_values.get_seq_length() == out.sequences.shape[1] - 1
+
+
+def test_streamer_in_tree_mode():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids = torch.randint(1, 96, (1, 6), generator=torch.Generator().manual_seed(6))
+    ref = target.generate(ids, max_new_tokens=16, do_sample=False)
+
+    class Ids:
+        def __init__(self):
+            self.seen = []
+
+        def put(self, value):
+            self.seen += value.reshape(-1).tolist()
+
+        def end(self):
+            self.ended = True
+
+    streamer = Ids()
+    out = target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=drafter, draft_mode="tree",
+                          streamer=streamer)
+    assert torch.equal(out, ref) and streamer.ended
+    assert streamer.seen[-(out.shape[1] - 6):] == out[0, 6:].tolist()
+
+
+def test_sliding_window_fallback_warns_once_per_model(caplog):
+    target = tiny_target("gemma3")
+    drafter = tiny_drafter(target)
+    ids = torch.randint(1, 96, (1, 6))
+    with caplog.at_level("WARNING", logger="eagle_hf"):
+        for _ in range(3):
+            target.generate(ids, max_new_tokens=4, do_sample=False, assistant_model=drafter, draft_mode="tree")
+    assert caplog.text.count("falling back to chain") == 1
+
+
+# ------------------------------------------------------------------------------------------------ timings
+class FakeDevice:
+    """An injected clock: time advances only when the 'device' finishes work, which sync() makes happen."""
+
+    def __init__(self):
+        self.now, self.queued, self.syncs = 0.0, 0.0, 0
+
+    def time(self):
+        return self.now
+
+    def sync(self):
+        self.syncs += 1
+        self.now += self.queued
+        self.queued = 0.0
+
+
+def test_drafter_costs_are_measured_after_the_device_finished(monkeypatch):
+    """On an asynchronous device the clock must wait for the drafter's queued work, or the controller would see
+    a free drafter. Here each drafter step queues 0.002 s of device work that only a sync accounts for."""
+    drafter, state, root, logits, hidden = _drafter_state()
+    device = FakeDevice()
+    original = type(drafter).step
+
+    def step(self, *args, **kwargs):
+        device.queued += 0.002
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(drafter), "step", step)
+    cost = CostModel(verify=[1.0] * 9, draft_step=0.5, base_seconds=0.01)
+    controller = DraftLengthController(cost, max_draft=4)
+    stats = SpecDecodeStats()
+    sp = Speculator(drafter, DraftSettings(), stats, controller, clock=Clock(time_fn=device.time, sync_fn=device.sync))
+    sp.state = state
+    aux = torch.zeros(1, 1, drafter.fc.weight.shape[1])
+    for _ in range(40):  # regular cycles: commit one real row, draft 4, all rejected
+        sp.begin_round()
+        sp.commit(aux, torch.tensor([[5]]), position=sp.state.next_position)
+        sp.round = "draft"
+        sp.draft(root, 4, 5)
+        sp.record(0, 7)
+    # 3 drafter steps per chain of 4 (the last draft needs no step) + 1 catch-up step, 0.002 s each
+    assert controller.draft_step == pytest.approx(3 * 0.002 / 4 / 0.01, rel=1e-3)
+    assert controller.round_overhead == pytest.approx(0.002 / 0.01, rel=1e-3)
+    assert stats.drafter_time == pytest.approx(40 * 4 * 0.002)
+    assert device.syncs >= 3 * 40  # every measured point waited for the device
+
+
+def test_clock_syncs_only_on_accelerators():
+    assert Clock("cpu").sync_fn is None
+    calls = []
+    clock = Clock(time_fn=lambda: 1.5, sync_fn=lambda: calls.append(1))
+    assert clock() == 1.5 and calls == [1]
+
+
+# ------------------------------------------------------------------------------------------------ layout
+def _module_imports(path: Path, package: str) -> set[str]:
+    """eagle_hf modules imported at module level (not inside functions) by `path`."""
+    tree = ast.parse(path.read_text())
+    here = package.split(".")
+    out = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = here[: len(here) - node.level + 1]
+            mod = ".".join(base + ([node.module] if node.module else []))
+            out.update([mod] if node.module else [f"{mod}.{a.name}" for a in node.names])
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eagle_hf"):
+            out.add(node.module)
+    return out
+
+
+def test_no_import_cycles_and_transformers_internals_stay_in_eagle_hf_hf():
+    pkg = ROOT / "eagle_hf"
+    modules = {}
+    for path in pkg.rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        package = name if rel.name == "__init__" else ".".join(rel.parts[:-1])
+        modules[name] = (path, package)
+    graph = {n: {m for m in _module_imports(p, pkg_) if m in modules} for n, (p, pkg_) in modules.items()}
+
+    def visit(node, stack):
+        assert node not in stack, f"import cycle: {' -> '.join(stack[stack.index(node):] + [node])}"
+        for nxt in graph[node]:
+            visit(nxt, stack + [node])
+
+    for name in graph:
+        visit(name, [])
+    private = ("transformers.generation", "transformers.cache_utils", "transformers.modeling_rope_utils",
+               "_eos_token_tensor", "_attn_implementation", "_get_candidate_generator", "_is_stateful")
+    for name, (path, _) in modules.items():
+        if name.startswith("eagle_hf.hf"):
+            continue
+        text = path.read_text()
+        assert not [p for p in private if p in text], f"{name} reads transformers internals: move it to eagle_hf.hf"
