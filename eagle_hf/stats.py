@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -107,22 +107,21 @@ def _set_last(stats: SpecDecodeStats) -> None:
     _local.last = stats
 
 
+#: per-position counts add position-wise; other lists are per-cycle records and concatenate
+PER_POSITION = ("drafted_per_position", "accepted_per_position")
+
+
 def merge_stats(items: list[SpecDecodeStats]) -> SpecDecodeStats:
-    """Pool several calls' stats (counts and times add up; per-position counts add position-wise)."""
+    """Pool several calls' stats: counts and times add up, per-cycle records concatenate, per-position counts
+    add position-wise."""
     out = SpecDecodeStats()
     for s in items:
-        out.cycles += s.cycles
-        out.drafted += s.drafted
-        out.accepted += s.accepted
-        out.fallback_steps += s.fallback_steps
-        out.final_steps += s.final_steps
-        out.new_tokens += s.new_tokens
-        out.drafter_time += s.drafter_time
-        out.total_time += s.total_time
-        out.accepted_per_cycle += s.accepted_per_cycle
-        out.draft_length_per_cycle += s.draft_length_per_cycle
-        n = max(len(out.drafted_per_position), len(s.drafted_per_position))
-        pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731
-        out.drafted_per_position = [a + b for a, b in zip(pad(out.drafted_per_position), pad(s.drafted_per_position))]
-        out.accepted_per_position = [a + b for a, b in zip(pad(out.accepted_per_position), pad(s.accepted_per_position))]
+        for f in fields(SpecDecodeStats):
+            mine, theirs = getattr(out, f.name), getattr(s, f.name)
+            if f.name in PER_POSITION:
+                n = max(len(mine), len(theirs))
+                mine, theirs = mine + [0] * (n - len(mine)), theirs + [0] * (n - len(theirs))
+                setattr(out, f.name, [a + b for a, b in zip(mine, theirs)])
+            else:
+                setattr(out, f.name, mine + theirs)  # numbers add, lists concatenate
     return out

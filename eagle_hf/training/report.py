@@ -51,7 +51,9 @@ def plot_curve(out: Path, name: str = "training_curve.png") -> Path | None:
     return path
 
 
-def write_model_card(out: Path, target_name: str, config, result: dict, coverage: float, acceptance_table: str | None = None) -> Path:
+def write_model_card(out: Path, target_name: str, config, result: dict, coverage: float,
+                     acceptance_table: str | None = None, notes: str = "") -> Path:
+    """README.md with Hub metadata: what the drafter is, how to load it, its training and acceptance."""
     version = "EAGLE-3.1" if config.fc_norm and config.norm_output else "EAGLE-3"
     evals = result.get("eval_step_accuracy") or []
     acc = ", ".join(f"{a:.2f}" for a in evals)
@@ -89,6 +91,8 @@ out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256)
 | held-out per-step accuracy | {acc} |
 
 {acceptance_table or ''}
+
+{notes}
 """
     path = Path(out) / "README.md"
     path.write_text(card)
