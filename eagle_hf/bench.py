@@ -32,6 +32,11 @@ class Mode:
     uses_drafter: bool = False
 
 
+#: the mode names `standard_modes` can produce ("eagle chain K" for each chain length K)
+MODE_NAMES = ("prompt-lookup", "assisted (draft model)", "early-exit", "eagle chain K", "eagle tree",
+              "eagle tree adaptive", "eagle default")
+
+
 def standard_modes(drafter, assistant=None, chain_lengths=(3, 5), early_exit_layer: int | None = None) -> list[Mode]:
     modes = [Mode("plain"), Mode("prompt-lookup", {"prompt_lookup_num_tokens": 5})]
     if assistant is not None:

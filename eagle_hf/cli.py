@@ -1,4 +1,4 @@
-"""`eagle-hf` command line: generate (and later train, bench, demo)."""
+"""`eagle-hf`: EAGLE-3 / EAGLE-3.1 speculative decoding in transformers' generate(): generate, bench, demo, train."""
 
 from __future__ import annotations
 
@@ -32,8 +32,10 @@ def cmd_generate(args) -> int:
     if sample:
         kwargs["temperature"] = args.temperature
         torch.manual_seed(args.seed)
-    out = target.generate(**enc, assistant_model=drafter, **kwargs)
-    print(tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True))
+    from transformers import TextStreamer
+
+    streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)  # prints the text as it is produced
+    target.generate(**enc, assistant_model=drafter, streamer=streamer, **kwargs)
     print(f"\n[drafter: {label}]")
     print(f"[{last_stats().summary()}]")
     return 0
@@ -85,45 +87,57 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from .bench import MODE_NAMES
+
     parser = argparse.ArgumentParser(prog="eagle-hf", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does (INFO level)")
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate with EAGLE drafting and print the text and acceptance stats")
-    g.add_argument("--prompt", default="Write a short poem about speculative decoding.")
-    g.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct, offline) or a Hub id")
-    g.add_argument("--drafter", default="default", help="'default', 'random', a folder or a Hub id")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--num-draft-tokens", type=int, default=None)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    dtypes = ["bfloat16", "float32", "float16"]
+    g = sub.add_parser("generate", formatter_class=fmt,
+                       help="generate with EAGLE drafting, streaming the text, then print the acceptance stats")
+    g.add_argument("--prompt", default="Write a short poem about speculative decoding.", help="the user message")
+    g.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct, offline) or a Hub id / folder")
+    g.add_argument("--drafter", default="default", help="'default' (the shipped drafter), 'random', a folder or a Hub id")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
+    g.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="a fixed chain length (transformers' num_assistant_tokens); default: the adaptive schedule")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sampling at this temperature")
+    g.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    g.add_argument("--dtype", default="bfloat16", choices=dtypes, help="the target's dtype (bf16 is ~2x faster on CPU)")
     g.set_defaults(func=cmd_generate)
 
-    b = sub.add_parser("bench", help="speed and exactness against plain generate() and transformers' methods")
-    b.add_argument("--target", default="default")
-    b.add_argument("--drafter", default="default")
+    b = sub.add_parser("bench", formatter_class=fmt,
+                       help="speed and exactness against plain generate() and transformers' methods")
+    b.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct, offline) or a Hub id / folder")
+    b.add_argument("--drafter", default="default", help="'default' (the shipped drafter), 'random', a folder or a Hub id")
     b.add_argument("--assistant", default=None, help="a small draft model for transformers' assisted generation")
-    b.add_argument("--early-exit-layer", type=int, default=None, help="enable transformers' early-exit mode")
-    b.add_argument("--prompts", default="mt_bench,humaneval,gsm8k,sum,qa")
-    b.add_argument("--modes", default=None, help="comma-separated subset of mode names (plain is always run)")
-    b.add_argument("--chain-lengths", type=int, nargs="+", default=[3, 5])
-    b.add_argument("--max-new-tokens", type=int, default=256)
-    b.add_argument("--limit", type=int, default=None)
-    b.add_argument("--repeats", type=int, default=1)
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    b.add_argument("--out", default="bench_results")
+    b.add_argument("--early-exit-layer", type=int, default=None, help="enable transformers' early-exit mode at this layer")
+    b.add_argument("--prompts", default="mt_bench,humaneval,gsm8k,sum,qa", help="comma-separated prompt sets")
+    b.add_argument("--modes", default=None,
+                   help=f"comma-separated subset of modes (plain always runs); one of: {', '.join(MODE_NAMES)}")
+    b.add_argument("--chain-lengths", type=int, nargs="+", default=[3, 5], help="fixed chain lengths K to run")
+    b.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per prompt")
+    b.add_argument("--limit", type=int, default=None, help="prompts per set (default: all)")
+    b.add_argument("--repeats", type=int, default=1, help="repeats per prompt (medians are taken)")
+    b.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs are compared); above 0: sampling")
+    b.add_argument("--dtype", default="bfloat16", choices=dtypes, help="the target's dtype")
+    b.add_argument("--out", default="bench_results", help="folder for results.json, results.md and speedup.png")
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("demo", help="the Gradio demo (demo/app.py); extra arguments are passed on")
-    d.add_argument("demo_args", nargs=argparse.REMAINDER)
+    d.add_argument("demo_args", nargs=argparse.REMAINDER, help="arguments for demo/app.py (see its --help)")
     d.set_defaults(func=cmd_demo)
 
     from .training.cli import add_train_parser
 
     add_train_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)
 

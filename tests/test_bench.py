@@ -41,3 +41,21 @@ def test_bench_detects_a_broken_mode(tmp_path, monkeypatch):
     res = run_benchmark(target, tok, [Mode("plain"), broken], [prompts], max_new_tokens=12, limit=3)
     assert res["sets"][prompts]["broken"]["mismatches"], "a differing output must be flagged"
     assert "broken" in results_markdown(res)
+
+
+def test_every_cli_option_has_help_text():
+    """`eagle-hf <command> --help` documents every option (its default is shown by the formatter)."""
+    import argparse
+
+    from eagle_hf.cli import build_parser
+
+    root = build_parser()
+    (commands,) = [a for a in root._actions if isinstance(a, argparse._SubParsersAction)]
+    parsers = {"eagle-hf": root, **{f"eagle-hf {name}": p for name, p in commands.choices.items()}}
+    assert {"eagle-hf generate", "eagle-hf bench", "eagle-hf demo", "eagle-hf train"} <= set(parsers)
+    missing = [f"{prog} {' '.join(a.option_strings) or a.dest}" for prog, p in parsers.items() for a in p._actions
+               if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and not a.help]
+    assert not missing, missing
+    assert "generate, bench, demo, train" in root.description
+    assert "eagle tree adaptive" in parsers["eagle-hf bench"].format_help()
+    assert "(default: 128)" in parsers["eagle-hf generate"].format_help()
