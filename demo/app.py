@@ -127,7 +127,8 @@ def stats_markdown(stats, elapsed: float, n_tokens: int, plain_tps: float | None
 
 def acceptance_frame(stats) -> pd.DataFrame:
     acc = stats.acceptance_per_position if stats is not None else []
-    return pd.DataFrame({"draft position": [str(i + 1) for i in range(len(acc))], "acceptance": acc})
+    # "#1", "#2", ...: categorical positions (digit strings would be read as numbers: a numeric axis, hairline bars)
+    return pd.DataFrame({"draft position": [f"#{i + 1}" for i in range(len(acc))], "acceptance": acc})
 
 
 def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = None, max_context: int | None = None):
@@ -199,6 +200,7 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
             with gr.Column(scale=2):
                 stats_md = gr.Markdown(elem_id="stats")
                 chart = gr.BarPlot(acceptance_frame(None), x="draft position", y="acceptance", y_lim=[0, 1],
+                                   x_title="draft position", y_title="acceptance", sort="x",
                                    title="acceptance per draft position", elem_id="chart")
                 temperature = gr.Slider(0, 1.5, value=0, step=0.05, label="temperature (0 = greedy)")
                 max_new = gr.Slider(8, 512, value=128, step=8, label="max new tokens")

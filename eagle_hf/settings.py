@@ -8,8 +8,9 @@ transformers already has a name for the same thing:
 ``generate()`` keyword                 field                    note
 =====================================  =======================  ====================================================
 ``draft_mode``                         ``mode``
-``num_assistant_tokens``               ``depth``                transformers' fixed draft length: also selects the
-                                                                ``"constant"`` schedule unless a schedule is given
+``num_assistant_tokens``               ``depth``                transformers' fixed draft length: a chain of K
+                                                                (``"constant"`` schedule, chain mode) unless a
+                                                                schedule or a mode is given
 ``num_assistant_tokens_schedule``      ``schedule``
 ``assistant_confidence_threshold``     ``confidence_threshold``
 ``tree_depth``                         ``depth``
@@ -127,12 +128,14 @@ class DraftSettings:
                     continue
                 setattr(settings, CALL_KEYWORDS.get(keyword, keyword), value)
                 sources[CALL_KEYWORDS.get(keyword, keyword)] = f"{keyword}= in {where}"
-        if _explicit_length(generation_config, call) and not _explicit_schedule(generation_config, call):
-            if settings.schedule == "adaptive":
-                settings.schedule = "constant"  # transformers' meaning: a fixed draft length
+        if _explicit(generation_config, call, "num_assistant_tokens"):  # transformers' meaning: a chain of K drafts
+            if not _explicit(generation_config, call, "num_assistant_tokens_schedule") and settings.schedule == "adaptive":
+                settings.schedule = "constant"
                 sources["schedule"] = "num_assistant_tokens= (a fixed draft length selects the constant schedule)"
-                logger.info("num_assistant_tokens=%s: constant schedule (pass num_assistant_tokens_schedule="
-                            "'adaptive' to adapt up to that depth)", settings.depth)
+            if not _explicit(generation_config, call, "draft_mode"):
+                settings.mode = "chain"
+                sources["mode"] = "num_assistant_tokens= (transformers' draft length is a chain's)"
+            logger.info("num_assistant_tokens=%s: %s mode, %s schedule", settings.depth, settings.mode, settings.schedule)
         settings.sources = sources
         settings.validate()
         return settings
@@ -184,13 +187,8 @@ def _from_generation_config(generation_config) -> dict[str, Any]:
     return {k: getattr(generation_config, k, None) for k in CALL_KEYWORDS}
 
 
-def _explicit_length(generation_config, call) -> bool:
-    return (call or {}).get("num_assistant_tokens") is not None or (
-        generation_config is not None and getattr(generation_config, "num_assistant_tokens", None) is not None
-    )
-
-
-def _explicit_schedule(generation_config, call) -> bool:
-    return (call or {}).get("num_assistant_tokens_schedule") is not None or (
-        generation_config is not None and getattr(generation_config, "num_assistant_tokens_schedule", None) is not None
+def _explicit(generation_config, call, keyword: str) -> bool:
+    """Whether this call (or its generation_config) sets `keyword`."""
+    return (call or {}).get(keyword) is not None or (
+        generation_config is not None and getattr(generation_config, keyword, None) is not None
     )

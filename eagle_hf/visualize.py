@@ -69,9 +69,19 @@ class DraftRecorder:
         return events
 
 
+#: whitespace of rejected drafts drawn as symbols: a token that is not part of the output must not shape the text
+VISIBLE_WHITESPACE = str.maketrans({"\n": "⏎", " ": "␣", "\t": "⇥", "\r": "␍"})
+
+
 def token_span(event: TokenEvent, tokenizer) -> str:
-    text = html.escape(tokenizer.decode([event.token_id], skip_special_tokens=False))
-    return f'<span class="tok tok-{event.label}" title="{event.label}">{text}</span>'
+    """One token as a coloured span. Special tokens of the output (``<|im_end|>``) are not shown; rejected
+    drafts show their whitespace as visible symbols (⏎ ␣ ⇥) that take no layout effect."""
+    if event.label != "rejected" and event.token_id in set(getattr(tokenizer, "all_special_ids", ()) or ()):
+        return ""
+    text = tokenizer.decode([event.token_id], skip_special_tokens=False)
+    if event.label == "rejected":
+        text = text.translate(VISIBLE_WHITESPACE)
+    return f'<span class="tok tok-{event.label}" title="{event.label}">{html.escape(text)}</span>'
 
 
 def tokens_html(events: list[TokenEvent], tokenizer, with_style: bool = False, spans: list[str] | None = None) -> str:

@@ -38,6 +38,9 @@ def test_settings_precedence_and_aliases():
     assert (s.depth, s.schedule) == (3, "constant")
     s = DraftSettings.resolve({}, None, {"num_assistant_tokens": 3, "num_assistant_tokens_schedule": "adaptive"})
     assert (s.depth, s.schedule) == (3, "adaptive")
+    # ... and a chain, whatever the default mode, unless a mode is named
+    assert DraftSettings.resolve({"mode": "tree"}, None, {"num_assistant_tokens": 3}).mode == "chain"
+    assert DraftSettings.resolve({}, None, {"num_assistant_tokens": 3, "draft_mode": "tree"}).mode == "tree"
     # keys saved by eagle_hf 0.1 drafters
     assert DraftSettings.resolve({"num_draft_tokens": 4}).depth == 4
     assert DraftSettings().branching == 1 and DraftSettings(mode="tree").branching == 4

@@ -57,7 +57,7 @@ def generate(self, *args, **kwargs):
     if settings.mode == "tree":
         reason = _tree_unsupported(self, kwargs)
         if reason:
-            _log_fallback_once(self, reason)
+            _log_fallback_once(self, reason, asked="mode" in settings.sources)
             settings.mode = "chain"
     cache = kwargs.get("past_key_values")
     if settings.mode == "chain" and cache is not None and cache.get_seq_length() > 0:
@@ -110,11 +110,13 @@ def _tree_unsupported(target, kwargs: dict) -> str | None:
     return f"{type(target).__name__}: {reason}" if reason else None
 
 
-def _log_fallback_once(target, reason: str) -> None:
-    """Warn once per model (later calls log at debug level): the fallback is a property of the model."""
-    level = logging.DEBUG if getattr(target, "_eagle_hf_warned_fallback", False) else logging.WARNING
+def _log_fallback_once(target, reason: str, asked: bool) -> None:
+    """Warn once per model when tree mode was asked for (later calls, and a default tree mode, log at info
+    level): the fallback is a property of the model."""
+    level = logging.INFO if getattr(target, "_eagle_hf_warned_fallback", False) or not asked else logging.WARNING
     logger.log(level, "Tree drafting is not possible here (%s); falling back to chain drafting.", reason)
-    target._eagle_hf_warned_fallback = True
+    if asked:
+        target._eagle_hf_warned_fallback = True
 
 
 def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
