@@ -34,7 +34,7 @@ class Mode:
 
 #: the mode names `standard_modes` can produce ("eagle chain K" for each chain length K)
 MODE_NAMES = ("prompt-lookup", "assisted (draft model)", "early-exit", "eagle chain K", "eagle tree",
-              "eagle tree adaptive", "eagle default")
+              "eagle chain adaptive", "eagle default")
 
 
 def standard_modes(drafter, assistant=None, chain_lengths=(3, 5), early_exit_layer: int | None = None) -> list[Mode]:
@@ -48,7 +48,7 @@ def standard_modes(drafter, assistant=None, chain_lengths=(3, 5), early_exit_lay
             modes.append(Mode(f"eagle chain {k}", {"assistant_model": drafter, "num_assistant_tokens": k}, True))
         fixed_tree = {"draft_mode": "tree", "num_assistant_tokens_schedule": "constant"}
         modes.append(Mode("eagle tree", {"assistant_model": drafter, **fixed_tree}, True))
-        modes.append(Mode("eagle tree adaptive", {"assistant_model": drafter, "draft_mode": "tree"}, True))
+        modes.append(Mode("eagle chain adaptive", {"assistant_model": drafter, "draft_mode": "chain"}, True))
         modes.append(Mode("eagle default", {"assistant_model": drafter}, True))
     return modes
 

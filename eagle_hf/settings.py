@@ -79,7 +79,7 @@ class DraftSettings:
         keep_gain: adaptive: ... and keep drafting until it falls below this (hysteresis, after a warm-up).
     """
 
-    mode: str = "chain"
+    mode: str = "tree"  # measured: docs/benchmarks.md, "Default mode"
     schedule: str = "adaptive"
     depth: int = 5
     top_k: int = 4

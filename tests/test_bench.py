@@ -57,5 +57,5 @@ def test_every_cli_option_has_help_text():
                if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and not a.help]
     assert not missing, missing
     assert "generate, bench, demo, train" in root.description
-    assert "eagle tree adaptive" in parsers["eagle-hf bench"].format_help()
+    assert "eagle chain adaptive" in parsers["eagle-hf bench"].format_help()
     assert "(default: 128)" in parsers["eagle-hf generate"].format_help()

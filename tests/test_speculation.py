@@ -43,7 +43,7 @@ def test_settings_precedence_and_aliases():
     assert DraftSettings.resolve({}, None, {"num_assistant_tokens": 3, "draft_mode": "tree"}).mode == "tree"
     # keys saved by eagle_hf 0.1 drafters
     assert DraftSettings.resolve({"num_draft_tokens": 4}).depth == 4
-    assert DraftSettings().branching == 1 and DraftSettings(mode="tree").branching == 4
+    assert DraftSettings(mode="chain").branching == 1 and DraftSettings(mode="tree").branching == 4
 
 
 @pytest.mark.parametrize("saved,call,message", [
