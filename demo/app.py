@@ -198,7 +198,7 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
                 eagle_out = gr.HTML(label="EAGLE output", elem_id="eagle-output")
                 plain_out = gr.HTML(label="plain generate()", elem_id="plain-output")
             with gr.Column(scale=2):
-                stats_md = gr.Markdown(elem_id="stats")
+                stats_md = gr.Markdown(label="statistics", elem_id="stats")
                 chart = gr.BarPlot(acceptance_frame(None), x="draft position", y="acceptance", y_lim=[0, 1],
                                    x_title="draft position", y_title="acceptance", sort="x",
                                    title="acceptance per draft position", elem_id="chart")
@@ -215,11 +215,11 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
             respond, [prompt, temperature, max_new, mode, chain, which, compare, tree_size], [eagle_out, plain_out, stats_md, chart],
             api_name="generate", concurrency_limit=1,
         )
-        prompt.submit(
+        submitted = prompt.submit(
             respond, [prompt, temperature, max_new, mode, chain, which, compare, tree_size], [eagle_out, plain_out, stats_md, chart],
             concurrency_limit=1,
         )
-        stop_btn.click(None, None, None, cancels=[event])
+        stop_btn.click(None, None, None, cancels=[event, submitted])  # Stop ends a run started either way
     demo.queue(default_concurrency_limit=1)
     return demo
 
