@@ -112,9 +112,9 @@ class Speculator:
                 self.controller.update(drafted, accepted, None if self.controller.seeded else tree.confidences())
             if self.settings.schedule.startswith("heuristic"):
                 self.depth = min(self.depth + 2, MAX_DEPTH) if accepted == drafted else max(1, self.depth - 1)
-            drafts = shown_drafts(tree, path if path is not None else list(range(accepted + 1)))
-            if cut:
-                drafts = drafts[:accepted]
+            if self.listeners:  # only displays need the rejected continuation
+                drafts = shown_drafts(tree, path if path is not None else list(range(accepted + 1)))
+                drafts = drafts[:accepted] if cut else drafts
         elif self.round == "fallback":
             self.stats.fallback_steps += 1
         else:

@@ -94,7 +94,8 @@ class TreeLoop:
         mask = tree_attention_mask(tree, past_len, self.target.dtype, device)  # [1, 1, N+1, past_len + N+1]
         out = self.forward(tree.tokens[None].to(device), attention_mask=mask, position_ids=positions, all_rows=True)
         raw = out.logits[0].float()  # [N+1, V]
-        node_logits = process_logits(self.logits_processor, seq, [tree.path_tokens(n) for n in range(tree.size)], raw)
+        paths = [tree.path_tokens(n) for n in range(tree.size)] if len(self.logits_processor) else []
+        node_logits = process_logits(self.logits_processor, seq, paths, raw)  # [N+1, V]
         path, bonus = verify(tree, node_logits, self.do_sample)
         new = [int(tree.tokens[n]) for n in path[1:]] + [bonus]
         full = len(new)
