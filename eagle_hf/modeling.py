@@ -9,6 +9,8 @@ to target ids). EAGLE-3.1 is two config flags: ``fc_norm`` (per-tap RMSNorm befo
 from __future__ import annotations
 
 import logging
+import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +91,9 @@ class KV:
 
 
 class EagleAttention(nn.Module):
+    #: a list only inside `EagleDrafter.recording_attention()`: each pass appends its attention probabilities
+    probs_record: list[torch.Tensor] | None = None
+
     def __init__(self, config: EagleConfig):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
@@ -114,7 +119,23 @@ class EagleAttention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, full.keys, full.values, attn_mask=mask, is_causal=mask is None and t > 1, enable_gqa=True
         )  # [B, h, T, d]
+        if self.probs_record is not None:  # opt-in diagnostics: computed beside SDPA, the output is unchanged
+            self.probs_record.append(attention_probs(q, full.keys, mask, t).detach())
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), new
+
+
+def attention_probs(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, t: int) -> torch.Tensor:
+    """The probabilities SDPA applies in `EagleAttention.forward`, computed eagerly: float32 ``[B, h, T, S]``.
+
+    q: [B, h, T, d]; keys: [B, kvh, S, d] (rotated); mask: bool [B|1, 1, T, S] (True = attend) or None (causal
+    when T > 1, which then equals S)."""
+    k = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1).float()  # [B, h, S, d], GQA as enable_gqa
+    scores = q.float() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [B, h, T, S]
+    if mask is None and t > 1:
+        mask = causal_mask(t, keys.shape[2] - t, q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1)
 
 
 def causal_mask(new: int, past: int, device) -> torch.Tensor:
@@ -303,6 +324,21 @@ class EagleDrafter(PreTrainedModel):
                 "assistant_model=drafter)` which binds it."
             )
         return self._target_embedding(input_ids)
+
+    @contextmanager
+    def recording_attention(self):
+        """Record the attention probabilities of every drafter pass inside the block (for `eagle_hf.diagnose`).
+
+        Yields a list to which each pass appends float32 ``[B, heads, T, S]`` probabilities, computed eagerly
+        beside the unchanged SDPA path: drafts are bit-identical with and without recording. Off (no cost) by
+        default.
+        """
+        attn = self.midlayer.self_attn
+        attn.probs_record = []
+        try:
+            yield attn.probs_record
+        finally:
+            attn.probs_record = None
 
     # ------------------------------------------------------------------ the algorithm
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
