@@ -34,7 +34,7 @@ class Mode:
 
 #: the mode names `standard_modes` can produce ("eagle chain K" for each chain length K)
 MODE_NAMES = ("prompt-lookup", "assisted (draft model)", "early-exit", "eagle chain K", "eagle tree",
-              "eagle chain adaptive", "eagle default")
+              "eagle chain adaptive", "eagle alone", "copy alone", "eagle default")
 
 
 def standard_modes(drafter, assistant=None, chain_lengths=(3, 5), early_exit_layer: int | None = None) -> list[Mode]:
@@ -49,7 +49,9 @@ def standard_modes(drafter, assistant=None, chain_lengths=(3, 5), early_exit_lay
         fixed_tree = {"draft_mode": "tree", "num_assistant_tokens_schedule": "constant"}
         modes.append(Mode("eagle tree", {"assistant_model": drafter, **fixed_tree}, True))
         modes.append(Mode("eagle chain adaptive", {"assistant_model": drafter, "draft_mode": "chain"}, True))
-        modes.append(Mode("eagle default", {"assistant_model": drafter}, True))
+        modes.append(Mode("eagle alone", {"assistant_model": drafter, "draft_sources": "eagle"}, True))
+        modes.append(Mode("copy alone", {"assistant_model": drafter, "draft_sources": "copy"}, True))
+        modes.append(Mode("eagle default", {"assistant_model": drafter}, True))  # adaptive tree, eagle + copy
     return modes
 
 
@@ -138,6 +140,9 @@ def summarize(per_mode: dict, n_prompts: int) -> dict:
                 drafter_share=pooled.drafter_time / pooled.total_time if pooled.total_time else 0.0,
                 fallback_ratio=pooled.fallback_ratio,
                 mean_draft_length=pooled.drafted / pooled.cycles if pooled.cycles else 0.0,
+                drafted_by_source=pooled.drafted_by_source,
+                accepted_by_source=pooled.accepted_by_source,
+                acceptance_per_position_by_source=pooled.acceptance_per_position_by_source,
             )
         out[name] = entry
     return out
@@ -170,9 +175,9 @@ def results_markdown(results: dict) -> str:
     lines.append("")
     lines.append(
         "| prompt set | mode | tok/s (median) | speedup (median per prompt) | τ | accepted per position "
-        "| mean draft length | plain steps | outputs ≠ plain |"
+        "| accepted / drafted by source | mean draft length | plain steps | outputs ≠ plain |"
     )
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for set_name, modes in results["sets"].items():
         for name, e in modes.items():
             tau = f"{e['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in e else "–"
@@ -180,9 +185,11 @@ def results_markdown(results: dict) -> str:
             mism = len(e["mismatches"]) if s["temperature"] == 0 else "n/a"
             length = f"{e['mean_draft_length']:.1f}" if "mean_draft_length" in e else "–"
             plain = f"{e['fallback_ratio']:.0%}" if "fallback_ratio" in e else "–"
+            by_source = ", ".join(f"{src} {e['accepted_by_source'].get(src, 0)}/{n}"
+                                  for src, n in e.get("drafted_by_source", {}).items()) or "–"
             lines.append(
                 f"| {set_name} | {name} | {e['tok_s_median']:.1f} | {e['speedup_median']:.2f}x | {tau} | {pos} "
-                f"| {length} | {plain} | {mism} |"
+                f"| {by_source} | {length} | {plain} | {mism} |"
             )
     return "\n".join(lines) + "\n"
 

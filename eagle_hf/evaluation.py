@@ -15,28 +15,36 @@ logger = logging.getLogger(__name__)
 
 PROMPT_DIR = Path(__file__).resolve().parent / "data" / "prompts"
 PROMPT_SETS = ("mt_bench", "humaneval", "gsm8k", "sum", "qa")
+#: sets whose answers copy their context (scripts/make_copy_sets.py): code edits of HumanEval functions, and
+#: MT-bench second turns after the default target's own first answer (`messages` records: the text is a chat)
+COPY_SETS = ("code_edit", "multi_turn")
 
 
-def load_prompt_set(name_or_path: str, limit: int | None = None, turn: int = 0) -> list[tuple[str, str]]:
-    """`(prompt id, text)` pairs of a shipped set (mt_bench, humaneval, gsm8k, sum, qa) or a JSONL file."""
-    path = PROMPT_DIR / f"{name_or_path}.jsonl" if name_or_path in PROMPT_SETS else Path(name_or_path)
+def load_prompt_set(name_or_path: str, limit: int | None = None, turn: int = 0) -> list[tuple[str, str | list]]:
+    """`(prompt id, text)` pairs of a shipped set (mt_bench, humaneval, gsm8k, sum, qa, code_edit, multi_turn) or a
+    JSONL file. For `messages` records the text is the list of chat messages."""
+    known = PROMPT_SETS + COPY_SETS
+    path = PROMPT_DIR / f"{name_or_path}.jsonl" if name_or_path in known else Path(name_or_path)
     if not path.is_file():
-        raise FileNotFoundError(f"No prompt set {name_or_path!r}: use one of {PROMPT_SETS} or a JSONL file path.")
+        raise FileNotFoundError(f"No prompt set {name_or_path!r}: use one of {known} or a JSONL file path.")
     out = []
     for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
         if not line.strip():
             continue
         rec = json.loads(line)
+        if rec.get("messages"):
+            out.append((str(rec.get("question_id", i)), rec["messages"]))
+            continue
         turns = rec.get("turns") or [rec.get("prompt")]
         if turn < len(turns) and turns[turn]:
             out.append((str(rec.get("question_id", i)), turns[turn]))
     return out[:limit] if limit else out
 
 
-def chat_inputs(tokenizer, text: str, device) -> dict:
-    enc = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
+def chat_inputs(tokenizer, text: str | list[dict], device) -> dict:
+    """The chat template's inputs for one user message (a string) or a whole conversation (a list of messages)."""
+    messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     return {k: v.to(device) for k, v in enc.items()}
 
 

@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 MODES = ("chain", "tree")
 SCHEDULES = ("adaptive", "constant", "heuristic", "heuristic_transient")
 MAX_DEPTH = 32
+DRAFT_SOURCES = ("auto", "eagle", "copy", "eagle+copy")
+#: valid ranges of the copy source's settings
+COPY_RANGES = {"copy_length": (1, 64), "copy_ngram": (1, 16), "copy_branches": (1, 8)}
 
 #: generate() keyword -> field, where the keyword is not the field's own name
 CALL_KEYWORDS = {
@@ -43,9 +46,14 @@ CALL_KEYWORDS = {
     "tree_depth": "depth",
     "tree_top_k": "top_k",
     "tree_total_tokens": "total_tokens",
+    "draft_sources": "draft_sources",
+    "copy_length": "copy_length",
+    "copy_ngram": "copy_ngram",
+    "copy_branches": "copy_branches",
 }
 #: keywords only eagle_hf reads (generate() must not see them)
-OWN_KEYWORDS = ("draft_mode", "tree_depth", "tree_top_k", "tree_total_tokens")
+OWN_KEYWORDS = ("draft_mode", "tree_depth", "tree_top_k", "tree_total_tokens", "draft_sources", "copy_length",
+                "copy_ngram", "copy_branches")
 
 #: `draft_settings` keys written by eagle_hf 0.1 drafters -> today's field
 LEGACY_KEYS = {"num_draft_tokens": "depth", "max_draft_tokens": "depth"}
@@ -77,6 +85,14 @@ class DraftSettings:
         probe_every: adaptive: plain steps before drafting is tried again (doubles after each failed probe).
         min_gain: adaptive: start drafting when the expected speedup over plain decoding exceeds this ...
         keep_gain: adaptive: ... and keep drafting until it falls below this (hysteresis, after a warm-up).
+        draft_sources: who drafts: ``"eagle"`` (the drafter), ``"copy"`` (continuations of earlier occurrences of
+            the text's suffix in the prompt and the output, no drafter forwards), ``"eagle+copy"`` (both, merged
+            into one tree), or ``"auto"``: both in tree mode, the drafter alone in chain mode (transformers'
+            loop verifies one chain; ``"eagle+copy"`` in chain mode runs eagle_hf's loop with ``top_k = 1``).
+        copy_length: the longest copy branch (tokens); each round's length follows the copy source's running
+            acceptance.
+        copy_ngram: the longest suffix matched against the context (tokens); the longest match wins.
+        copy_branches: copy branches per round (distinct continuations, the most recent occurrences first).
     """
 
     mode: str = "tree"  # measured: docs/benchmarks.md, "Default mode"
@@ -88,12 +104,24 @@ class DraftSettings:
     probe_every: int = 16
     min_gain: float = 1.0
     keep_gain: float = 0.95
+    draft_sources: str = "auto"
+    copy_length: int = 16
+    copy_ngram: int = 4
+    copy_branches: int = 2
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)  # field -> where it came from
 
     @property
     def branching(self) -> int:
         """Children per expanded node: ``top_k`` in tree mode, 1 for a chain."""
         return self.top_k if self.mode == "tree" else 1
+
+    @property
+    def uses_copy(self) -> bool:
+        return "copy" in self.draft_sources or (self.draft_sources == "auto" and self.mode == "tree")
+
+    @property
+    def uses_eagle(self) -> bool:
+        return self.draft_sources != "copy"
 
     @property
     def adaptive(self) -> bool:
@@ -150,7 +178,11 @@ class DraftSettings:
             raise DraftSettingsError(
                 f"num_assistant_tokens_schedule must be one of {SCHEDULES}, got {self.schedule!r} {where('schedule')}."
             )
-        for name in ("depth", "top_k", "total_tokens", "probe_every"):
+        if self.draft_sources not in DRAFT_SOURCES:
+            raise DraftSettingsError(
+                f"draft_sources must be one of {DRAFT_SOURCES}, got {self.draft_sources!r} {where('draft_sources')}."
+            )
+        for name in ("depth", "top_k", "total_tokens", "probe_every", *COPY_RANGES):
             value = getattr(self, name)
             if isinstance(value, bool) or int(value) != value:
                 raise DraftSettingsError(f"{name} must be an integer, got {value!r} {where(name)}.")
@@ -160,6 +192,9 @@ class DraftSettings:
         if not 1 <= self.depth <= MAX_DEPTH:
             keyword = "num_assistant_tokens" if self.mode == "chain" else "tree_depth"
             raise DraftSettingsError(f"{keyword} must be in 1..{MAX_DEPTH}, got {self.depth} {where('depth')}.")
+        for name, (low, high) in COPY_RANGES.items():
+            if not low <= getattr(self, name) <= high:
+                raise DraftSettingsError(f"{name} must be in {low}..{high}, got {getattr(self, name)} {where(name)}.")
         if self.top_k < 1:
             raise DraftSettingsError(f"tree_top_k must be at least 1, got {self.top_k} {where('top_k')}.")
         if self.probe_every < 1:

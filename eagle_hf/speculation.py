@@ -1,33 +1,41 @@
 """One speculation round, as named steps, for chain mode and tree mode alike.
 
-    begin_round -> commit (real rows for the drafter) -> choose_depth -> draft (catch up, grow the tree)
+    begin_round -> commit (real rows for the drafter) -> choose_depth (the drafter's depth, the copy branches)
+        -> draft (catch up, grow the tree, graft the copy branches)
         -> [the target verifies: transformers' assisted loop for chains, `eagle_hf.hf.tree_loop` for trees]
-        -> record (stats, the adaptive controller, listeners, timings)
+        -> record (stats per source, the adaptive controller and the copy source's estimates, listeners, timings)
 
-The `Speculator` owns everything on the drafter's side of a `generate()` call: the drafter's cache of real rows,
-the rows it has not read yet, the schedule (adaptive controller or fixed depth) and the bookkeeping. The two
-decoding loops only move tokens, target features and the target's cache.
+The `Speculator` owns everything on the drafting side of a `generate()` call: the drafter's cache of real rows,
+the rows it has not read yet, the copy source's index of the context, the schedule (adaptive controller or fixed
+depth) and the bookkeeping. The two decoding loops only move tokens, target features and the target's cache.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import math
 from collections.abc import Callable, Sequence
 
 import torch
 
 from .adaptive import DraftLengthController
+from .copying import CopySource
 from .drafting import Chooser, DraftState, draft_tree
 from .settings import MAX_DEPTH, DraftSettings
 from .stats import SpecDecodeStats
 from .timing import Clock
-from .tree import DraftTree
+from .tree import EAGLE, SOURCE_NAMES, DraftTree
 
 logger = logging.getLogger(__name__)
 
 #: ``listener(drafts, accepted, last_token)`` after every round: the drafts shown for the round (the accepted
-#: path and the best rejected continuation; [] for a plain step), how many were accepted, the round's last token
+#: path and the best rejected continuation; [] for a plain step), how many were accepted, the round's last token.
+#: A listener with a ``sources`` parameter also gets who proposed each shown draft ("eagle", "copy", "eagle+copy").
 DraftListener = Callable[[list[int], int, int], None]
+
+#: extra verify cost per token assumed when no cost model was measured (fixed schedules), in one-token forwards
+DEFAULT_MARGINAL_COST = 0.05
 
 
 class Speculator:
@@ -45,11 +53,14 @@ class Speculator:
         clock: Clock | None = None,
     ):
         self.drafter, self.settings, self.stats, self.controller = drafter, settings, stats, controller
-        self.listeners = list(listeners)
+        self.listeners = [(f, _takes_sources(f)) for f in listeners]
         self.clock = clock or Clock(drafter.fc.weight.device)
         self.state = DraftState()
+        self.copy = CopySource(settings.copy_ngram, settings.copy_length, settings.copy_branches,
+                               self._marginal_cost, settings.probe_every) if settings.uses_copy else None
         self.depth = settings.depth  # the fixed (or heuristic) schedule's depth
         self.round = "prefill"
+        self.eagle_depth = 0  # the drafter's depth this round (0: only copy branches, or a plain step)
         self.tree: DraftTree | None = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # real rows the drafter has not read yet
         self._round_start: float | None = None
@@ -68,29 +79,55 @@ class Speculator:
     def commit(self, aux: torch.Tensor, next_tokens: torch.Tensor, position: int) -> None:
         """Real rows for the drafter: target taps ``[1, n, A*H_t]`` at positions ``position..position+n-1`` and the
         token after each ``[1, n]``. They are read at the next draft (plain steps pile up; nothing runs now)."""
+        if not self.settings.uses_eagle:
+            return
         if self.state.length == 0 and not self._pending:
             self.state.start = position
         self._pending.append((aux, next_tokens))
 
+    def extend_context(self, tokens: Sequence[int]) -> None:
+        """Tokens appended to the sequence (the prompt first): the copy source's index reads them."""
+        if self.copy is not None:
+            self.copy.index.extend(tokens)
+
     def choose_depth(self, room: int) -> int:
-        """This round's depth; 0 decodes plainly. `room`: drafts that still fit before the length limit."""
-        wanted = self.controller.choose() if self.controller is not None else self.depth
+        """This round's drafter depth (returned; 0: the drafter rests) and copy branches; the round is a plain
+        step when neither drafts. `room`: drafts that still fit before the length limit."""
+        wanted = self.depth
+        if not self.settings.uses_eagle:
+            wanted = 0
+        elif self.controller is not None:
+            wanted = self.controller.choose()
         depth = max(min(wanted, room), 0)
-        self.round = "draft" if depth > 0 else ("fallback" if wanted <= 0 else "final")
+        branches = []
+        if self.copy is not None:
+            s = self.settings
+            eagle_size = 0 if depth == 0 else (depth + 1 if s.branching == 1 else s.total_tokens)
+            branches = self.copy.propose(room, max(eagle_size, 1))
+        self.round = "draft" if depth > 0 or branches else ("fallback" if wanted <= 0 else "final")
         return depth
 
     def draft(self, root_token: int, depth: int, total_tokens: int, choose: Chooser | None = None) -> DraftTree:
-        """Catch up on the committed rows, then grow this round's draft tree (a chain when top_k is 1)."""
+        """Catch up on the committed rows, grow this round's draft tree (a chain when top_k is 1), then graft
+        the copy branches onto it."""
         start = self.clock()
-        logits, hidden = self._catch_up()
-        caught_up = self.clock()
-        s = self.settings
-        tree = draft_tree(self.drafter, self.state, root_token, logits, hidden, depth, s.branching, total_tokens,
-                          s.confidence_threshold, choose=choose, prune=s.mode == "tree")
-        end = self.clock()
-        self.stats.drafter_time += end - start
-        if self.controller is not None and self._after_cycle:  # a backlog after plain steps is not a round's cost
-            self.controller.observe_drafter(caught_up - start, end - caught_up, depth)
+        self.eagle_depth = depth
+        tree = DraftTree(torch.tensor([root_token]), torch.tensor([-1]), torch.zeros(1))
+        if depth > 0:
+            logits, hidden = self._catch_up()
+            caught_up = self.clock()
+            s = self.settings
+            tree = draft_tree(self.drafter, self.state, root_token, logits, hidden, depth, s.branching, total_tokens,
+                              s.confidence_threshold, choose=choose, prune=s.mode == "tree")
+            end = self.clock()
+            self.stats.drafter_time += end - start
+            if self.controller is not None and self._after_cycle:  # a backlog after plain steps is not a round's cost
+                self.controller.observe_drafter(caught_up - start, end - caught_up, depth)
+        if self.copy is not None and self.copy.branches:
+            a = self.copy.acceptance
+            tree = tree.graft([b.tokens for b in self.copy.branches],
+                              [[math.log(max(a.first[b.match - 1] if i == 0 else a.later, 1e-6))
+                                for i in range(len(b.tokens))] for b in self.copy.branches])
         self.tree = tree
         if tree.num_drafts == 0:  # every branch was below the confidence threshold: a plain step
             self.round = "fallback"
@@ -104,24 +141,54 @@ class Speculator:
         if self.round == "prefill":
             return
         drafts: list[int] = []
+        sources: list[str] = []
         if self.round == "draft":
             tree = self.tree
-            drafted = int(tree.depths().max())
-            self.stats.record_cycle(drafted, accepted)
-            if self.controller is not None:
-                self.controller.update(drafted, accepted, None if self.controller.seeded else tree.confidences())
-            if self.settings.schedule.startswith("heuristic"):
-                self.depth = min(self.depth + 2, MAX_DEPTH) if accepted == drafted else max(1, self.depth - 1)
+            path = path if path is not None else list(range(accepted + 1))
+            depths = tree.depths()
+            self.stats.record_cycle(int(depths.max()), accepted)
+            if tree.sources is not None:
+                self.stats.record_sources(_per_source(tree, depths, path))
+            if self.eagle_depth > 0:
+                self._record_eagle(tree, depths, path, accepted)
+            if self.copy is not None and self.copy.branches:
+                taken = [int(tree.tokens[n]) for n in path[1:]]
+                self.copy.update([_common_prefix(b.tokens, taken) for b in self.copy.branches])
             if self.listeners:  # only displays need the rejected continuation
-                drafts = shown_drafts(tree, path if path is not None else list(range(accepted + 1)))
-                drafts = drafts[:accepted] if cut else drafts
+                nodes = shown_nodes(tree, path)
+                nodes = nodes[:accepted] if cut else nodes
+                drafts = [int(tree.tokens[n]) for n in nodes]
+                sources = [_source_name(tree.source(n)) for n in nodes]
         elif self.round == "fallback":
             self.stats.fallback_steps += 1
         else:
             self.stats.final_steps += 1
-        self._after_cycle = self.round == "draft"
-        for listener in self.listeners:
-            listener(drafts, accepted, last_token)
+        self._after_cycle = self.round == "draft" and self.eagle_depth > 0
+        for listener, takes_sources in self.listeners:
+            if takes_sources:
+                listener(drafts, accepted, last_token, sources=sources)
+            else:
+                listener(drafts, accepted, last_token)
+
+    def _record_eagle(self, tree: DraftTree, depths: torch.Tensor, path: list[int], accepted: int) -> None:
+        """The drafter's own outcome (its nodes only) for the adaptive controller and the heuristic schedule."""
+        if tree.sources is None:
+            drafted, mine = int(depths.max()), accepted
+        else:
+            eagle = (tree.sources & EAGLE).bool()
+            drafted = int(depths[eagle].max()) if bool(eagle.any()) else 0
+            mine = next((i for i, n in enumerate(path[1:]) if not tree.source(n) & EAGLE), accepted)
+        if self.controller is not None and drafted:
+            self.controller.update(drafted, mine, None if self.controller.seeded else tree.confidences())
+        if self.settings.schedule.startswith("heuristic"):
+            self.depth = min(self.depth + 2, MAX_DEPTH) if mine == drafted else max(1, self.depth - 1)
+
+    def _marginal_cost(self, verified: int) -> float:
+        """Extra cost of verifying one more token on top of `verified`, in one-token target forwards."""
+        if self.controller is None:
+            return DEFAULT_MARGINAL_COST
+        cost = self.controller.cost
+        return max(cost.forward(verified + 1) - cost.forward(verified), 0.0)
 
     # ------------------------------------------------------------------ helpers
     def _catch_up(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,12 +200,46 @@ class Speculator:
         return self.state.extend(self.drafter, aux, tokens)
 
 
-def shown_drafts(tree: DraftTree, path: list[int]) -> list[int]:
-    """For displays: the accepted drafts, then the best-scoring rejected continuation below the last accepted
-    node (for a chain: every draft)."""
-    drafts = [int(tree.tokens[n]) for n in path[1:]]
+def shown_nodes(tree: DraftTree, path: list[int]) -> list[int]:
+    """For displays: the accepted draft nodes, then the best-scoring rejected continuation below the last
+    accepted node (for a chain: every draft)."""
+    nodes = list(path[1:])
     node = path[-1]
     while children := tree.children(node):
         node = max(children, key=lambda i: float(tree.scores[i]))
-        drafts.append(int(tree.tokens[node]))
-    return drafts
+        nodes.append(node)
+    return nodes
+
+
+def shown_drafts(tree: DraftTree, path: list[int]) -> list[int]:
+    """The tokens of `shown_nodes`."""
+    return [int(tree.tokens[n]) for n in shown_nodes(tree, path)]
+
+
+def _per_source(tree: DraftTree, depths: torch.Tensor, path: list[int]) -> dict[str, tuple[int, list[int], list[int]]]:
+    """Per source: (nodes drafted, depths it drafted at, depths of accepted nodes it proposed); depths from 1."""
+    out = {}
+    for bit, name in SOURCE_NAMES.items():
+        mine = [n for n in range(1, tree.size) if tree.source(n) & bit]
+        if mine:
+            reached = sorted({int(depths[n]) for n in mine})
+            out[name] = (len(mine), reached, [i + 1 for i, n in enumerate(path[1:]) if tree.source(n) & bit])
+    return out
+
+
+def _source_name(bits: int) -> str:
+    return "+".join(name for bit, name in SOURCE_NAMES.items() if bits & bit)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _takes_sources(listener) -> bool:
+    try:
+        return "sources" in inspect.signature(listener).parameters
+    except (TypeError, ValueError):
+        return False

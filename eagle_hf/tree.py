@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+#: the sources a draft node can come from (bits of `DraftTree.sources`; a node both proposed carries both)
+EAGLE, COPY = 1, 2
+SOURCE_NAMES = {EAGLE: "eagle", COPY: "copy"}
 
 
 @dataclass
@@ -21,7 +24,34 @@ class DraftTree:
     parents: torch.Tensor  # [N+1] parent node index; parents[0] = -1
     scores: torch.Tensor  # [N+1] cumulative draft log-probability (root 0)
     q_logits: torch.Tensor | None = None  # [N+1, V] processed logits each *sampled* draft was drawn from (row 0
-    # unused); None for deterministic (top-k) drafts
+    # unused); None for deterministic (top-k) drafts; a deterministic draft among sampled ones has a one-hot row
+    sources: torch.Tensor | None = None  # [N+1] bits EAGLE | COPY of who proposed each node; None: all EAGLE
+
+    def source(self, node: int) -> int:
+        return EAGLE if self.sources is None else int(self.sources[node])
+
+    def graft(self, branches: list[list[int]], logp: list[list[float]]) -> DraftTree:
+        """This tree plus deterministic COPY branches below the root; a branch token that is already a child is
+        shared (and marked as proposed by both). logp: each branch token's assumed log-probability."""
+        tokens, parents = self.tokens.tolist(), self.parents.tolist()
+        scores, sources = self.scores.tolist(), [self.source(i) for i in range(self.size)]
+        q_rows = list(self.q_logits) if self.q_logits is not None else None
+        child = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
+        for branch, branch_logp in zip(branches, logp):
+            node = 0
+            for tok, lp in zip(branch, branch_logp):
+                if (node, tok) in child:
+                    node = child[(node, tok)]
+                    sources[node] |= COPY
+                    continue
+                tokens.append(tok), parents.append(node), scores.append(scores[node] + lp), sources.append(COPY)
+                if q_rows is not None:  # a deterministic proposal among sampled ones: one-hot q
+                    row = torch.full_like(q_rows[0], -1e9)
+                    row[tok] = 0.0
+                    q_rows.append(row)
+                node = child[(node, tok)] = len(tokens) - 1
+        return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores),
+                         None if q_rows is None else torch.stack(q_rows), torch.tensor(sources, dtype=torch.uint8))
 
     @property
     def num_drafts(self) -> int:

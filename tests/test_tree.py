@@ -189,7 +189,7 @@ def test_confidence_threshold_prunes_tree_branches():
     ids = torch.randint(1, 96, (1, 6))
     ref = target.generate(ids, max_new_tokens=24, do_sample=False)
     fixed = dict(draft_mode="tree", tree_depth=4, tree_top_k=3, tree_total_tokens=10,
-                 num_assistant_tokens_schedule="constant")
+                 num_assistant_tokens_schedule="constant", draft_sources="eagle")  # the drafter's threshold alone
     out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter, **fixed)
     full = eagle_hf.last_stats()
     out_pruned = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter,
@@ -234,9 +234,11 @@ def test_pruned_tree_is_the_full_tree_above_the_threshold():
     assert all(int(pruned.parents[i]) < i for i in range(1, pruned.size))  # parents before children
 
 
-def test_drafter_catches_up_after_plain_steps():
+@pytest.mark.parametrize("sources", ["eagle", "eagle+copy"])
+def test_drafter_catches_up_after_plain_steps(sources):
     """With plain steps between cycles (a scripted adaptive schedule), the drafter's rows stay aligned with the
-    sequence: the oracle tree asserts that its root is the token after the drafter's last real row."""
+    sequence: the oracle tree asserts that its root is the token after the drafter's last real row. With copy
+    drafting, rounds of copy branches alone (the drafter resting) come between them too."""
     from unittest import mock
 
     target = tiny_target("llama")
@@ -247,7 +249,11 @@ def test_drafter_catches_up_after_plain_steps():
     with oracle_tree(ref[0].tolist() + [0] * 8), \
             mock.patch("eagle_hf.adaptive.DraftLengthController.choose", lambda self: next(decisions)):
         out = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=drafter, draft_mode="tree",
-                              tree_depth=5, tree_top_k=2, tree_total_tokens=8)
+                              tree_depth=5, tree_top_k=2, tree_total_tokens=8, draft_sources=sources)
     assert torch.equal(out, ref)
     s = eagle_hf.last_stats()
-    assert s.fallback_steps > 5 and s.accepted > 5
+    assert s.accepted > 5 and s.accepted_by_source["eagle"] > 0
+    if sources == "eagle":
+        assert s.fallback_steps > 5
+    else:  # copy branches filled some of the drafter's rest rounds
+        assert s.drafted_by_source["copy"] > 0

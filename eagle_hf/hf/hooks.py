@@ -64,7 +64,10 @@ def generate(self, *args, **kwargs):
         # transformers' assisted loop (5.23) diverges from plain decoding when the cache already holds a prefix,
         # for its own prompt lookup too; our loop with one child per node is the same chain, and exact
         logger.info("A prefilled past_key_values: chain drafting runs in eagle_hf's loop (a tree with top_k=1).")
-        settings.mode, settings.top_k, settings.total_tokens = "tree", 1, settings.depth + 1
+        _as_tree_with_top_k_1(settings)
+    if settings.mode == "chain" and settings.uses_copy:  # transformers' loop verifies one chain, not branches
+        logger.info("Copy drafting in chain mode: eagle_hf's loop drafts the chain (a tree with top_k=1).")
+        _as_tree_with_top_k_1(settings)
     if settings.mode == "tree" and settings.total_tokens <= 0:  # -1: size the tree from measured verify costs
         settings.total_tokens = choose_tree_size(measure_costs(self, drafter, max_tokens=32))
         logger.info("Tree size chosen from measured verify costs: %d tokens", settings.total_tokens)
@@ -75,6 +78,13 @@ def generate(self, *args, **kwargs):
     for key in OWN_KEYWORDS:
         kwargs.pop(key, None)
     return _run(self, kwargs, call)
+
+
+def _as_tree_with_top_k_1(settings: DraftSettings) -> None:
+    """The same chain, drafted and verified by eagle_hf's loop; an "auto" source stays the chain's (the drafter)."""
+    if settings.draft_sources == "auto":
+        settings.draft_sources = "eagle"
+    settings.mode, settings.top_k, settings.total_tokens = "tree", 1, settings.depth + 1
 
 
 def _run(self, kwargs: dict, call: EagleCall):

@@ -53,13 +53,14 @@ class TreeLoop:
         device = self.target.device
         seq = input_ids.to(device)  # plain generate() accepts CPU inputs for an accelerator target
         cached = self.cache.get_seq_length()  # a past_key_values passed in already holds this prefix
+        self.sp.extend_context(seq[0].tolist())
         token = self.prefill(seq, cached)
         seq = self.append(seq, [token])
         while not self.done(seq, token):
             self.sp.begin_round()
             room = self.max_length - seq.shape[1] - 1
             depth = self.sp.choose_depth(room)
-            if depth == 0:
+            if self.sp.round != "draft":
                 token = self.plain_step(seq)
                 new, path, cut = [token], [0], False
             else:
@@ -138,6 +139,7 @@ class TreeLoop:
                     tuple(h if rows is None else h[:, rows[i] : rows[i] + 1] for h in hidden_states))
 
     def append(self, seq: torch.Tensor, new: list[int]) -> torch.Tensor:
+        self.sp.extend_context(new)
         if self.streamer is not None:
             self.streamer.put(torch.tensor(new))
         return torch.cat([seq, torch.tensor([new], device=seq.device, dtype=seq.dtype)], 1)

@@ -1,0 +1,146 @@
+"""Copy drafting: continuations of earlier occurrences of the text's own suffix, as deterministic draft branches.
+
+Answers copy their input (summaries, extraction, code edits, multi-turn chats): where the last few tokens occurred
+before in the prompt or the output, what followed them then is a strong guess for what follows now. The
+`CopyIndex` keeps every n-gram (n = 1..max_ngram) of the context with the positions where it ended, updated
+in O(max_ngram) per appended token; a lookup tries the longest suffix first and reads the continuations of its
+most recent occurrences (a bounded scan, independent of the context length).
+
+The `CopySource` turns matches into branches for the round's draft tree and decides their lengths from running
+acceptance: a copy token is drafted while the probability that it is reached and accepted exceeds the extra
+verify cost it adds (both in units of one-token target forwards, whose value is one token), so a long, reliable
+match earns a long branch and a source that keeps failing drafts nothing; it probes again after a wait that
+doubles with each failed probe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+#: occurrences scanned per suffix length (the most recent first): bounds a lookup's cost at any context length
+MAX_OCCURRENCES = 8
+
+
+class CopyIndex:
+    """Hashed n-grams of a growing token sequence -> the positions right after each occurrence."""
+
+    def __init__(self, max_ngram: int):
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        self.ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> indices just past its occurrences, ascending
+
+    def extend(self, tokens) -> None:
+        """Append tokens: O(max_ngram) dictionary updates each."""
+        for t in tokens:
+            self.tokens.append(int(t))
+            end = len(self.tokens)
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self.ends.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
+
+    def matches(self, num_branches: int, length: int) -> list[tuple[list[int], int]]:
+        """Up to `num_branches` distinct continuations (at most `length` tokens) of the current suffix, as
+        ``(tokens, match length)``: longest match first, then the most recent occurrence."""
+        out: list[tuple[list[int], int]] = []
+        seen: set[tuple[int, ...]] = set()
+        end = len(self.tokens)
+        for n in range(min(self.max_ngram, end - 1), 0, -1):
+            positions = self.ends.get(tuple(self.tokens[end - n :]), ())
+            scanned = 0
+            for e in reversed(positions):
+                if e >= end:
+                    continue  # the suffix itself
+                scanned += 1
+                cont = tuple(self.tokens[e : e + length])
+                if cont and cont not in seen and not any(s[: len(cont)] == cont for s in seen):
+                    seen.add(cont)
+                    out.append((list(cont), n))
+                    if len(out) == num_branches:
+                        return out
+                if scanned == MAX_OCCURRENCES:
+                    break
+        return out
+
+
+@dataclass
+class CopyAcceptance:
+    """Running acceptance of copy drafts: the first token by match length, every later token given the one
+    before was accepted."""
+
+    max_ngram: int
+    first: list[float] = field(default_factory=list)  # [max_ngram] P(first copy token accepted | match length n)
+    later: float = 0.8  # P(copy token i+1 accepted | token i accepted)
+    seen_first: list[int] = field(default_factory=list)
+    seen_later: int = 0
+    prior_weight: float = 2.0
+    decay: float = 0.85  # copying comes and goes with the text: recent rounds weigh most
+
+    def __post_init__(self):
+        if not self.first:  # longer matches are likelier to continue
+            self.first = [min(0.2 + 0.1 * n, 0.6) for n in range(1, self.max_ngram + 1)]
+        self.seen_first = [0] * self.max_ngram
+
+    def reach(self, match: int, i: int) -> float:
+        """P(the copy branch's first i+1 tokens are all accepted)."""
+        return self.first[match - 1] * self.later**i
+
+    def update(self, match: int, drafted: int, accepted: int) -> None:
+        """One branch's outcome: its first `accepted` of `drafted` tokens were accepted."""
+        self.seen_first[match - 1] += 1
+        self.first[match - 1] += self._rate(self.seen_first[match - 1]) * (float(accepted > 0) - self.first[match - 1])
+        for i in range(1, min(drafted, accepted + 1)):  # tokens whose predecessor was accepted
+            self.seen_later += 1
+            self.later += self._rate(self.seen_later) * (float(i < accepted) - self.later)
+
+    def _rate(self, seen: int) -> float:
+        return max(1 - self.decay, 1 / (seen + self.prior_weight))
+
+
+@dataclass
+class Branch:
+    tokens: list[int]  # the copied continuation (target ids)
+    match: int  # length of the matched suffix
+
+
+class CopySource:
+    """Proposes this round's copy branches, sized by expected gain, and learns from their outcomes.
+
+    `marginal_cost(n)`: the extra cost of verifying `n` more tokens, in one-token target forwards."""
+
+    def __init__(self, max_ngram: int, length: int, num_branches: int, marginal_cost: Callable[[int], float],
+                 probe_every: int = 16, max_probe_every: int = 64):
+        self.index = CopyIndex(max_ngram)
+        self.acceptance = CopyAcceptance(max_ngram)
+        self.length, self.num_branches, self.marginal_cost = length, num_branches, marginal_cost
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
+        self._wait, self._skipped = probe_every, 0
+        self.branches: list[Branch] = []  # this round's proposal
+
+    def propose(self, room: int, verified: int) -> list[Branch]:
+        """This round's branches (at most `room` tokens each) on top of a tree of `verified` tokens."""
+        self.branches = []
+        if room <= 0:
+            return self.branches
+        matches = self.index.matches(self.num_branches, min(self.length, room))
+        probing = False
+        for tokens, match in matches:
+            n = 0
+            while n < len(tokens) and self.acceptance.reach(match, n) > self.marginal_cost(verified):
+                n, verified = n + 1, verified + 1
+            if n == 0 and not self.branches and self._skipped >= self._wait:
+                n, probing = min(2, len(tokens)), True  # refresh the estimates of a source that was dropped
+            if n:
+                self.branches.append(Branch(tokens[:n], match))
+        if matches and not self.branches:
+            self._skipped += 1
+        elif probing:
+            self._skipped = 0
+        return self.branches
+
+    def update(self, accepted: list[int]) -> None:
+        """Outcome of this round's branches: accepted[b] = leading tokens of branch b that were accepted."""
+        for branch, n in zip(self.branches, accepted):
+            self.acceptance.update(branch.match, len(branch.tokens), n)
+        if self.branches:
+            hit = any(accepted)
+            self._wait = self.probe_every if hit else min(2 * self._wait, self.max_probe_every)

@@ -1,0 +1,154 @@
+"""Copy drafting: the n-gram index, branch sizing, grafting onto the draft tree, losslessness, stats, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+import eagle_hf
+from conftest import tiny_drafter, tiny_target
+from eagle_hf.copying import MAX_OCCURRENCES, CopyIndex, CopySource
+from eagle_hf.settings import DraftSettings, DraftSettingsError
+from eagle_hf.stats import SpecDecodeStats, merge_stats
+from eagle_hf.tree import COPY, EAGLE, DraftTree
+
+
+def test_index_prefers_the_longest_then_the_most_recent_match():
+    index = CopyIndex(max_ngram=3)
+    index.extend([1, 2, 3, 4, 9, 2, 3, 5, 7, 1, 2, 3])  # suffix (1, 2, 3) occurred at the start
+    (first, n1), (second, n2) = index.matches(num_branches=2, length=3)
+    assert (first, n1) == ([4, 9, 2], 3)  # the 3-gram match
+    assert (second, n2) == ([5, 7, 1], 2)  # then (2, 3): its other occurrence
+    assert index.matches(1, 2) == [([4, 9], 3)]
+
+
+def test_index_update_and_lookup_cost_do_not_grow_with_the_context():
+    index = CopyIndex(max_ngram=4)
+    index.extend([7] * 5000)  # one n-gram occurring everywhere: the worst case for a scan
+    before = len(index.ends)
+    index.extend([7])
+    assert len(index.ends) == before  # O(max_ngram) entries touched per token, no rescan
+    probe = index.ends[(7,)]
+    seen = []
+
+    class Spy(list):
+        def __reversed__(self):
+            for e in list.__reversed__(self):
+                seen.append(e)
+                yield e
+
+    index.ends = {k: Spy(v) for k, v in index.ends.items()}
+    index.matches(num_branches=8, length=4)
+    assert len(seen) <= 4 * (MAX_OCCURRENCES + 1) and len(probe) > 5000  # bounded scan at any length
+
+
+def _source(cost=0.1):
+    return CopySource(max_ngram=3, length=12, num_branches=1, marginal_cost=lambda n: cost, probe_every=4)
+
+
+def test_a_reliable_source_earns_long_branches_and_a_failing_one_is_dropped_then_probed():
+    src = _source()
+    src.index.extend(list(range(20)) + [0, 1, 2])  # the suffix (0, 1, 2) continues with 3..14
+    first = len(src.propose(room=50, verified=16)[0].tokens)
+    for _ in range(20):
+        src.propose(room=50, verified=16)
+        src.update([len(src.branches[0].tokens)])  # every copy token accepted
+    assert len(src.propose(room=50, verified=16)[0].tokens) == 12 > first
+    assert len(src.propose(room=5, verified=16)[0].tokens) == 5  # never past the room left
+    for _ in range(40):  # now it keeps failing
+        if src.propose(room=50, verified=16):
+            src.update([0])
+    rounds = [bool(src.propose(room=50, verified=16)) for _ in range(40)]
+    assert 0 < sum(rounds) < 10  # mostly dropped, probed now and then
+
+
+def test_graft_shares_prefixes_and_marks_sources():
+    tree = DraftTree(torch.tensor([5, 8, 9, 4]), torch.tensor([-1, 0, 0, 1]), torch.tensor([0.0, -0.1, -2.0, -0.5]))
+    grafted = tree.graft([[8, 6, 7], [3]], [[-0.2] * 3, [-0.3]])
+    assert grafted.tokens.tolist() == [5, 8, 9, 4, 6, 7, 3]
+    assert grafted.parents.tolist() == [-1, 0, 0, 1, 1, 4, 0]
+    assert grafted.sources.tolist() == [EAGLE, EAGLE | COPY, EAGLE, EAGLE, COPY, COPY, COPY]
+    sampled = DraftTree(tree.tokens, tree.parents, tree.scores, torch.randn(4, 10))
+    q = sampled.graft([[6]], [[-0.1]]).q_logits  # a deterministic proposal among sampled drafts: one-hot q
+    assert torch.softmax(q[-1], -1)[6] == pytest.approx(1.0)
+
+
+REPEAT = torch.tensor([[5, 17, 33, 8, 61, 12, 5, 17, 33, 8, 61, 12, 5, 17]])  # a prompt that invites copying
+
+
+@pytest.mark.parametrize("mode,sources", [("tree", "eagle+copy"), ("tree", "copy"), ("chain", "eagle+copy"),
+                                          ("chain", "copy")])
+def test_copy_drafting_is_exact_greedy(mode, sources):
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ref = target.generate(REPEAT, max_new_tokens=40, do_sample=False)
+    out = target.generate(REPEAT, max_new_tokens=40, do_sample=False, assistant_model=drafter, draft_mode=mode,
+                          draft_sources=sources)
+    assert torch.equal(out, ref)
+    s = eagle_hf.last_stats()
+    assert s.drafted_by_source["copy"] > 0 and s.accepted_by_source["copy"] > 0
+    assert ("eagle" in s.drafted_by_source) == (sources != "copy")
+    assert s.accepted == sum(s.accepted_per_position)
+
+
+def test_default_tree_mode_copies_and_reports_per_source_stats():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ref = target.generate(REPEAT, max_new_tokens=40, do_sample=False)
+    out = target.generate(REPEAT, max_new_tokens=40, do_sample=False, assistant_model=drafter)
+    assert torch.equal(out, ref)
+    s = eagle_hf.last_stats()
+    per = s.acceptance_per_position_by_source
+    assert set(per) <= {"eagle", "copy"} and "copy" in per and all(0 <= a <= 1 for a in per["copy"])
+    assert "copy accepted" in s.summary()
+    merged = merge_stats([s, s])
+    assert merged.drafted_by_source["copy"] == 2 * s.drafted_by_source["copy"]
+    assert merged.accepted_per_position_by_source["copy"] == [2 * a for a in s.accepted_per_position_by_source["copy"]]
+
+
+def test_listeners_see_who_proposed_each_draft():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    seen = []
+    target.generate(REPEAT, max_new_tokens=30, do_sample=False, assistant_model=drafter,
+                    draft_listeners=[lambda d, n, last, sources: seen.append((d, sources)), lambda d, n, last: None])
+    assert seen and all(len(d) == len(src) for d, src in seen)
+    assert {x for _, src in seen for x in src} <= {"eagle", "copy", "eagle+copy"}
+    assert any("copy" in x for _, src in seen for x in src)
+
+
+@pytest.mark.parametrize("name,value", [("copy_length", 0), ("copy_length", 65), ("copy_ngram", 0),
+                                        ("copy_ngram", 17), ("copy_branches", 9)])
+def test_copy_settings_out_of_range_name_the_range(name, value):
+    with pytest.raises(DraftSettingsError, match=rf"{name} must be in \d+\.\.\d+, got {value}"):
+        DraftSettings.resolve(None, None, {name: value})
+    with pytest.raises(DraftSettingsError, match="draft_sources must be one of"):
+        DraftSettings.resolve(None, None, {"draft_sources": "ngram"})
+
+
+def test_sampling_with_copy_branches_is_lossless():
+    """Deterministic copy branches beside deterministic drafter branches under sampling: the chi-square test
+    of tests/test_sampling.py against the exact distribution of the target alone."""
+    from test_sampling import PROMPT, VOCAB, chi_square, exact_distribution, marginal
+
+    target = tiny_target("llama", vocab=VOCAB)
+    with torch.no_grad():
+        target.model.norm.weight.mul_(6.0)
+    drafter = tiny_drafter(target)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.9), TopKLogitsWarper(6)])
+    torch.manual_seed(77)
+    rows, copied, accepted = [], 0, 0
+    for _ in range(800):
+        out = target.generate(PROMPT, assistant_model=drafter, do_sample=True, temperature=0.9, top_k=6,
+                              max_new_tokens=4, draft_mode="tree", draft_sources="eagle+copy", tree_top_k=2,
+                              tree_total_tokens=5, num_assistant_tokens_schedule="constant", tree_depth=2)
+        rows.append(tuple(out[0, PROMPT.shape[1]:].tolist()))
+        s = eagle_hf.last_stats()
+        copied += s.drafted_by_source.get("copy", 0)
+        accepted += s.accepted_by_source.get("copy", 0)
+    exact = exact_distribution(target, processors, 3)
+    p12 = chi_square(rows, marginal(exact, (0, 1)), (0, 1))
+    p23 = chi_square(rows, marginal(exact, (1, 2)), (1, 2))
+    assert copied > 400 and 0 < accepted < copied
+    assert p12 > 1e-3 and p23 > 1e-3, (p12, p23)
