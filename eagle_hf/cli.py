@@ -1,4 +1,4 @@
-"""`eagle-hf`: EAGLE-3 / EAGLE-3.1 speculative decoding in transformers' generate(): generate, bench, demo, train."""
+"""`eagle-hf`: EAGLE-3 / EAGLE-3.1 speculative decoding in transformers' generate(): generate, bench, demo, train, diagnose."""
 
 from __future__ import annotations
 
@@ -75,6 +75,32 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_diagnose(args) -> int:
+    from .default import load_drafter
+    from .diagnose import DiagnoseError, DiagnoseSettings, diagnose
+
+    try:  # bad settings fail here, before the models load
+        settings = DiagnoseSettings(
+            prompts=args.prompts, limit=args.limit, conditions=args.conditions, depth=args.depth,
+            max_new_tokens=args.max_new_tokens, sink_tokens=args.sink_tokens,
+            long_context_tokens=args.long_context_tokens, system_mode=args.system_prompts,
+        ).validate()
+    except DiagnoseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    target, tok = _target(args)
+    drafter, label = load_drafter(args.drafter, target)
+    report = diagnose(target, tok, drafter, settings, drafter_label=label)
+    out = report.save(args.out)
+    print(report.markdown())
+    print(f"[drafter: {label}] {report.meta['wall_s']:.0f} s; written to {out}/drift.json, drift.md and one PNG per quantity")
+    return 0
+
+
 def cmd_demo(args) -> int:
     import runpy
 
@@ -125,6 +151,25 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", default="bfloat16", choices=dtypes, help="the target's dtype")
     b.add_argument("--out", default="bench_results", help="folder for results.json, results.md and speedup.png")
     b.set_defaults(func=cmd_bench)
+
+    x = sub.add_parser("diagnose", formatter_class=fmt,
+                       help="attention drift per draft depth: acceptance, attention on sink/context/drafts, norms")
+    x.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct, offline) or a Hub id / folder")
+    x.add_argument("--drafter", default="default", help="'default' (the shipped drafter), 'random', a folder or a Hub id")
+    x.add_argument("--prompts", default="mt_bench", help="a shipped prompt set (mt_bench, humaneval, gsm8k, sum, qa) or a JSONL file")
+    x.add_argument("--limit", type=int, default=8, help="prompts taken from the set")
+    x.add_argument("--conditions", default="clean,system,long", help="comma-separated subset of: clean, system, long")
+    x.add_argument("--depth", type=int, default=5, help="chain length drafted every round (1 to 16)")
+    x.add_argument("--max-new-tokens", type=int, default=64, help="the target's greedy continuation per prompt and condition")
+    x.add_argument("--sink-tokens", type=int, default=4, help="the first positions counted as the attention sink")
+    x.add_argument("--long-context-tokens", type=int, default=2048, help="unrelated news text before the question (long)")
+    x.add_argument("--system-prompts", default="cycle", choices=["cycle", "all"],
+                   help="cycle: one of the six system prompts per prompt in turn; all: every prompt under all six")
+    x.add_argument("--dtype", default="bfloat16", choices=dtypes, help="the target's dtype")
+    x.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (0: torch's default); 1 is much faster on a CPU shared with other jobs")
+    x.add_argument("--out", default="drift_results", help="folder for drift.json, drift.md and the PNGs")
+    x.set_defaults(func=cmd_diagnose)
 
     d = sub.add_parser("demo", help="the Gradio demo (demo/app.py); extra arguments are passed on")
     d.add_argument("demo_args", nargs=argparse.REMAINDER, help="arguments for demo/app.py (see its --help)")
