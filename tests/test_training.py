@@ -176,7 +176,8 @@ def test_end_to_end_tiny_training_overfits_and_reloads(tmp_path):
     target.name_or_path = "tiny-llama"
     drafter, run = _run(tmp_path, target, tok)
     log = [json.loads(line) for line in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
-    first, last = log[0], log[-1]
+    first, last = log[1], log[-1]  # log[0]: the evaluation at step 0
+    assert log[0]["step"] == 0 and "eval_tau" in log[0]
     assert last["loss"] < 0.7 * first["loss"]
     assert last["step_accuracy"][0] > first["step_accuracy"][0]
     for name in ("config.json", "model.safetensors", "README.md", "training_curve.png"):
@@ -217,7 +218,7 @@ def test_resume_after_interruption(tmp_path):
     mtimes = [p.stat().st_mtime for p in shards]
     _run(tmp_path, target, tok, max_steps=20)  # same run, longer: resumes at step 10, reuses the data
     log = [json.loads(line) for line in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == list(range(1, 21))
+    assert [r["step"] for r in log] == list(range(0, 21))  # step 0: the evaluation before training
     assert [p.stat().st_mtime for p in shards] == mtimes
 
 
@@ -246,10 +247,11 @@ def test_training_on_responses_produced_elsewhere(tmp_path):
         for i in range(10):
             f.write(json.dumps({"prompt": f"w{i} w{i + 1}", "response": f"w{i + 2} w{i + 3} w{i + 4}"}) + "\n")
         f.write(json.dumps({"messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2 w3"}]}) + "\n")
-    run = RunConfig(responses=str(path), draft_vocab_size=48, data_dir=str(tmp_path / "data"),
+    run = RunConfig(responses=str(path), draft_vocab_size=48, data_root=str(tmp_path / "captures"),
                     train=TrainConfig(ttt_steps=2, max_steps=4, tokens_per_batch=128, bf16=False, eval_every=4))
     run_training(target, tok, tmp_path / "out", run)
-    samples = load_shards(tmp_path / "data")
+    (folder,) = (tmp_path / "captures").glob("responses-*")  # one capture folder per answer file
+    samples = load_shards(folder)
     assert len(samples) == 11
     s = samples[0]
     resp = s["input_ids"][s["loss_mask"].bool()].tolist()
@@ -268,4 +270,193 @@ def test_resume_from_a_checkpoint_before_the_interruption(tmp_path):
     torch.save(state, tmp_path / "out" / "train_state.pt")
     _run(tmp_path, target, tok, max_steps=9, save_every=5)
     log = [json.loads(line) for line in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == list(range(1, 10))
+    assert [r["step"] for r in log] == list(range(0, 10))
+
+
+# ------------------------------------------------------------------------------------------ held-out acceptance
+def test_chain_lengths_and_heldout_tau_on_a_hand_built_case():
+    from eagle_hf.training.ttt import chain_lengths, ttt_evaluate
+
+    correct = torch.tensor([[1, 1, 0, 1, 1], [0, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    assert chain_lengths(correct).tolist() == [2, 0, 5, 1]  # leading correct drafts only
+
+    # A drafter whose lm_head is zero always drafts draft id 0 (= target id c); the target's argmax is c at the
+    # marked positions, so row t (drafting the tokens at t+2, t+3, ...) accepts the run of c from position t+1.
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, draft_vocab=48)
+    drafter.bind_target_embedding(target.get_input_embeddings())
+    with torch.no_grad():
+        drafter.lm_head.weight.zero_()
+    c = int(drafter.draft_to_target(torch.tensor(0)))
+    other = c + 1
+    T = 12
+    is_c = [0, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 0]  # positions 0..11
+    targ = torch.tensor([[c if m else other for m in is_c]])
+    mask = torch.zeros(1, T, dtype=torch.bool)
+    mask[0, 3:] = True  # prompt 0..2, answer 3..11
+    ids = torch.randint(0, VOCAB, (1, T))
+    aux, final = torch.randn(1, T, 3 * 64), torch.randn(1, T, 64)
+    head = torch.randn(48, 64)
+    out = ttt_evaluate(drafter, aux, final, head, ids, mask, drafter.t2d[ids], targ, steps=2, chain=5)
+    # counted rows 1..9 (the token at t+2 is an answer token); row t may draft up to position 11 (5 drafts at most)
+    expected = [1, 0, 5, 5, 5, 4, 3, 2, 1]
+    assert int(out.chain_rows.sum()) == 9 and int(out.chain_sum.sum()) == sum(expected)
+    assert 1 + int(out.chain_sum.sum()) / int(out.chain_rows.sum()) == pytest.approx(1 + 26 / 9)
+
+
+# ------------------------------------------------------------------------------------------ sources, warm start
+def write_answers(path, n, start=0, finished=True, cut_tail=False):
+    import gzip
+
+    lines = [json.dumps({"idx": 4000 + start + i, "prompt": f"w{(start + i) % 40} w{(start + i + 1) % 40}",
+                         "response": " ".join(f"w{(start + i + j) % 60}" for j in range(2, 7)), "finished": finished})
+             for i in range(n)]
+    text = "\n".join(lines) + "\n" + ('{"idx": 9999, "prompt": "w1", "resp' if cut_tail else "")
+    if str(path).endswith(".gz"):
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+def test_several_answer_sources_and_captured_folders(tmp_path):
+    from eagle_hf.training.sources import capture_sources, parse_answer_specs
+
+    target, tok = peaky_target(), tiny_tokenizer()
+    target.name_or_path = "tiny-llama"
+    src = tmp_path / "answers"
+    src.mkdir()
+    write_answers(src / "a.jsonl", 10)
+    write_answers(src / "b.jsonl.gz", 9, start=10, finished=False)
+    write_answers(src / "c_000.jsonl.partial", 5, start=20, cut_tail=True)  # a chunk still being written
+    old = tmp_path / "old_capture"  # an already-captured folder, used as it is
+    from eagle_hf.training.data import build_dataset_from_responses
+
+    build_dataset_from_responses(target, tok, [("w3 w4", "w5 w6 w7")] * 4, old, [2, 3, 4])
+    run = RunConfig(responses=[str(src / "a.jsonl"), str(src / "*.gz"), str(src / "*.partial")], data_dir=[str(old)],
+                    draft_vocab_size=48, data_root=str(tmp_path / "cap"),
+                    train=TrainConfig(ttt_steps=2, max_steps=3, tokens_per_batch=256, bf16=False, eval_every=2,
+                                      eval_fraction=0.3))
+    run_training(target, tok, tmp_path / "out", run)
+    folders = {p.name.rsplit("-", 1)[0]: p for p in (tmp_path / "cap").iterdir()}
+    assert sorted(folders) == ["a", "b", "c_000"]
+    assert [len(load_shards(folders[k])) for k in ("a", "b", "c_000")] == [10, 9, 5]  # the cut line is skipped
+    s = load_shards(folders["b"])[0]  # finished=false: the answer was cut, no EOS appended
+    assert s["input_ids"][-1] != tok.eos_token_id and load_shards(folders["a"])[0]["input_ids"][-1] == tok.eos_token_id
+    log = [json.loads(line) for line in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
+    assert log[0]["step"] == 0 and all("eval_tau" in r for r in log if r["step"] in (0, 2, 3))
+
+    # the best checkpoint (by held-out tau) is a full drafter and the final output
+    best = json.loads((tmp_path / "out" / "best" / "best.json").read_text())
+    evals = [r for r in log if "eval_tau" in r]
+    assert best["eval_tau"] == pytest.approx(max(r["eval_tau"] for r in evals))
+    assert best["step"] == next(r["step"] for r in evals if r["eval_tau"] == max(e["eval_tau"] for e in evals))
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "out" / "best" / "model.safetensors").read_bytes()
+    assert EagleDrafter.from_pretrained(tmp_path / "out" / "best").config.draft_vocab_size == 48
+
+    # rerun: unchanged sources are reused; the grown .partial recaptures only its changed shard
+    mtimes = {k: [p.stat().st_mtime_ns for p in sorted(f.glob("shard_*"))] for k, f in folders.items()}
+    write_answers(src / "c_000.jsonl.partial", 7, start=20)
+    sources = parse_answer_specs([str(src / "a.jsonl"), str(src / "*.gz"), str(src / "*.partial")])
+    from eagle_hf.capture import default_aux_layer_ids
+
+    again = capture_sources(target, tok, sources, tmp_path / "cap", default_aux_layer_ids(6))
+    assert [f.path for f in again] == [folders[k] for k in ("a", "b", "c_000")]
+    assert {k: [p.stat().st_mtime_ns for p in sorted(f.glob("shard_*"))] for k, f in folders.items()} == {
+        k: v for k, v in mtimes.items() if k != "c_000"} | {"c_000": [p.stat().st_mtime_ns for p in sorted(folders["c_000"].glob("shard_*"))]}
+    assert mtimes["c_000"] != [p.stat().st_mtime_ns for p in sorted(folders["c_000"].glob("shard_*"))]
+    assert len(load_shards(folders["c_000"])) == 7
+
+
+def test_sharegpt_original_answers_follow_the_prompt_order(tmp_path):
+    from eagle_hf.training.sources import AnswerSource, original_exchanges, original_records, parse_answer_specs
+
+    n = 3870
+    recs = []
+    for i in range(n):
+        conv = [{"from": "human", "value": f"w{i % 50} w{i % 7}"}]
+        if i % 5:
+            conv.append({"from": "gpt", "value": f"w{i % 11} w{i % 13}"})
+        recs.append({"id": str(i), "conversations": conv})
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(recs))
+    pairs = original_exchanges(path)
+    assert [p for p, _ in pairs] == load_prompts(path, seed=0)  # same indices as load_prompts
+    tok = tiny_tokenizer()
+    (src,) = parse_answer_specs(["sharegpt-original:4"])
+    skip = {n - 1}
+    got = original_records(src, tok, pairs, skip)
+    want = [i for i in range(n - 2, 3854, -1) if pairs[i][1] is not None][:4]
+    assert [r["idx"] for r in got] == want and all(r["response"] == pairs[r["idx"]][1] for r in got)
+    ranged = original_records(AnswerSource("x", "x", "original", index_range=(3855, 3865)), tok, pairs, set())
+    assert [r["idx"] for r in ranged] == [i for i in range(3855, 3865) if pairs[i][1] is not None]
+    for bad in ("sharegpt-original:abc", "sharegpt-original:100-200", "sharegpt-original:0"):
+        with pytest.raises(ValueError, match="sharegpt-original"):
+            parse_answer_specs([bad])
+
+
+def _init_drafter(tmp_path, target):
+    init = tiny_drafter(target, draft_vocab=48)
+    init.save_pretrained(tmp_path / "init")
+    return init
+
+
+def test_warm_start_keeps_the_drafter_its_vocabulary_and_its_loss(tmp_path):
+    from eagle_hf.training.trainer import collate, make_batches, split_heldout
+
+    target, tok = peaky_target(), tiny_tokenizer()
+    init = _init_drafter(tmp_path, target)
+    path = write_answers(tmp_path / "r.jsonl", 12)
+    cfg = TrainConfig(ttt_steps=2, max_steps=1, lr=0.0, tokens_per_batch=100000, bf16=False, eval_every=1,
+                      eval_fraction=0.2)
+    run = RunConfig(responses=str(path), init_from=str(tmp_path / "init"), data_root=str(tmp_path / "cap"), train=cfg)
+    out = run_training(target, tok, tmp_path / "out", run)
+    assert out.config.draft_vocab_size == 48 and out.config.fc_norm and out.config.norm_output
+    assert torch.equal(out.d2t, init.d2t) and torch.equal(out.t2d, init.t2d)
+    assert json.loads((tmp_path / "out" / "train_run.json").read_text())["draft_vocab_size"] == 48
+    for k, v in init.state_dict().items():  # lr 0: no ridge init, no change (saved in bf16)
+        assert torch.equal(out.state_dict()[k], v.to(out.state_dict()[k].dtype)), k
+    # the first step's loss is the init drafter's loss on that batch
+    (folder,) = (tmp_path / "cap").iterdir()
+    samples = load_shards(folder)
+    train_idx, _, _ = split_heldout(samples, cfg)
+    (batch,) = make_batches([samples[i]["input_ids"].shape[0] for i in train_idx], cfg.tokens_per_batch, 0)
+    batch = [train_idx[i] for i in batch]  # one batch holds the whole training split
+    head = target.lm_head.weight[torch.arange(48) + init.d2t].detach()
+    ids, aux, final, mask, in_vocab = collate(samples, batch, cfg.max_seq_len, head, init.t2d, torch.device("cpu"))
+    init.bind_target_embedding(target.get_input_embeddings())
+    with torch.no_grad():
+        ref = ttt_loss(init, aux, final, head, ids, mask, in_vocab, 2).loss
+    log = [json.loads(line) for line in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
+    assert log[1]["step"] == 1 and log[1]["loss"] == pytest.approx(float(ref), rel=1e-4)
+
+
+def test_bad_sources_and_conflicting_warm_start_fail_before_compute(tmp_path):
+    from eagle_hf.training.pipeline import validate_run
+
+    target, tok = tiny_target("llama"), tiny_tokenizer()
+    _init_drafter(tmp_path, target)
+    good = write_answers(tmp_path / "r.jsonl", 4)
+    init = str(tmp_path / "init")
+    cases = [
+        (dict(responses=str(tmp_path / "missing.jsonl")), "no such file"),
+        (dict(responses=str(tmp_path / "nothing-*.jsonl")), "no file matches"),
+        (dict(responses=[str(good)], data_dir=[str(tmp_path / "no-such-dir")]), "no captured shards"),
+        (dict(responses=str(good), init_from=init, draft_vocab_size=32), "draft vocabulary size 32 asked"),
+        (dict(responses=str(good), init_from=init, eagle31=False), "EAGLE-3 .--eagle3. asked"),
+        (dict(responses=str(good), init_from=init, aux_layer_ids=[1, 2, 3]), "aux layers"),
+        (dict(responses=str(good), init_from=str(tmp_path / "nope")), "not a drafter folder"),
+    ]
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"prompt": "w1", "response": "w2"}\nnot json\n')
+    cases.append((dict(responses=str(bad_json)), "bad.jsonl:2 is not JSON"))
+    for kw, msg in cases:
+        kw = {"draft_vocab_size": 48, **kw} if "init_from" not in kw else kw
+        run = RunConfig(data_root=str(tmp_path / "cap"), **kw)
+        if "aux_layer_ids" not in kw:  # the default aux layers depend on the target: checked by run_training
+            with pytest.raises(ValueError, match=msg):
+                validate_run(run)
+        with pytest.raises(ValueError, match=msg):
+            run_training(target, tok, tmp_path / "out", run)
+        assert not (tmp_path / "cap").exists() and not (tmp_path / "out" / "train_state.pt").exists()

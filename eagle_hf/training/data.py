@@ -14,6 +14,7 @@ them. Shards are written atomically and skipped when present, so an interrupted 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -206,6 +207,39 @@ def load_shards(data_dir: str | Path) -> list[dict[str, torch.Tensor]]:
     return samples
 
 
+def _capture_sample(target, tokenizer, request, aux_ids, prompt: str, response: str, finished: bool | None,
+                    max_tokens: int, max_answer_tokens: int | None = None) -> dict[str, torch.Tensor]:
+    """One teacher-forced target forward over `prompt` (chat-rendered) + `response`; returns one sample.
+
+    EOS is appended unless `finished` is False (an answer cut at the generation limit did not end there) or the
+    answer is cut to `max_answer_tokens`.
+    """
+    from .prompts import render_chat
+
+    p_ids = render_chat(tokenizer, prompt)
+    r_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+    if max_answer_tokens is not None and len(r_ids) >= max_answer_tokens:
+        r_ids, finished = r_ids[:max_answer_tokens], False
+    if tokenizer.eos_token_id is not None and finished is not False:
+        r_ids = r_ids + [tokenizer.eos_token_id]
+    ids = torch.tensor([(p_ids + r_ids)[:max_tokens]], device=target.device)
+    o = target(input_ids=ids, output_hidden_states=request)
+    t = ids.shape[1]
+    aux = gather_aux(o.hidden_states, aux_ids)[0].to(torch.bfloat16).cpu()
+    final = o.hidden_states[-1][0].to(torch.bfloat16).cpu()
+    aux[t - 1] = 0  # as in generated data: the last token's features are never used
+    final[t - 1] = 0
+    mask = torch.zeros(t, dtype=torch.uint8)
+    mask[len(p_ids) :] = 1
+    return {"input_ids": ids[0].cpu().to(torch.int32), "aux": aux, "final": final, "loss_mask": mask}
+
+
+def _write_shard(path: Path, samples) -> None:
+    tmp = path.with_suffix(".tmp")
+    save_file(pack_shard(samples), str(tmp))
+    tmp.rename(path)
+
+
 @torch.no_grad()
 def build_dataset_from_responses(
     target,
@@ -219,10 +253,9 @@ def build_dataset_from_responses(
     """Store hidden states for answers produced elsewhere (e.g. by a vLLM server): `(prompt, response)` pairs.
 
     One teacher-forced target forward per conversation captures the aux taps and the final hidden state; the loss
-    mask covers the response. Shards are written and skipped exactly as in `build_dataset`.
+    mask covers the response. Shards are written and skipped exactly as in `build_dataset`. (`capture_records`
+    is the content-checked variant that `eagle-hf train --responses` uses.)
     """
-    from .prompts import render_chat
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     request = hidden_state_request(aux_ids, with_final=True)
@@ -231,26 +264,100 @@ def build_dataset_from_responses(
         path = out / f"shard_{shard:05d}.safetensors"
         if path.exists():
             continue
-        samples = []
-        for prompt, response in conversations[shard * shard_size : (shard + 1) * shard_size]:
-            p_ids = render_chat(tokenizer, prompt)
-            r_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
-            if tokenizer.eos_token_id is not None:
-                r_ids = r_ids + [tokenizer.eos_token_id]
-            ids = torch.tensor([(p_ids + r_ids)[:max_tokens]], device=target.device)
-            o = target(input_ids=ids, output_hidden_states=request)
-            t = ids.shape[1]
-            aux = gather_aux(o.hidden_states, aux_ids)[0].to(torch.bfloat16).cpu()
-            final = o.hidden_states[-1][0].to(torch.bfloat16).cpu()
-            aux[t - 1] = 0  # as in generated data: the last token's features are never used
-            final[t - 1] = 0
-            mask = torch.zeros(t, dtype=torch.uint8)
-            mask[len(p_ids) :] = 1
-            samples.append({"input_ids": ids[0].cpu().to(torch.int32), "aux": aux, "final": final, "loss_mask": mask})
-        tmp = path.with_suffix(".tmp")
-        save_file(pack_shard(samples), str(tmp))
-        tmp.rename(path)
+        samples = [
+            _capture_sample(target, tokenizer, request, aux_ids, prompt, response, None, max_tokens)
+            for prompt, response in conversations[shard * shard_size : (shard + 1) * shard_size]
+        ]
+        _write_shard(path, samples)
     return out
+
+
+CAPTURE_FILE = "capture.json"
+
+
+def records_digest(records: Sequence[dict]) -> str:
+    """Content hash of answer records (prompt, response, finished): what a capture shard was made from."""
+    h = hashlib.sha256()
+    for r in records:
+        h.update(json.dumps([r["prompt"], r["response"], r.get("finished")], ensure_ascii=False).encode())
+        h.update(b"\n")
+    return h.hexdigest()[:16]
+
+
+@torch.no_grad()
+def capture_records(
+    target,
+    tokenizer,
+    records: Sequence[dict],
+    out_dir: str | Path,
+    aux_ids: Sequence[int],
+    meta: dict | None = None,
+    shard_size: int = 64,
+    max_tokens: int = 1024,
+    max_answer_tokens: int | None = None,
+) -> Path:
+    """Capture hidden states of answer records (`prompt`, `response`, optional `finished`) into `out_dir`.
+
+    Like `build_dataset_from_responses`, but every shard's source records are hashed into ``capture.json``: a
+    shard is reused only when the records it was made from are unchanged (a growing ``.partial`` file recaptures
+    just its last, grown shard), stale shards are recaptured and shards past the end removed. `meta` (source,
+    kind) is stored in the manifest; a folder captured for another target or other aux layers is refused.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest_path = out / CAPTURE_FILE
+    settings = {
+        "target": getattr(target, "name_or_path", None) or getattr(target.config, "name_or_path", None),
+        "aux_layer_ids": list(aux_ids),
+        "shard_size": shard_size,
+        "max_tokens": max_tokens,
+        "max_answer_tokens": max_answer_tokens,
+    }
+    manifest = {**(meta or {}), **settings, "shards": {}}
+    if manifest_path.exists():
+        old = json.loads(manifest_path.read_text())
+        changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+        if changed:
+            raise ValueError(f"{out} holds a capture made with other settings {changed}; use another data root.")
+        manifest["shards"] = dict(old.get("shards", {}))
+    n_shards = (len(records) + shard_size - 1) // shard_size
+    names = [f"shard_{i:05d}.safetensors" for i in range(n_shards)]
+    for extra in sorted(out.glob("shard_*.safetensors")):
+        if extra.name not in names:  # the source shrank or was rewritten
+            extra.unlink()
+            manifest["shards"].pop(extra.name, None)
+    request = hidden_state_request(aux_ids, with_final=True)
+    todo = []
+    for i, name in enumerate(names):
+        digest = records_digest(records[i * shard_size : (i + 1) * shard_size])
+        if (out / name).exists() and manifest["shards"].get(name) == digest:
+            continue
+        todo.append((i, name, digest))
+    if todo:
+        logger.info("%s: capturing %d of %d shards", out.name, len(todo), n_shards)
+    t0, done_tokens = time.perf_counter(), 0
+    for i, name, digest in tqdm(todo, desc=f"capturing {out.name}", unit="shard"):
+        chunk = records[i * shard_size : (i + 1) * shard_size]
+        samples = [
+            _capture_sample(target, tokenizer, request, aux_ids, r["prompt"], r["response"], r.get("finished"),
+                            max_tokens, max_answer_tokens)
+            for r in chunk
+        ]
+        _write_shard(out / name, samples)
+        manifest["shards"][name] = digest  # a crash before this is saved only costs a recapture of the shard
+        _atomic_write_json(manifest_path, {**manifest, "num_records": len(records), "complete": False})
+        done_tokens += sum(int(s["input_ids"].shape[0]) for s in samples)
+        logger.info("%s %s: %d records, %.0f captured tok/s", out.name, name, len(chunk),
+                    done_tokens / (time.perf_counter() - t0))
+    manifest["shards"] = {n: manifest["shards"][n] for n in names}
+    _atomic_write_json(manifest_path, {**manifest, "num_records": len(records), "complete": True})
+    return out
+
+
+def _atomic_write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
 
 
 def read_responses(path: str | Path) -> list[tuple[str, str]]:

@@ -28,9 +28,9 @@ def plot_curve(out: Path, name: str = "training_curve.png") -> Path | None:
     rows = read_log(out)
     if not rows:
         return None
-    steps = [r["step"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.plot(steps, [r["loss"] for r in rows], lw=0.8)
+    train_rows = [r for r in rows if "loss" in r]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
+    ax1.plot([r["step"] for r in train_rows], [r["loss"] for r in train_rows], lw=0.8)
     ax1.set_xlabel("optimizer step")
     ax1.set_ylabel("TTT loss (weighted sum over steps)")
     ax1.set_yscale("log")
@@ -39,11 +39,21 @@ def plot_curve(out: Path, name: str = "training_curve.png") -> Path | None:
     if evals:
         n_steps = len(evals[0]["eval_step_accuracy"])
         for k in range(n_steps):
-            ax2.plot([r["step"] for r in evals], [r["eval_step_accuracy"][k] for r in evals], marker=".", label=f"step {k}")
+            ax2.plot([r["step"] for r in evals], [r["eval_step_accuracy"][k] if k < len(r["eval_step_accuracy"]) else None
+                                                 for r in evals], marker=".", label=f"step {k}")
         ax2.set_ylabel("held-out accuracy (draft argmax = target argmax)")
         ax2.legend(fontsize=7)
     ax2.set_xlabel("optimizer step")
     ax2.set_title("per-step accuracy (held out)")
+    taus = [r for r in evals if "eval_tau" in r]
+    if taus:
+        ax3.plot([r["step"] for r in taus], [r["eval_tau"] for r in taus], marker=".")
+        best = max(taus, key=lambda r: r["eval_tau"])
+        ax3.scatter([best["step"]], [best["eval_tau"]], color="red", zorder=3, label=f"kept: step {best['step']}")
+        ax3.legend(fontsize=7)
+    ax3.set_xlabel("optimizer step")
+    ax3.set_ylabel("τ = 1 + mean accepted drafts")
+    ax3.set_title("held-out acceptance length (greedy chain)")
     fig.tight_layout()
     path = Path(out) / name
     fig.savefig(path, dpi=110)
@@ -57,6 +67,8 @@ def write_model_card(out: Path, target_name: str, config, result: dict, coverage
     version = "EAGLE-3.1" if config.fc_norm and config.norm_output else "EAGLE-3"
     evals = result.get("eval_step_accuracy") or []
     acc = ", ".join(f"{a:.2f}" for a in evals)
+    best = result.get("best") or {}
+    tau = f"{best['eval_tau']:.3f} (step {best['step']})" if best.get("eval_tau") is not None else "not evaluated"
     card = f"""---
 base_model: {target_name}
 library_name: eagle-hf
@@ -89,6 +101,7 @@ out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256)
 | training-time-test steps | {result.get('config', {}).get('ttt_steps', 'see training_log.jsonl')} |
 | optimizer steps | {result.get('step')} |
 | held-out per-step accuracy | {acc} |
+| held-out acceptance length τ (greedy chain, TTT-style) | {tau} |
 
 {acceptance_table or ''}
 

@@ -1,11 +1,14 @@
-"""Drafter training loop: AdamW, warm-up + cosine, gradient clipping, bf16 autocast, checkpoints and resume."""
+"""Drafter training loop: AdamW, warm-up + cosine, gradient clipping, bf16 autocast, checkpoints and resume,
+held-out acceptance length and best-checkpoint selection."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -14,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..modeling import EagleDrafter
-from .ttt import ttt_loss
+from .ttt import ttt_evaluate, ttt_loss
 from .vocab import DraftVocab
 
 logger = logging.getLogger(__name__)
@@ -39,7 +42,9 @@ class TrainConfig:
     max_seq_len: int = 1024
     eval_every: int = 200
     save_every: int = 100
-    eval_fraction: float = 0.02
+    eval_fraction: float = 0.02  # share of conversations held out (by a hash of the prompt: stable as data grows)
+    eval_tokens: int = 20000  # answer tokens of the held-out split that each evaluation reads
+    eval_chain: int = 5  # drafts per chain for the held-out acceptance length (tau)
     seed: int = 0
     bf16: bool = True
     max_minutes: float | None = None  # stop (after a checkpoint) when the wall-clock budget is spent
@@ -91,25 +96,135 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def prompt_key(sample) -> float:
+    """A number in [0, 1) from the conversation's prompt tokens: the held-out split, stable as data is added."""
+    ids = sample["input_ids"]
+    answer = sample["loss_mask"].nonzero()
+    n = int(answer[0]) if answer.numel() else ids.shape[0]
+    digest = hashlib.sha1(ids[:n].to(torch.int32).numpy().tobytes()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def split_heldout(samples, cfg: TrainConfig, greedy: list[bool] | None = None):
+    """`(train_idx, eval_idx, heldout_idx)`: conversations whose prompt hashes below `eval_fraction` are held out
+    (all answers to one prompt fall on one side); the evaluation reads at most `eval_tokens` answer tokens of them,
+    smallest hashes first, from the target's own answers when there are any (not ShareGPT's originals)."""
+    keys = [prompt_key(s) for s in samples]
+    held = [i for i, k in enumerate(keys) if k < cfg.eval_fraction]
+    if not held and len(samples) > 1 and cfg.eval_fraction > 0:
+        held = [min(range(len(samples)), key=keys.__getitem__)]
+    held_set = set(held)
+    train_idx = [i for i in range(len(samples)) if i not in held_set] or list(range(len(samples)))
+    pool = [i for i in held if greedy is None or greedy[i]] or held
+    eval_idx, tokens = [], 0
+    for i in sorted(pool, key=keys.__getitem__):
+        if eval_idx and tokens >= cfg.eval_tokens:
+            break
+        eval_idx.append(i)
+        tokens += int(samples[i]["loss_mask"].sum())
+    return train_idx, eval_idx, held
+
+
 @torch.no_grad()
-def evaluate(drafter, samples, indices, cfg, head_weight, t2d, device) -> dict:
+def target_argmax(samples, indices, target_head: torch.Tensor, chunk: int = 256) -> dict[int, torch.Tensor]:
+    """The target's argmax over its full vocabulary at every position (only where the next token is an answer
+    token; -1 elsewhere), from the captured final hidden states x its lm_head: computed once per run."""
+    w = target_head.float()
+    out = {}
+    for i in indices:
+        s = samples[i]
+        n = s["input_ids"].shape[0]
+        am = torch.full((n,), -1, dtype=torch.long)
+        need = torch.zeros(n, dtype=torch.bool)
+        need[: n - 1] = s["loss_mask"][1:].bool()
+        pos = need.nonzero().flatten()
+        for c in pos.split(chunk):
+            am[c] = (s["final"][c].float().to(w.device) @ w.T).argmax(-1).cpu()
+        out[i] = am
+    return out
+
+
+@torch.no_grad()
+def evaluate(drafter, samples, indices, cfg, head_weight, t2d, device, eval_targets=None, sources=None) -> dict:
+    """Held-out loss, per-step accuracy and expected acceptance length of a greedy chain of `cfg.eval_chain`."""
     drafter.eval()
-    sums, counts = None, None
-    for batch in make_batches([min(samples[i]["input_ids"].shape[0], cfg.max_seq_len) for i in indices], cfg.tokens_per_batch, 0):
-        ids, aux, final, mask, in_vocab = collate(samples, [indices[i] for i in batch], cfg.max_seq_len, head_weight, t2d, device)
+    steps = cfg.ttt_steps
+    loss_sums, correct, counts = [0.0] * steps, [0] * steps, [0] * steps
+    chain_sum, chain_rows = 0, 0
+    by_source: dict[str, list[int]] = {}
+    if eval_targets is None:  # fall back to the argmax over the draft vocabulary (mapped to target ids)
+        ids_map = torch.nonzero(t2d).flatten()  # draft id -> target id
+        eval_targets = {}
+        for i in indices:
+            s = samples[i]
+            eval_targets[i] = ids_map[(s["final"].float() @ head_weight.float().cpu().T).argmax(-1)]
+    lengths = [min(samples[i]["input_ids"].shape[0], cfg.max_seq_len) for i in indices]
+    for batch in make_batches(lengths, cfg.tokens_per_batch, 0):
+        members = [indices[i] for i in batch]
+        ids, aux, final, mask, in_vocab = collate(samples, members, cfg.max_seq_len, head_weight, t2d, device)
+        targ = torch.full(ids.shape, -1, dtype=torch.long)
+        for j, i in enumerate(members):
+            n = min(eval_targets[i].shape[0], ids.shape[1])
+            targ[j, :n] = eval_targets[i][:n]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-            out = ttt_loss(drafter, aux, final, head_weight, ids, mask, in_vocab, cfg.ttt_steps, cfg.step_decay)
-        acc = [a * c for a, c in zip(out.step_accuracy, out.step_counts)]
-        sums = acc if sums is None else [x + y for x, y in zip(sums, acc)]
-        counts = out.step_counts if counts is None else [x + y for x, y in zip(counts, out.step_counts)]
+            out = ttt_evaluate(drafter, aux, final, head_weight, ids, mask, in_vocab, targ.to(device), steps, cfg.eval_chain)
+        for k in range(len(out.counts)):
+            loss_sums[k] += out.loss_sums[k]
+            correct[k] += out.correct[k]
+            counts[k] += out.counts[k]
+        chain_sum += int(out.chain_sum.sum())
+        chain_rows += int(out.chain_rows.sum())
+        if sources is not None:
+            for j, i in enumerate(members):
+                acc_ = by_source.setdefault(sources[i], [0, 0])
+                acc_[0] += int(out.chain_sum[j])
+                acc_[1] += int(out.chain_rows[j])
     drafter.train()
-    acc = [s / max(c, 1) for s, c in zip(sums or [], counts or [])]
+    used = [k for k in range(steps) if counts[k]]
+    acc = [correct[k] / counts[k] for k in used]
+    step_loss = [loss_sums[k] / counts[k] for k in used]
     # expected accepted drafts in a chain ~ sum_k prod_{j<=k} acc_j (an estimate; the real loop is the benchmark)
     expected, running = 1.0, 1.0
     for a in acc:
         running *= a
         expected += running
-    return {"eval_step_accuracy": acc, "eval_est_acceptance_length": expected}
+    result = {
+        "eval_loss": sum(cfg.step_decay**k * step_loss[k] for k in range(len(step_loss))),
+        "eval_step_loss": step_loss,
+        "eval_step_accuracy": acc,
+        "eval_est_acceptance_length": expected,
+        "eval_tau": 1.0 + chain_sum / max(chain_rows, 1),
+        "eval_tokens": chain_rows,
+    }
+    if len(by_source) > 1:
+        result["eval_tau_by_source"] = {k: 1.0 + v[0] / max(v[1], 1) for k, v in sorted(by_source.items())}
+    return result
+
+
+BEST_DIR = "best"
+BEST_FILE = "best.json"
+
+
+def save_best(out: Path, drafter: EagleDrafter, info: dict, dtype: torch.dtype, target_name: str | None) -> None:
+    """Write a full drafter (`save_pretrained`, EAGLE-3 layout, `dtype`) to ``out/best`` atomically."""
+    best, tmp, old = out / BEST_DIR, out / (BEST_DIR + ".tmp"), out / (BEST_DIR + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    copy = type(drafter)(drafter.config)
+    copy.load_state_dict(drafter.state_dict())
+    copy.to(dtype).save_pretrained(tmp, target_model=target_name)
+    (tmp / BEST_FILE).write_text(json.dumps(info, indent=1))
+    if best.exists():
+        best.rename(old)
+    tmp.rename(best)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_best(out: Path) -> dict | None:
+    best, old = out / BEST_DIR, out / (BEST_DIR + ".old")
+    if not best.exists() and old.exists():  # interrupted between the two renames of save_best
+        old.rename(best)
+    path = best / BEST_FILE
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def train(
@@ -120,17 +235,27 @@ def train(
     out_dir: str | Path,
     cfg: TrainConfig,
     device: torch.device | str = "cpu",
+    target_head: torch.Tensor | None = None,  # [V, H_t] the target's full lm_head (held-out acceptance)
+    sources: list[str] | None = None,  # per sample: the data folder it came from
+    greedy: list[bool] | None = None,  # per sample: the target's own answer (True) or ShareGPT's original
+    save_dtype: torch.dtype = torch.bfloat16,
+    target_name: str | None = None,
 ) -> dict:
-    """Train `drafter` in place; resumes from ``out_dir/train_state.pt`` when present."""
+    """Train `drafter` in place; resumes from ``out_dir/train_state.pt`` when present.
+
+    Evaluates at step 0 and every `eval_every` steps on the held-out split and keeps the drafter with the highest
+    held-out acceptance length in ``out_dir/best`` (see `split_heldout`, `evaluate`).
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(device)
     torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
-    all_idx = list(range(len(samples)))
-    rng.shuffle(all_idx)
-    n_eval = max(1, int(len(all_idx) * cfg.eval_fraction)) if len(all_idx) > 1 else 0
-    eval_idx, train_idx = all_idx[:n_eval], all_idx[n_eval:] or all_idx
+    train_idx, eval_idx, held = split_heldout(samples, cfg, greedy)
+    eval_set = hashlib.sha1(json.dumps(sorted(prompt_key(samples[i]) for i in eval_idx)).encode()).hexdigest()[:12]
+    logger.info(
+        "%d conversations: %d for training, %d held out (%d read by each evaluation, %d answer tokens)",
+        len(samples), len(train_idx), len(held), len(eval_idx), sum(int(samples[i]["loss_mask"].sum()) for i in eval_idx),
+    )
     lengths = [min(samples[i]["input_ids"].shape[0], cfg.max_seq_len) for i in train_idx]
     per_epoch = len(make_batches(lengths, cfg.tokens_per_batch, 0))
 
@@ -142,7 +267,7 @@ def train(
     device = acc.device if acc.num_processes > 1 else device
     world, rank = acc.num_processes, acc.process_index
     per_epoch = max(1, per_epoch // world)
-    total = cfg.max_steps or max(1, int(per_epoch * cfg.epochs))
+    total = cfg.max_steps if cfg.max_steps is not None else max(1, int(per_epoch * cfg.epochs))
     drafter.to(device).train()
     objective = TTTObjective(drafter, cfg)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -161,10 +286,53 @@ def train(
     objective, opt = acc.prepare(objective, opt)
     head_weight = head_weight.to(device)
     main = acc.is_main_process
+    eval_targets = None
+    if main and eval_idx and target_head is not None:
+        t0 = time.perf_counter()
+        eval_targets = target_argmax(samples, eval_idx, target_head)
+        logger.info("target argmax of the held-out positions in %.1f s", time.perf_counter() - t0)
+
+    def run_eval() -> dict:
+        t0 = time.perf_counter()
+        result = evaluate(drafter, samples, eval_idx, cfg, head_weight, vocab.t2d, device, eval_targets, sources)
+        result["eval_seconds"] = time.perf_counter() - t0
+        return result
+
+    best = read_best(out) if main and step > 0 else None
+    best_tau = float("-inf")
+    if best is not None and best.get("eval_set") == eval_set:
+        best_tau = best["eval_tau"]
+    elif best is not None and eval_idx:  # the held-out split changed (more data): score the kept drafter again
+        from ..modeling import EagleDrafter as _Drafter
+
+        kept = _Drafter.from_pretrained(out / BEST_DIR, dtype=torch.float32).to(device)
+        kept.bind_target_embedding(drafter._target_embedding)
+        kept_eval = evaluate(kept, samples, eval_idx, cfg, head_weight, vocab.t2d, device, eval_targets, sources)
+        best_tau = kept_eval["eval_tau"]
+        best.update(eval_tau=best_tau, eval_set=eval_set)
+        (out / BEST_DIR / BEST_FILE).write_text(json.dumps(best, indent=1))
+        logger.info("held-out split changed; the kept best drafter (step %s) now scores tau %.3f", best.get("step"), best_tau)
+        del kept
+
+    def consider_best(row: dict) -> None:
+        nonlocal best_tau, best
+        if row["eval_tau"] > best_tau:
+            best_tau = row["eval_tau"]
+            best = {"step": row["step"], "eval_tau": best_tau, "eval_set": eval_set,
+                    "eval_step_accuracy": row["eval_step_accuracy"], "eval_loss": row["eval_loss"]}
+            save_best(out, drafter, best, save_dtype, target_name)
+        row["best_step"], row["best_tau"] = best["step"], best_tau
+
     log = (out / LOG_FILE).open("a") if main else None
-    start, seen_tokens = time.perf_counter(), 0
+    if main and step == 0 and eval_idx:  # the starting point (the init drafter when warm-starting) is a candidate
+        row = {"step": 0, "epoch": 0.0, **run_eval()}
+        consider_best(row)
+        logger.info("step 0 eval: tau %.3f, loss %.4f", row["eval_tau"], row["eval_loss"])
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+    start, seen_tokens, seen_answer = time.perf_counter(), 0, 0
     bar = tqdm(total=total, initial=step, desc="training", unit="step", disable=not main)
-    last: dict = {}
+    last: dict = {"step": step}
     while step < total:
         epoch, offset = divmod(step, per_epoch)
         batches = make_batches(lengths, cfg.tokens_per_batch, cfg.seed + epoch)
@@ -182,6 +350,8 @@ def train(
             opt.step()
             step += 1
             seen_tokens += int(ids.numel()) * world
+            seen_answer += int(mask.sum()) * world
+            elapsed = time.perf_counter() - start
             last = {
                 "step": step,
                 "epoch": step / per_epoch,
@@ -190,14 +360,17 @@ def train(
                 "step_accuracy": step_accuracy,
                 "lr": opt.param_groups[0]["lr"],
                 "grad_norm": grad_norm,
-                "tokens_per_s": seen_tokens / (time.perf_counter() - start),
+                "tokens_per_s": seen_tokens / elapsed,
+                "answer_tokens_per_s": seen_answer / elapsed,
             }
             bar.update(1)
             bar.set_postfix(loss=f"{last['loss']:.3f}", acc0=f"{step_accuracy[0]:.2f}" if step_accuracy else "-")
-            out_of_time = cfg.max_minutes is not None and (time.perf_counter() - start) > 60 * cfg.max_minutes
+            out_of_time = cfg.max_minutes is not None and elapsed > 60 * cfg.max_minutes
             if main and (step % cfg.eval_every == 0 or step == total or out_of_time) and eval_idx:
-                last.update(evaluate(drafter, samples, eval_idx, cfg, head_weight, vocab.t2d, device))
-                logger.info("step %d eval %s", step, last["eval_step_accuracy"])
+                last.update(run_eval())
+                consider_best(last)
+                logger.info("step %d eval: tau %.3f (best %.3f at step %s), accuracy %s", step, last["eval_tau"],
+                            best_tau, last["best_step"], [round(a, 3) for a in last["eval_step_accuracy"]])
             if main:
                 log.write(json.dumps(last) + "\n")
                 log.flush()
@@ -208,12 +381,12 @@ def train(
                 bar.close()
                 if log:
                     log.close()
-                return {**last, "finished": False, "total_steps": total}
+                return {**last, "finished": False, "total_steps": total, "best": best}
     bar.close()
     if log:
         log.close()
     acc.wait_for_everyone()
-    return {**last, "finished": True, "total_steps": total, "config": asdict(cfg)}
+    return {**last, "finished": True, "total_steps": total, "config": asdict(cfg), "best": best}
 
 
 class TTTObjective(torch.nn.Module):

@@ -33,6 +33,25 @@ def ttt_mask(t: int, step: int, device) -> torch.Tensor:
     return torch.cat(blocks, dim=1)[None, None]
 
 
+def ttt_unroll(drafter: EagleDrafter, aux: torch.Tensor, input_ids: torch.Tensor, steps: int):
+    """Yield `(k, DraftStep)` for the K unrolled TTT steps (rows as in the module docstring)."""
+    b, t, _ = aux.shape
+    device = aux.device
+    positions = torch.arange(t, device=device)[None].expand(b, t)
+    hidden = drafter.fuse(aux)  # [B, T, H]
+    past: KV | None = None
+    for k in range(steps):
+        if k + 2 > t:
+            break
+        # inputs: token x[t+k+1] for row t (zero-padded at the end)
+        tokens = F.pad(input_ids[:, k + 1 :], (0, k + 1))  # [B, T]
+        mask = None if k == 0 else ttt_mask(t, k, device)
+        out = drafter.step(hidden, tokens, positions + k, past=past, mask=mask, compute_logits=False)
+        past = out.kv if past is None else past.append(out.kv)
+        yield k, out
+        hidden = out.hidden
+
+
 def ttt_loss(
     drafter: EagleDrafter,
     aux: torch.Tensor,  # [B, T, A*H_t]
@@ -44,21 +63,11 @@ def ttt_loss(
     steps: int = 7,
     decay: float = 0.8,
 ) -> TTTOutput:
-    b, t, _ = aux.shape
+    t = aux.shape[1]
     device = aux.device
-    positions = torch.arange(t, device=device)[None].expand(b, t)
-    hidden = drafter.fuse(aux)  # [B, T, H]
-    past: KV | None = None
     total = aux.new_zeros((), dtype=torch.float32)
     step_losses, step_acc, step_counts = [], [], []
-    for k in range(steps):
-        if k + 2 > t:
-            break
-        # inputs: token x[t+k+1] for row t (zero-padded at the end)
-        tokens = F.pad(input_ids[:, k + 1 :], (0, k + 1))  # [B, T]
-        mask = None if k == 0 else ttt_mask(t, k, device)
-        out = drafter.step(hidden, tokens, positions + k, past=past, mask=mask, compute_logits=False)
-        past = out.kv if past is None else past.append(out.kv)
+    for k, out in ttt_unroll(drafter, aux, input_ids, steps):
         # targets: distribution at position t+k+1, valid where token t+k+2 is an assistant token in the draft vocab
         valid = loss_mask[:, k + 2 :].bool() & in_draft_vocab[:, k + 2 :]  # [B, T-k-2] for rows 0..T-k-3
         rows = out.normed[:, : t - k - 2][valid]  # [n, H] only rows that carry a loss
@@ -74,5 +83,66 @@ def ttt_loss(
         step_losses.append(float(loss_k.detach()))
         step_acc.append(acc)
         step_counts.append(n)
-        hidden = out.hidden
     return TTTOutput(total, step_losses, step_acc, step_counts)
+
+
+def chain_lengths(correct: torch.Tensor) -> torch.Tensor:
+    """Accepted drafts of greedy chains: the number of leading True per row of `correct` ``[N, K]``."""
+    return correct.long().cumprod(dim=-1).sum(dim=-1)
+
+
+@dataclass
+class TTTEval:
+    loss_sums: list[float]  # per step: sum over valid rows of the soft cross-entropy
+    correct: list[int]  # per step: draft argmax == target argmax over the draft vocabulary
+    counts: list[int]  # per step: valid rows (next token an answer token in the draft vocab)
+    chain_sum: torch.Tensor  # [B] per sample: accepted drafts summed over its counted rows
+    chain_rows: torch.Tensor  # [B] per sample: counted rows (the token after the row's input is an answer token)
+
+
+@torch.no_grad()
+def ttt_evaluate(
+    drafter: EagleDrafter,
+    aux: torch.Tensor,
+    target_final: torch.Tensor,
+    head_weight: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    in_draft_vocab: torch.Tensor,
+    target_argmax: torch.Tensor,  # [B, T] the target's argmax over its FULL vocabulary at each position
+    steps: int = 7,
+    chain: int = 5,
+) -> TTTEval:
+    """Held-out loss, per-step accuracy and greedy-chain acceptance in one TTT unroll.
+
+    Row t drafts the tokens at t+2, t+3, ... (its input pairs the features at t with token t+1). Draft k of row t
+    is correct when the draft's argmax, mapped to a target id, equals the target's argmax at position t+k+1;
+    the row's chain accepts the leading correct drafts among the first `chain`, cut where the answer ends. The
+    unroll feeds data tokens, which are the accepted ones as long as the drafts are correct and the data is the
+    target's greedy output (for other data it is an approximation).
+    """
+    b, t, _ = aux.shape
+    lm = loss_mask.bool()
+    n_rows = max(t - 2, 0)
+    correct_all = torch.zeros((b, n_rows, chain), dtype=torch.bool, device=aux.device)
+    loss_sums, correct, counts = [], [], []
+    for k, out in ttt_unroll(drafter, aux, input_ids, max(steps, chain)):
+        rows_n = t - k - 2
+        ans = lm[:, k + 2 :]  # [B, rows_n] rows whose drafted token is an answer token
+        logits = drafter.lm_head(out.normed[:, :rows_n][ans]).float()  # [m, Vd]
+        if k < steps:
+            iv = in_draft_vocab[:, k + 2 :][ans]
+            tgt = target_final[:, k + 1 : t - 1][ans][iv].float() @ head_weight.float().T
+            logq = torch.log_softmax(logits[iv], dim=-1)
+            p = torch.softmax(tgt, dim=-1)
+            loss_sums.append(float(-(p * logq).sum()))
+            correct.append(int((logq.argmax(-1) == tgt.argmax(-1)).sum()))
+            counts.append(int(iv.sum()))
+        if k < chain:
+            drafted = drafter.draft_to_target(logits.argmax(-1))
+            ok = torch.zeros_like(ans)
+            ok[ans] = drafted == target_argmax[:, k + 1 : t - 1][ans]
+            correct_all[:, :rows_n, k] = ok
+    counted = lm[:, 2:]  # [B, T-2]
+    lengths = chain_lengths(correct_all) * counted  # [B, T-2]
+    return TTTEval(loss_sums, correct, counts, lengths.sum(-1).cpu(), counted.sum(-1).cpu())
