@@ -9,6 +9,10 @@ Environment variables EAGLE_HF_TARGET, EAGLE_HF_DRAFTER, EAGLE_HF_DRAFTER_EAGLE3
 from __future__ import annotations
 
 import argparse
+import collections
+import copy
+import logging
+import math
 import os
 import queue
 import threading
@@ -22,21 +26,54 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import eagle_hf
 from eagle_hf.evaluation import load_prompt_set
-from eagle_hf.visualize import CSS, TokenEvent, label_round, legend_html, token_span, tokens_html
+from eagle_hf.hf.call import active_call
+from eagle_hf.settings import MAX_DEPTH
+from eagle_hf.stats import SpecDecodeStats
+from eagle_hf.visualize import CSS, SpanRenderer, TokenEvent, label_round, legend_html, tokens_html
+
+logger = logging.getLogger("eagle_hf.demo")
+
+#: seconds between two redraws of the acceptance chart while tokens stream (the text and the numbers follow every token)
+CHART_EVERY = 0.5
+
 
 @dataclass
 class Run:
+    """One generate() call as it streams: the labelled tokens, the statistics so far and the timing."""
+
+    tokenizer: object = None
     events: list[TokenEvent] = field(default_factory=list)
     new_ids: list[int] = field(default_factory=list)
-    tokenizer: object = None
-    spans: list[str] = field(default_factory=list)  # each event rendered once, as it arrives
+    stats: SpecDecodeStats | None = None  # a snapshot after the latest round; the call's own at the end
+    error: str | None = None
+    start: float = 0.0  # generate() called
+    first: float | None = None  # the first new token (the prefill's) arrived
+    last: float | None = None  # the latest new token arrived
+    done: bool = False
+
+    def __post_init__(self):
+        self.renderer = SpanRenderer(self.tokenizer)  # each event rendered once, as it arrives
 
     def add(self, events: list[TokenEvent]) -> None:
         self.events.extend(events)
-        self.spans.extend(token_span(e, self.tokenizer) for e in events)
+        self.renderer.add(events)
 
     def html(self) -> str:
-        return tokens_html(self.events, self.tokenizer, spans=self.spans)
+        return tokens_html(self.events, self.tokenizer, spans=self.renderer.spans)
+
+    @property
+    def prefill_seconds(self) -> float | None:
+        return None if self.first is None else self.first - self.start
+
+    @property
+    def decode_seconds(self) -> float:
+        return (self.last - self.first) if self.first is not None and self.last is not None else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """Tokens after the prefill's one, per second since it arrived (None until there are two)."""
+        n, s = len(self.new_ids) - 1, self.decode_seconds
+        return n / s if n > 0 and s > 0 else None
 
 
 class _Stop(StoppingCriteria):
@@ -48,7 +85,7 @@ class _Stop(StoppingCriteria):
 
 
 class _Streamer:
-    """Receives the chunks generate() emits (the prompt first) and forwards new tokens to a queue."""
+    """Receives the chunks generate() emits (the prompt first) and forwards new tokens, with their arrival time."""
 
     def __init__(self, q: queue.Queue):
         self.q, self.prompt_seen = q, False
@@ -57,34 +94,46 @@ class _Streamer:
         if not self.prompt_seen:
             self.prompt_seen = True
             return
-        self.q.put(("chunk", ids.reshape(-1).tolist()))
+        self.q.put(("chunk", ids.reshape(-1).tolist(), time.perf_counter()))
 
     def end(self):
-        self.q.put(("end", None))
+        self.q.put(("end", None, None))
+
+
+def _stats_so_far() -> SpecDecodeStats | None:
+    """A copy of the running call's statistics (called by a draft listener, in generate()'s own thread)."""
+    call = active_call()
+    return copy.deepcopy(call.stats) if call is not None else None
 
 
 def labelled_stream(target, tokenizer, drafter, enc, gen_kwargs, stop: threading.Event):
-    """Run generate() in a thread; yield (Run, stats-or-None, error-or-None) as chunks arrive.
+    """Run generate() in a thread; yield the `Run` (the same object, updated) as chunks arrive, then once done.
 
     Each round transformers streams a chunk (accepted drafts + the target's token) and then our listener
-    reports the drafts of that round, so a chunk is labelled once the next event tells whether it was a cycle.
+    reports the drafts of that round and the statistics so far, so a chunk is labelled once the next event tells
+    whether it was a cycle.
     """
     q: queue.Queue = queue.Queue()
     run = Run(tokenizer=tokenizer)
     result: dict = {}
 
+    def listener(drafts, accepted, last_token):
+        q.put(("cycle", (drafts, accepted), _stats_so_far()))
+
     def work():
         try:
             target.generate(
                 **enc, **gen_kwargs, streamer=_Streamer(q), stopping_criteria=StoppingCriteriaList([_Stop(stop)]),
-                **({"assistant_model": drafter, "draft_listeners": [lambda d, n, last: q.put(("cycle", (d, n)))]} if drafter is not None else {}),
+                **({"assistant_model": drafter, "draft_listeners": [listener]} if drafter is not None else {}),
             )
             result["stats"] = eagle_hf.last_stats() if drafter is not None else None
         except Exception as err:  # shown to the user, never crashes the app
+            logger.warning("generate() failed: %s: %s", type(err).__name__, err)
             result["error"] = f"{type(err).__name__}: {err}"
-            q.put(("end", None))
+            q.put(("end", None, None))
 
     thread = threading.Thread(target=work, daemon=True)
+    run.start = time.perf_counter()
     thread.start()
     pending: list[int] | None = None
 
@@ -94,104 +143,152 @@ def labelled_stream(target, tokenizer, drafter, enc, gen_kwargs, stop: threading
         run.new_ids.extend(chunk)
 
     while True:
-        kind, payload = q.get()
+        kind, payload, extra = q.get()
         if kind == "chunk":
             if pending is not None:
                 flush(pending, None)
             pending = payload
+            run.first = extra if run.first is None else run.first
+            run.last = extra
         elif kind == "cycle":
             if pending is not None:
                 flush(pending, payload)
                 pending = None
+            run.stats = extra if extra is not None else run.stats
         else:
             if pending is not None:
                 flush(pending, None)
             break
-        yield run, None, None
+        yield run
     thread.join()
-    yield run, result.get("stats"), result.get("error")
+    run.renderer.finish()
+    run.stats = result.get("stats", run.stats)
+    run.error = result.get("error")
+    run.done = True
+    yield run
 
 
-def stats_markdown(stats, elapsed: float, n_tokens: int, plain_tps: float | None) -> str:
-    tps = n_tokens / elapsed if elapsed else 0.0
-    lines = [f"**{tps:.1f} tokens/s** ({n_tokens} tokens in {elapsed:.1f} s)"]
-    if stats is not None:
+def stats_markdown(run: Run, plain: Run | None = None, stopped: bool = False, drafting: str = "") -> str:
+    """The numbers beside the output: decode speed (the prefill apart), acceptance, the drafting that produced
+    them and the state of the run."""
+    n = len(run.new_ids)
+    if run.first is None:
+        lines = ["prefill… (reading the prompt)"]
+    else:
+        tps = run.decode_tokens_per_second
+        speed = f"**{tps:.1f} tokens/s** decoding" if tps is not None else "**– tokens/s** decoding"
+        total = run.prefill_seconds + run.decode_seconds
+        lines = [f"{speed} ({n} tokens in {total:.1f} s: prefill {run.prefill_seconds:.2f} s, then {run.decode_seconds:.1f} s)"]
+    stats = run.stats
+    if stats is not None and stats.steps:
         lines.append(
             f"mean acceptance length **{stats.mean_acceptance_length:.2f}** (tokens per draft-and-verify cycle, "
-            f"bonus counted) · {stats.cycles} cycles · fallback to plain decoding in {stats.fallback_ratio:.0%} of steps"
+            f"bonus counted) · {stats.cycles} cycles · plain decoding in {stats.fallback_ratio:.0%} of steps"
         )
-    if plain_tps:
-        lines.append(f"plain `generate()`: {plain_tps:.1f} tokens/s → **speedup {tps / plain_tps:.2f}x**")
+    if drafting:
+        lines.append(f"drafting: {drafting}")
+    if plain is not None and plain.done and not stopped:
+        mine, theirs = run.decode_tokens_per_second, plain.decode_tokens_per_second
+        if mine and theirs:
+            lines.append(f"plain `generate()`: {theirs:.1f} tokens/s decoding → **speedup {mine / theirs:.2f}x**")
+    if stopped:
+        lines.append(f"**stopped** after {n} tokens: the statistics cover the tokens so far.")
+    elif not run.done or (plain is not None and not plain.done):
+        lines.append("*generating…*")
     return "  \n".join(lines)
+
+
+#: the chart's x categories in order ("#10" after "#9", not after "#1")
+POSITIONS = [f"#{i + 1}" for i in range(MAX_DEPTH)]
 
 
 def acceptance_frame(stats) -> pd.DataFrame:
     acc = stats.acceptance_per_position if stats is not None else []
-    # "#1", "#2", ...: categorical positions (digit strings would be read as numbers: a numeric axis, hairline bars)
-    return pd.DataFrame({"draft position": [f"#{i + 1}" for i in range(len(acc))], "acceptance": acc})
+    # "#1", "#2", ...: categorical positions (digit strings would be read as numbers: a numeric axis, hairline
+    # bars), typed as strings even when empty (an empty column is float: the chart would start out numeric)
+    return pd.DataFrame({"draft position": pd.Series([f"#{i + 1}" for i in range(len(acc))], dtype="string"),
+                         "acceptance": pd.Series(acc, dtype="float64")})
+
+
+class StopFlags:
+    """The stop flags of each browser session. Send (or Enter) arms a flag at once, outside the queue; the run
+    claims the oldest armed flag when it starts and checks it at every step; Stop sets every flag of the session.
+    A run stopped this way ends like a finished one (its statistics so far, a "stopped" note); a run still
+    waiting in the queue ends as soon as it starts."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._armed: dict = {}  # session -> flags armed, not yet claimed (in queue order)
+        self._live: dict = {}  # session -> flags armed or running
+
+    def arm(self, key) -> threading.Event:
+        flag = threading.Event()
+        with self._lock:
+            self._armed.setdefault(key, collections.deque()).append(flag)
+            self._live.setdefault(key, set()).add(flag)
+        return flag
+
+    def claim(self, key) -> threading.Event:
+        """The flag of a run that starts now (a fresh one for a call that did not arm one: the API)."""
+        with self._lock:
+            armed = self._armed.get(key)
+            if armed:
+                return armed.popleft()
+            flag = threading.Event()
+            self._live.setdefault(key, set()).add(flag)
+            return flag
+
+    def stop(self, key) -> None:
+        with self._lock:
+            flags = list(self._live.get(key, ()))
+        for flag in flags:
+            flag.set()
+
+    def release(self, key, flag: threading.Event) -> None:
+        with self._lock:
+            live = self._live.get(key)
+            if live is not None:
+                live.discard(flag)
+                if not live:
+                    self._live.pop(key, None)
+                    self._armed.pop(key, None)
+
+
+class BadRequest(ValueError):
+    """A value outside what the controls allow (sent through the API)."""
+
+
+def _choices(radio) -> list:
+    return [c[1] if isinstance(c, (tuple, list)) else c for c in radio.choices]
+
+
+def _number(value, label: str, slider, whole: bool):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadRequest(f"{label} must be a number from {slider.minimum:g} to {slider.maximum:g}; got {value!r}")
+    if not slider.minimum <= value <= slider.maximum:
+        raise BadRequest(f"{label} must be from {slider.minimum:g} to {slider.maximum:g}; got {value:g}")
+    if whole and value != int(value):
+        raise BadRequest(f"{label} must be a whole number; got {value:g}")
+    return int(value) if whole else float(value)
 
 
 def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = None, max_context: int | None = None):
     """The Blocks app (not launched). `drafters` maps a label (e.g. "EAGLE-3.1") to an EagleDrafter."""
     max_context = max_context or getattr(target.config.get_text_config(), "max_position_embeddings", 4096)
     names = list(drafters)
-
-    def respond(prompt, temperature, max_new_tokens, draft_mode, chain_length, drafter_name, compare, tree_size=16):
-        if not prompt or not prompt.strip():
-            gr.Warning("Please type a prompt first.")
-            yield "", "", "Type a prompt and press Send.", acceptance_frame(None)
-            return
-        enc = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
-        enc = {k: v.to(target.device) for k, v in enc.items()}
-        n_prompt = enc["input_ids"].shape[1]
-        if n_prompt + int(max_new_tokens) > max_context:
-            msg = f"The prompt has {n_prompt} tokens; with {int(max_new_tokens)} new tokens it exceeds the model's context of {max_context}. Shorten it."
-            gr.Warning(msg)
-            yield "", "", msg, acceptance_frame(None)
-            return
-        gen = dict(max_new_tokens=int(max_new_tokens))
-        if temperature > 0:
-            gen.update(do_sample=True, temperature=float(temperature))
-        else:
-            gen.update(do_sample=False)
-        if draft_mode == "fixed chain":
-            gen["num_assistant_tokens"] = int(chain_length)
-        elif draft_mode == "tree":
-            gen.update(draft_mode="tree", tree_total_tokens=int(tree_size))
-        drafter = drafters[drafter_name]
-        stop = threading.Event()
-        try:
-            start = time.perf_counter()
-            run, stats = Run(tokenizer=tokenizer), None
-            for run, stats, error in labelled_stream(target, tokenizer, drafter, enc, gen, stop):
-                if error:
-                    gr.Warning(error)
-                elapsed = time.perf_counter() - start
-                yield run.html(), "", stats_markdown(stats, elapsed, len(run.new_ids), None), acceptance_frame(stats)
-            elapsed = time.perf_counter() - start
-            plain_html, plain_tps = "", None
-            if compare:
-                p_start = time.perf_counter()
-                for prun, _, _ in labelled_stream(target, tokenizer, None, enc, gen, stop):
-                    plain_html = prun.html()
-                    yield run.html(), plain_html, stats_markdown(stats, elapsed, len(run.new_ids), None), acceptance_frame(stats)
-                plain_tps = len(prun.new_ids) / (time.perf_counter() - p_start)
-            yield run.html(), plain_html, stats_markdown(stats, elapsed, len(run.new_ids), plain_tps), acceptance_frame(stats)
-        finally:
-            stop.set()  # a cancelled or closed session stops its own generation thread
+    flags = StopFlags()
 
     with gr.Blocks(title="eagle_hf: speculative decoding, live") as demo:
         gr.Markdown(
             "# EAGLE speculative decoding inside `model.generate()`\n"
-            f"Target **{getattr(target, 'name_or_path', 'model')}**; the drafter proposes tokens from the target's own hidden "
+            f"Target **{getattr(target, 'name_or_path', '') or type(target).__name__}**; the drafter proposes tokens from the target's own hidden "
             "states and the target verifies them in one forward pass. The output is exactly the target's."
         )
         gr.HTML(legend_html())
         with gr.Row():
             with gr.Column(scale=3):
-                prompt = gr.Textbox(label="Prompt", lines=3, elem_id="prompt")
+                prompt = gr.Textbox(label="Prompt", lines=1, max_lines=8, elem_id="prompt",
+                                    placeholder="Type a prompt; Enter sends it, Shift+Enter starts a new line")
                 with gr.Row():
                     send = gr.Button("Send", variant="primary", elem_id="send")
                     stop_btn = gr.Button("Stop", elem_id="stop")
@@ -200,26 +297,112 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
             with gr.Column(scale=2):
                 stats_md = gr.Markdown(label="statistics", elem_id="stats")
                 chart = gr.BarPlot(acceptance_frame(None), x="draft position", y="acceptance", y_lim=[0, 1],
-                                   x_title="draft position", y_title="acceptance", sort="x",
-                                   title="acceptance per draft position", elem_id="chart")
+                                   x_title="draft position", y_title="acceptance", sort=POSITIONS,
+                                   title="acceptance per draft position", label="acceptance per draft position",
+                                   show_label=False, elem_id="chart")
                 temperature = gr.Slider(0, 1.5, value=0, step=0.05, label="temperature (0 = greedy)")
-                max_new = gr.Slider(8, 512, value=128, step=8, label="max new tokens")
-                mode = gr.Radio(["adaptive", "fixed chain", "tree"], value="adaptive", label="drafting")
-                chain = gr.Slider(1, 8, value=5, step=1, label="chain length (fixed chain)")
+                max_new = gr.Slider(8, 512, value=128, step=8, label="max new tokens", elem_id="max-new")
+                mode = gr.Radio(["adaptive", "fixed chain", "tree"], value="adaptive", label="drafting", elem_id="mode")
+                chain = gr.Slider(1, 8, value=5, step=1, label="chain length (fixed chain)", elem_id="chain")
                 tree_size = gr.Slider(4, 64, value=16, step=4, label="tree size: verified tokens (tree)")
                 which = gr.Radio(names, value=names[0], label="drafter", visible=len(names) > 1)
                 compare = gr.Checkbox(label="also run plain generate() and show the speedup", value=False)
         if examples:
             gr.Examples(examples=[[e] for e in examples], inputs=[prompt])
-        event = send.click(
-            respond, [prompt, temperature, max_new, mode, chain, which, compare, tree_size], [eagle_out, plain_out, stats_md, chart],
-            api_name="generate", concurrency_limit=1,
-        )
-        submitted = prompt.submit(
-            respond, [prompt, temperature, max_new, mode, chain, which, compare, tree_size], [eagle_out, plain_out, stats_md, chart],
-            concurrency_limit=1,
-        )
-        stop_btn.click(None, None, None, cancels=[event, submitted])  # Stop ends a run started either way
+
+        def checked(prompt_, temperature_, max_new_tokens, draft_mode, chain_length, drafter_name, compare_, tree_size_):
+            """The raw request values (the components' own checks are off: they print a traceback per bad call),
+            checked against the controls' ranges and choices."""
+            if prompt_ is not None and not isinstance(prompt_, str):
+                raise BadRequest(f"prompt must be text; got {type(prompt_).__name__}")
+            if draft_mode not in _choices(mode):
+                raise BadRequest(f"draft_mode must be one of {_choices(mode)}; got {draft_mode!r}")
+            if drafter_name not in drafters:
+                raise BadRequest(f"drafter_name must be one of {names}; got {drafter_name!r}")
+            if compare_ is not None and not isinstance(compare_, bool):
+                raise BadRequest(f"compare must be true or false; got {compare_!r}")
+            return (prompt_ or "", _number(temperature_, "temperature", temperature, False),
+                    _number(max_new_tokens, "max_new_tokens", max_new, True), draft_mode,
+                    _number(chain_length, "chain_length", chain, True), drafter_name, bool(compare_),
+                    _number(tree_size_, "tree_size", tree_size, True))
+
+        def respond(prompt, temperature, max_new_tokens, draft_mode, chain_length, drafter_name, compare, tree_size=16,
+                    request: gr.Request = None):
+            try:
+                (prompt, temperature, max_new_tokens, draft_mode, chain_length, drafter_name, compare,
+                 tree_size) = checked(prompt, temperature, max_new_tokens, draft_mode, chain_length, drafter_name,
+                                      compare, tree_size)
+            except BadRequest as err:
+                logger.warning("Rejected a request: %s", err)  # one line in the server log; the client gets the message
+                raise gr.Error(str(err), print_exception=False) from None
+            key = getattr(request, "session_hash", None) or object()
+            stop = flags.claim(key)
+            try:
+                if stop.is_set():
+                    yield "", "", "**stopped** before it started.", acceptance_frame(None)
+                    return
+                if not prompt.strip():
+                    gr.Warning("Please type a prompt first.")
+                    yield "", "", "Type a prompt and press Enter or Send.", acceptance_frame(None)
+                    return
+                enc = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+                )
+                enc = {k: v.to(target.device) for k, v in enc.items()}
+                n_prompt = enc["input_ids"].shape[1]
+                if n_prompt + max_new_tokens > max_context:
+                    msg = (f"The prompt has {n_prompt} tokens; with {max_new_tokens} new tokens it exceeds the model's "
+                           f"context of {max_context}. Shorten it.")
+                    gr.Warning(msg)
+                    yield "", "", msg, acceptance_frame(None)
+                    return
+                gen = dict(max_new_tokens=max_new_tokens)
+                if temperature > 0:
+                    gen.update(do_sample=True, temperature=temperature)
+                else:
+                    gen.update(do_sample=False)
+                drafting = "adaptive (the default)"
+                if draft_mode == "fixed chain":
+                    gen["num_assistant_tokens"] = chain_length
+                    drafting = f"fixed chain of {chain_length}"
+                elif draft_mode == "tree":
+                    # a fixed tree, as "fixed chain" is a fixed chain ("adaptive" is the adaptive tree)
+                    gen.update(draft_mode="tree", tree_total_tokens=tree_size, num_assistant_tokens_schedule="constant")
+                    drafting = f"fixed tree of {tree_size} verified tokens"
+                drafter = drafters[drafter_name]
+                chart_at, plain = 0.0, None
+                for run in labelled_stream(target, tokenizer, drafter, enc, gen, stop):
+                    if run.error:
+                        gr.Warning(run.error)
+                    now = time.perf_counter()
+                    redraw = run.done or now - chart_at >= CHART_EVERY
+                    chart_at = now if redraw else chart_at
+                    yield (run.html(), "", stats_markdown(run, stopped=run.done and stop.is_set(), drafting=drafting),
+                           acceptance_frame(run.stats) if redraw else gr.skip())
+                if compare and not stop.is_set():
+                    for plain in labelled_stream(target, tokenizer, None, enc, gen, stop):
+                        yield run.html(), plain.html(), stats_markdown(run, plain, stop.is_set(), drafting), gr.skip()
+                yield (run.html(), plain.html() if plain is not None else "",
+                       stats_markdown(run, plain, stop.is_set(), drafting), acceptance_frame(run.stats))
+            finally:
+                stop.set()  # a cancelled or closed session stops its own generation thread
+                flags.release(key, stop)
+
+        def arm(request: gr.Request):
+            flags.arm(request.session_hash)
+
+        def request_stop(request: gr.Request):
+            flags.stop(request.session_hash)
+
+        run_args = {
+            "fn": respond, "inputs": [prompt, temperature, max_new, mode, chain, which, compare, tree_size],
+            "outputs": [eagle_out, plain_out, stats_md, chart], "concurrency_limit": 1, "concurrency_id": "generate",
+            "preprocess": False, "show_progress_on": [eagle_out],  # one spinner and queue line, on the output
+        }
+        quick = {"inputs": None, "outputs": None, "queue": False, "show_progress": "hidden", "api_visibility": "private"}
+        send.click(arm, **quick).then(**run_args, api_name="generate")
+        prompt.submit(arm, **quick).then(**run_args, api_visibility="private")  # Enter sends
+        stop_btn.click(request_stop, **quick)
     demo.queue(default_concurrency_limit=1)
     return demo
 
@@ -251,6 +434,9 @@ def main(argv=None):
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=7860)
     args = p.parse_args(argv)
+    # the server log: eagle_hf's one line per request and per rejected request, no tracebacks for bad input
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("eagle_hf").setLevel(logging.INFO)
     target, tok, drafters = load_everything(args.target, args.drafter, args.drafter_eagle3, args.dtype)
     demo = build_demo(target, tok, drafters, default_examples())
     print(f"eagle_hf demo on http://{args.host}:{args.port}  (drafters: {', '.join(drafters)})")

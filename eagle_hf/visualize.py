@@ -73,22 +73,82 @@ class DraftRecorder:
 VISIBLE_WHITESPACE = str.maketrans({"\n": "⏎", " ": "␣", "\t": "⇥", "\r": "␍"})
 
 
-def token_span(event: TokenEvent, tokenizer) -> str:
-    """One token as a coloured span. Special tokens of the output (``<|im_end|>``) are not shown; rejected
-    drafts show their whitespace as visible symbols (⏎ ␣ ⇥) that take no layout effect."""
-    if event.label != "rejected" and event.token_id in set(getattr(tokenizer, "all_special_ids", ()) or ()):
-        return ""
-    text = tokenizer.decode([event.token_id], skip_special_tokens=False)
+class TextPieces:
+    """The text each output token adds to ``tokenizer.decode(output, skip_special_tokens=True)``.
+
+    Decoded as transformers' `TextStreamer` does: the tokens since the last line break are decoded together, so
+    a word-initial space (SentencePiece) or a character split over several byte tokens comes out as in the whole
+    output's decoding. A token whose bytes do not form a character yet adds "" (the next one adds it), special
+    tokens add "", and `flush` returns what is still held back at the end."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], 0
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its other bytes
+            return ""
+        piece = text[self.shown :]
+        if text.endswith("\n"):
+            self.ids, self.shown = [], 0
+        else:
+            self.shown = len(text)
+        return piece
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True) if self.ids else ""
+        self.ids, self.shown, piece = [], 0, text[self.shown :]
+        return piece
+
+
+def token_span(event: TokenEvent, tokenizer, text: str | None = None) -> str:
+    """One token as a coloured span ("" when it shows no text).
+
+    `text`: what an output token adds to the output (`TextPieces`); default: its own decoding, with special
+    tokens (``<|im_end|>``) hidden. Rejected drafts are not part of the output: their whitespace is drawn as
+    visible symbols (⏎ ␣ ⇥) that take no layout effect."""
     if event.label == "rejected":
-        text = text.translate(VISIBLE_WHITESPACE)
+        text = tokenizer.decode([event.token_id], skip_special_tokens=False).translate(VISIBLE_WHITESPACE)
+    elif text is None:
+        if event.token_id in set(getattr(tokenizer, "all_special_ids", ()) or ()):
+            return ""
+        text = tokenizer.decode([event.token_id], skip_special_tokens=False)
+    if not text:
+        return ""
     return f'<span class="tok tok-{event.label}" title="{event.label}">{html.escape(text)}</span>'
 
 
+class SpanRenderer:
+    """Renders events into spans as they arrive (a streaming display): output tokens through `TextPieces`."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.pieces, self.spans, self.last_label = tokenizer, TextPieces(tokenizer), [], "target"
+
+    def add(self, events: list[TokenEvent]) -> None:
+        for e in events:
+            if e.label == "rejected":
+                self.spans.append(token_span(e, self.tokenizer))
+            else:
+                self.spans.append(token_span(e, self.tokenizer, self.pieces.add(e.token_id)))
+                self.last_label = e.label
+
+    def finish(self) -> None:
+        """Show the bytes still held back (an output that ends inside a character)."""
+        rest = self.pieces.flush()
+        if rest:
+            self.spans.append(token_span(TokenEvent(-1, self.last_label), self.tokenizer, rest))
+
+
 def tokens_html(events: list[TokenEvent], tokenizer, with_style: bool = False, spans: list[str] | None = None) -> str:
-    """The labelled tokens as HTML; `spans`: already rendered `token_span`s of the events (a streaming display)."""
-    body = "".join(spans if spans is not None else (token_span(e, tokenizer) for e in events))
+    """The labelled tokens as HTML; `spans`: already rendered spans of the events (`SpanRenderer`, streaming)."""
+    if spans is None:
+        renderer = SpanRenderer(tokenizer)
+        renderer.add(events)
+        renderer.finish()
+        spans = renderer.spans
     style = f"<style>{CSS}</style>" if with_style else ""
-    return f'{style}<div class="tokens">{body}</div>'
+    return f'{style}<div class="tokens">{"".join(spans)}</div>'
 
 
 def legend_html() -> str:

@@ -1,14 +1,21 @@
-"""Gradio demo: builds without launching; streams labelled tokens over HTTP; a real headless browser uses it."""
+"""Gradio demo: builds without launching; streams labelled tokens and live statistics over HTTP; validates API
+input; a real headless browser uses it (Enter sends, the visible text is the output, the chart is categorical, Stop
+and the queue)."""
 
+import html
+import logging
 import os
 import re
 import shutil
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import tiny_drafter, tiny_target
+from test_training import CHAT_TEMPLATE
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "demo"))
@@ -17,38 +24,101 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 gr = pytest.importorskip("gradio")
 import app  # noqa: E402  (demo/app.py)
 
+from eagle_hf.visualize import TextPieces  # noqa: E402
 
-def tiny_parts():
-    from test_training import tiny_tokenizer
 
+def demo_tokenizer():
+    """A byte-level word tokenizer (96 ids, as the tiny targets): "wa wb" encodes as "wa", "Ġwb"; about a third
+    of the ids hold line breaks or spaces, so random models draft (and get rejected) whitespace; "Ã" "©" are the
+    two bytes of "é"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<|im_start|>", "<|im_end|>", "user", "assistant"]
+    letters = [f"w{chr(97 + i)}" for i in range(24)]  # "wa" ... ("w1" would split: digits are their own pre-token)
+    words += letters + [f"Ġ{w}" for w in letters]
+    words += ["Ċ", "ĊĊ", ".Ċ", ",Ċ", "ĠĊ", "ĉ", "ĠĠ", ",", ".", "Ã", "©", "ĠÃ©"]
+    words += [f"Ċ{w}" for w in letters[: 96 - len(words)]]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="wa"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="module")
+def parts():
+    torch.set_num_threads(1)  # tiny models: thread-pool overhead dominates, and the browser needs the other core
     target = tiny_target("llama")
     with torch.no_grad():
         target.lm_head.weight.mul_(40)
-    return target, tiny_tokenizer(), {"random": tiny_drafter(target)}
+    return target, demo_tokenizer(), {"random": tiny_drafter(target)}
 
 
-def test_app_builds_without_launching():
-    target, tok, drafters = tiny_parts()
-    demo = app.build_demo(target, tok, drafters, examples=["w1 w2"])
+def encode(tok, prompt):
+    return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                   return_tensors="pt", return_dict=True)
+
+
+def plain_text(target, tok, prompt, max_new_tokens):
+    """What plain greedy generate() answers, decoded as a user reads it."""
+    enc = encode(tok, prompt)
+    out = target.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
+    return tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def shown_text(page_html: str) -> str:
+    """The output's text without the rejected drafts."""
+    spans = re.findall(r'class="tok tok-(\w+)" title="\w+">(.*?)</span>', page_html, re.S)
+    return "".join(html.unescape(t) for label, t in spans if label != "rejected")
+
+
+def test_text_pieces_follow_the_whole_decoding():
+    tok = demo_tokenizer()
+    ids = tok.convert_tokens_to_ids(["wa", "Ġwb", "Ċ", "Ã", "©", "ĠÃ©", "<|im_end|>", "ĊĊ", "wc", "Ã"])
+    pieces = TextPieces(tok)
+    got = [pieces.add(i) for i in ids]
+    assert got == ["wa", " wb", "\n", "", "é", " é", "", "\n\n", "wc", ""]  # "é" waits for its second byte
+    assert pieces.flush() == "\ufffd"  # an output that ends inside a character shows what it has
+    assert "".join(got) + "\ufffd" == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_app_builds_and_its_api_names_every_output(parts):
+    target, tok, drafters = parts
+    demo = app.build_demo(target, tok, drafters, examples=["wa wb"])
     assert isinstance(demo, gr.Blocks)
+    info = demo.get_api_info()
+    assert list(info["named_endpoints"]) == ["/generate"] and not info["unnamed_endpoints"]  # arm/stop are private
+    returns = [r["label"] for r in info["named_endpoints"]["/generate"]["returns"]]
+    assert returns == ["EAGLE output", "plain generate()", "statistics", "acceptance per draft position"]
+    params = [p["parameter_name"] for p in info["named_endpoints"]["/generate"]["parameters"]]
+    assert params == ["prompt", "temperature", "max_new_tokens", "draft_mode", "chain_length", "drafter_name",
+                      "compare", "tree_size"]
 
 
-def test_labelled_stream_rebuilds_the_exact_output():
-    import threading
-
-    target, tok, drafters = tiny_parts()
-    enc = tok.apply_chat_template([{"role": "user", "content": "w1 w2 w3"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+def test_labelled_stream_rebuilds_the_exact_output_with_live_statistics(parts):
+    target, tok, drafters = parts
+    enc = encode(tok, "wd we wf")
     gen = dict(max_new_tokens=24, do_sample=False, num_assistant_tokens=3)
-    last = None
-    for run, stats, err in app.labelled_stream(target, tok, drafters["random"], dict(enc), gen, threading.Event()):
-        last = (run, stats, err)
-    run, stats, err = last
-    assert err is None and stats is not None
+    cycles = []
+    for run in app.labelled_stream(target, tok, drafters["random"], dict(enc), gen, threading.Event()):
+        if run.stats is not None:
+            cycles.append(run.stats.cycles)
+    assert run.done and run.error is None and run.stats is not None
+    assert cycles == sorted(cycles) and 0 < cycles[0] < run.stats.cycles  # live: the statistics grow as tokens stream
     ref = target.generate(**enc, max_new_tokens=24, do_sample=False)[0, enc["input_ids"].shape[1]:].tolist()
     assert run.new_ids == ref
     kept = [e for e in run.events if e.label != "rejected"]
     assert len(kept) == len(ref)
-    assert sum(e.label == "rejected" for e in run.events) == stats.drafted - stats.accepted
+    assert sum(e.label == "rejected" for e in run.events) == run.stats.drafted - run.stats.accepted
+    assert shown_text(run.html()) == tok.decode(ref, skip_special_tokens=True)
+    assert run.prefill_seconds > 0 and run.decode_tokens_per_second > 0
+    md = app.stats_markdown(run, drafting="fixed chain of 3")
+    assert "tokens/s** decoding" in md and "prefill" in md and "mean acceptance length" in md and "generating" not in md
+    assert "stopped" in app.stats_markdown(run, stopped=True)
+    assert list(app.acceptance_frame(run.stats)["draft position"]) == ["#1", "#2", "#3"]
 
 
 def _serve(demo):
@@ -56,48 +126,86 @@ def _serve(demo):
     return url
 
 
-def test_client_streams_labelled_tokens_equal_to_plain_generate():
+def test_client_streams_labelled_tokens_equal_to_plain_generate(parts, capfd, caplog):
     from gradio_client import Client
 
-    target, tok, drafters = tiny_parts()
+    target, tok, drafters = parts
     demo = app.build_demo(target, tok, drafters)
     url = _serve(demo)
     try:
         client = Client(url, verbose=False)
-        job = client.submit("w4 w5 w6", 0, 24, "fixed chain", 3, "random", False, 16, api_name="/generate")
+        job = client.submit("wd we wf", 0, 24, "fixed chain", 3, "random", False, 16, api_name="/generate")
         outputs = list(job)
         assert len(outputs) >= 2  # streamed, not one final answer
-        final_html = job.outputs()[-1][0]
-        labels = re.findall(r'class="tok tok-(\w+)"', final_html)
+        final = job.outputs()[-1]
+        labels = re.findall(r'class="tok tok-(\w+)"', final[0])
         assert "rejected" in labels and "target" in labels
-        enc = tok.apply_chat_template([{"role": "user", "content": "w4 w5 w6"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        ref = target.generate(**enc, max_new_tokens=24, do_sample=False)[0, enc["input_ids"].shape[1]:]
-        import html
-
-        texts = re.findall(r'class="tok tok-(\w+)" title="\w+">(.*?)</span>', final_html)
-        shown = "".join(html.unescape(t) for label, t in texts if label != "rejected")
-        assert shown == "".join(tok.decode([i]) for i in ref)
+        expected = plain_text(target, tok, "wd we wf", 24)
+        assert shown_text(final[0]) == expected
+        assert "tokens/s** decoding" in final[2] and "fixed chain of 3" in final[2]
+        assert "generating" in outputs[0][2] or "prefill" in outputs[0][2]  # live statistics while streaming
         # an empty prompt gets a message, not a crash
         empty = client.predict("", 0, 8, "adaptive", 5, "random", False, 16, api_name="/generate")
         assert "Type a prompt" in empty[2]
         # tree mode streams labelled tokens too, with the same final text
-        tree = client.predict("w4 w5 w6", 0, 24, "tree", 3, "random", False, 8, api_name="/generate")
-        tree_texts = re.findall(r'class="tok tok-(\w+)" title="\w+">(.*?)</span>', tree[0])
-        assert "".join(html.unescape(t) for label, t in tree_texts if label != "rejected") == shown
+        tree = client.predict("wd we wf", 0, 24, "tree", 3, "random", False, 8, api_name="/generate")
+        assert shown_text(tree[0]) == expected
         # the adaptive schedule falls back with a random drafter: those steps are marked as plain
-        adaptive = client.predict("w4 w5 w6", 0, 24, "adaptive", 3, "random", False, 16, api_name="/generate")
-        adaptive_texts = re.findall(r'class="tok tok-(\w+)" title="\w+">(.*?)</span>', adaptive[0])
-        assert "plain" in {label for label, _ in adaptive_texts}
-        assert "".join(html.unescape(t) for label, t in adaptive_texts if label != "rejected") == shown
+        adaptive = client.predict("wd we wf", 0, 24, "adaptive", 3, "random", True, 16, api_name="/generate")
+        assert "plain" in re.findall(r'class="tok tok-(\w+)"', adaptive[0])
+        assert shown_text(adaptive[0]) == expected == shown_text(adaptive[1])
+        assert "speedup" in adaptive[2]
+
+        # out-of-range values through the API: a clear message to the client, one log line, no traceback
+        capfd.readouterr()
+        bad = [((-1, 24, "adaptive", 3, "random", False, 16), "temperature must be from 0 to 1.5; got -1"),
+               ((0, 100000, "adaptive", 3, "random", False, 16), "max_new_tokens must be from 8 to 512; got 100000"),
+               ((0, 24, "bogus", 3, "random", False, 16), "draft_mode must be one of"),
+               ((0, 24, "adaptive", 2.5, "random", False, 16), "chain_length must be a whole number; got 2.5"),
+               ((0, 24, "adaptive", 3, "nope", False, 16), "drafter_name must be one of ['random']; got 'nope'"),
+               ((0, 24, "tree", 3, "random", False, "x"), "tree_size must be a number from 4 to 64; got 'x'")]
+        with caplog.at_level(logging.WARNING, logger="eagle_hf.demo"):
+            for values, message in bad:
+                with pytest.raises(Exception, match=re.escape(message)):
+                    client.predict("wd we wf", *values, api_name="/generate")
+        rejected = [r for r in caplog.records if r.name == "eagle_hf.demo" and "Rejected a request" in r.getMessage()]
+        assert len(rejected) == len(bad)
+        captured = capfd.readouterr()
+        assert "Traceback" not in captured.err + captured.out
     finally:
         demo.close()
 
 
+JS_DONE = ("(want) => { const s = document.querySelector('#stats').innerText;"
+           " return s.includes(want) && s.includes('tokens/s') && !s.includes('generating'); }")
+# the output's text as drawn (innerText follows the layout), with the rejected drafts taken out of the layout
+JS_VISIBLE = """() => {
+  const out = document.querySelector('#eagle-output .tokens');
+  const rejected = Array.from(out.querySelectorAll('.tok-rejected'));
+  rejected.forEach(e => e.style.display = 'none');
+  const text = out.innerText;
+  rejected.forEach(e => e.style.display = '');
+  return [text, rejected.map(e => e.textContent)];
+}"""
+JS_TRACKERS = """() => Array.from(document.querySelectorAll('[data-testid=status-tracker]'))
+  .filter(e => !e.classList.contains('hide') && e.offsetParent !== null)
+  .map(e => (e.closest('[id]') || {}).id + ': ' + e.innerText.replace(/\\n/g, ' '))"""
+
+
+def _settings(page, max_new: int, mode: str, chain: int | None = None):
+    for elem, value in (("max-new", max_new), ("chain", chain)):
+        if value is not None:
+            box = page.locator(f"#{elem} input[type=number]")
+            box.fill(str(value))
+            box.press("Enter")
+    page.get_by_label(mode, exact=True).check()
+
+
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian chromium is not installed")
-def test_real_browser_sees_coloured_tokens(tmp_path):
+def test_real_browser(parts, tmp_path):
     from playwright.sync_api import sync_playwright
 
-    target, tok, drafters = tiny_parts()
+    target, tok, drafters = parts
     demo = app.build_demo(target, tok, drafters)
     url = _serve(demo)
     try:
@@ -109,13 +217,59 @@ def test_real_browser_sees_coloured_tokens(tmp_path):
             )
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             page.goto(url)
-            page.locator("#prompt textarea").fill("w7 w8 w9")
+            page.wait_for_selector("#prompt textarea")
+
+            # Enter in the prompt box sends; rejected newline drafts leave the visible text the plain output's
+            _settings(page, 40, "fixed chain", 3)
+            page.locator("#prompt textarea").fill("wd we wf")
+            page.locator("#prompt textarea").press("Enter")
+            page.wait_for_function(JS_DONE, arg="fixed chain of 3", timeout=60_000)
+            visible, rejected = page.evaluate(JS_VISIBLE)
+            assert visible == plain_text(target, tok, "wd we wf", 40)
+            assert any("⏎" in r for r in rejected), rejected  # rejected newline drafts happened, drawn as symbols
+            assert not any(c in r for r in rejected for c in "\n \t")
+            assert page.locator("#prompt textarea").input_value() == "wd we wf"  # Enter sent, it added no line
+
+            # a fixed tree, sent with the button: the same text as plain generate(); the chart has categorical
+            # positions #1.. with real bars
+            page.get_by_label("tree", exact=True).check()
+            page.locator("#prompt textarea").fill("wa wb")
             page.locator("#send").click()
-            page.wait_for_selector("#eagle-output .tok-rejected", timeout=60_000)
-            page.wait_for_function("document.querySelector('#stats').innerText.includes('tokens/s')", timeout=60_000)
+            page.wait_for_function(JS_DONE, arg="tree of 16", timeout=60_000)
+            assert page.evaluate(JS_VISIBLE)[0] == plain_text(target, tok, "wa wb", 40)
+            x_axis = page.locator("#chart [aria-roledescription=axis]").first
+            assert "discrete scale" in x_axis.get_attribute("aria-label"), x_axis.get_attribute("aria-label")
+            labels = x_axis.evaluate("a => Array.from(a.querySelectorAll('.role-axis-label text')).map(e => e.textContent)")
+            assert labels == [f"#{i + 1}" for i in range(len(labels))] and labels, labels
+            bars = page.evaluate("Array.from(document.querySelectorAll('#chart .role-mark path')).map(e => { const b = e.getBBox(); return {width: b.width, height: b.height}; })")
+            assert len(bars) == len(labels)
+            assert bars and all(b["width"] > 20 for b in bars), bars  # bars, not hairlines
+            assert any(b["height"] > 20 for b in bars), bars  # the tree's first position is often accepted
             shot = Path(os.environ.get("EAGLE_HF_SCREENSHOT_DIR", tmp_path)) / "demo.png"
             page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 10_000
+
+            # a second user waits in the queue: one spinner and queue line; Stop ends the first run with its
+            # statistics so far and a note, then the second runs
+            other = browser.new_page(viewport={"width": 1280, "height": 900})
+            other.goto(url)
+            other.wait_for_selector("#prompt textarea")
+            _settings(other, 16, "adaptive")
+            other.locator("#prompt textarea").fill("wa wb")
+            _settings(page, 480, "fixed chain")
+            page.locator("#send").click()
+            page.wait_for_function(JS_DONE.replace("!s.includes('generating')", "s.includes('generating')"),
+                                   arg="fixed chain of 3", timeout=60_000)
+            other.locator("#prompt textarea").press("Enter")
+            other.wait_for_function(f"({JS_TRACKERS})().some(t => t.includes('queue'))", timeout=30_000)
+            trackers = other.evaluate(JS_TRACKERS)
+            assert len(trackers) == 1 and trackers[0].startswith("eagle-output: queue"), trackers
+            page.locator("#stop").click()
+            page.wait_for_function("document.querySelector('#stats').innerText.includes('stopped after')", timeout=30_000)
+            stats = page.locator("#stats").inner_text()
+            n = int(re.search(r"stopped after (\d+) tokens", stats).group(1))
+            assert 0 < n < 480 and "mean acceptance length" in stats and f"({n} tokens in" in stats
+            other.wait_for_function(JS_DONE, arg="adaptive", timeout=60_000)
             browser.close()
     finally:
         demo.close()
