@@ -50,7 +50,7 @@ def standard_modes(drafter, assistant=None, chain_lengths=(3, 5), early_exit_lay
         modes.append(Mode("eagle tree", {"assistant_model": drafter, **fixed_tree}, True))
         modes.append(Mode("eagle chain adaptive", {"assistant_model": drafter, "draft_mode": "chain"}, True))
         modes.append(Mode("eagle alone", {"assistant_model": drafter, "draft_sources": "eagle"}, True))
-        modes.append(Mode("copy alone", {"assistant_model": drafter, "draft_sources": "copy"}, True))
+        modes.append(Mode("copy alone", {"draft_sources": "copy"}, True))  # no drafter: a stronger prompt lookup
         modes.append(Mode("eagle default", {"assistant_model": drafter}, True))  # adaptive tree, eagle + copy
     return modes
 

@@ -54,7 +54,7 @@ class Speculator:
     ):
         self.drafter, self.settings, self.stats, self.controller = drafter, settings, stats, controller
         self.listeners = [(f, _takes_sources(f)) for f in listeners]
-        self.clock = clock or Clock(drafter.fc.weight.device)
+        self.clock = clock or Clock(drafter.fc.weight.device if drafter is not None else "cpu")
         self.state = DraftState()
         self.copy = CopySource(settings.copy_ngram, settings.copy_length, settings.copy_branches,
                                self._marginal_cost, settings.probe_every) if settings.uses_copy else None

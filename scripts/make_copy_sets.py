@@ -38,7 +38,7 @@ def multi_turn(limit: int, max_new_tokens: int = 192) -> int:
     from eagle_hf.evaluation import chat_inputs
 
     target, tok = eagle_hf.load_target("default")
-    drafter = eagle_hf.load_drafter("default", target)
+    drafter, _ = eagle_hf.load_drafter("default", target)
     out_path = PROMPTS / "multi_turn.jsonl"
     done = [json.loads(x) for x in out_path.read_text().splitlines()] if out_path.exists() else []
     records = [json.loads(x) for x in (PROMPTS / "mt_bench.jsonl").read_text(encoding="utf-8").splitlines()]

@@ -92,6 +92,15 @@ def test_copy_drafting_is_exact_greedy(mode, sources):
     assert s.accepted == sum(s.accepted_per_position)
 
 
+def test_copy_alone_needs_no_drafter():
+    target = tiny_target("qwen2")  # another family, and no drafter at all
+    ref = target.generate(REPEAT, max_new_tokens=40, do_sample=False)
+    out = target.generate(REPEAT, max_new_tokens=40, do_sample=False, draft_sources="copy")
+    assert torch.equal(out, ref)
+    s = eagle_hf.last_stats()
+    assert set(s.drafted_by_source) == {"copy"} and s.accepted_by_source["copy"] > 0 and s.drafter_time == 0
+
+
 def test_default_tree_mode_copies_and_reports_per_source_stats():
     target = tiny_target("llama")
     drafter = tiny_drafter(target)

@@ -19,12 +19,13 @@ _COST_CACHE: dict[tuple, CostModel] = {}
 
 
 @torch.no_grad()
-def measure_costs(target, drafter, max_tokens: int = 9, context: int = 128, repeats: int = 5) -> CostModel:
-    """Time target forwards over 1..max_tokens new tokens (on a `context`-token cache) and one drafter step.
+def measure_costs(target, drafter=None, max_tokens: int = 9, context: int = 128, repeats: int = 5) -> CostModel:
+    """Time target forwards over 1..max_tokens new tokens (on a `context`-token cache) and one drafter step
+    (none without a drafter).
 
     Cached per (target, drafter width, device, dtype): about a second once per process on a CPU.
     """
-    key = (id(target), drafter.config.hidden_size, str(target.device), str(target.dtype))
+    key = (id(target), drafter.config.hidden_size if drafter is not None else 0, str(target.device), str(target.dtype))
     if key in _COST_CACHE and len(_COST_CACHE[key].verify) >= max_tokens:
         return _COST_CACHE[key]
     device = target.device
@@ -56,6 +57,10 @@ def measure_costs(target, drafter, max_tokens: int = 9, context: int = 128, repe
     verify = [max(t / base, 1.0) for t in times]
     for i in range(1, len(verify)):  # monotone, for a well-behaved argmax
         verify[i] = max(verify[i], verify[i - 1])
+    if drafter is None:  # copy drafting alone: only the verify costs matter
+        model = CostModel(verify=verify, draft_step=0.0, base_seconds=base)
+        _COST_CACHE[key] = model
+        return model
     h = drafter.config.hidden_size
     hidden = torch.zeros(1, 1, h, device=device, dtype=drafter.fc.weight.dtype)
     tok = torch.zeros(1, 1, dtype=torch.long, device=device)

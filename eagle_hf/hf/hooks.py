@@ -20,6 +20,7 @@ from ..modeling import EagleDrafter
 from ..settings import CALL_KEYWORDS, OWN_KEYWORDS, DraftSettings
 from ..speculation import Speculator
 from ..stats import _set_last
+from ..timing import Clock
 from .call import (
     EagleCall, active_call, as_keywords, check_call, check_compatible, prepare_drafter, prompt_length, set_active_call,
 )
@@ -43,17 +44,20 @@ def generate(self, *args, **kwargs):
     drafter = kwargs.get("assistant_model")
     if drafter is None and args:
         drafter = as_keywords(args, {}).get("assistant_model")
-    if not isinstance(drafter, EagleDrafter):
+    copy_alone = drafter is None and kwargs.get("draft_sources") == "copy"  # copy drafting needs no drafter
+    if not isinstance(drafter, EagleDrafter) and not copy_alone:
         return _original_generate(self, *args, **kwargs)
     kwargs = as_keywords(args, kwargs)
     check_transformers_version()
-    aux_ids = check_compatible(self, drafter)
+    aux_ids = check_compatible(self, drafter) if drafter is not None else []
     check_call(kwargs)
-    settings = DraftSettings.resolve(drafter.config.draft_settings, kwargs.get("generation_config"),
+    saved = drafter.config.draft_settings if drafter is not None else None
+    settings = DraftSettings.resolve(saved, kwargs.get("generation_config"),
                                      {k: kwargs.pop(k, None) for k in CALL_KEYWORDS})
     call = EagleCall(drafter, aux_ids, settings, listeners=list(kwargs.pop("draft_listeners", None) or []),
                      streamer=kwargs.get("streamer"))
-    prepare_drafter(self, drafter)
+    if drafter is not None:
+        prepare_drafter(self, drafter)
     if settings.mode == "tree":
         reason = _tree_unsupported(self, kwargs)
         if reason:
@@ -73,7 +77,7 @@ def generate(self, *args, **kwargs):
         logger.info("Tree size chosen from measured verify costs: %d tokens", settings.total_tokens)
     call.controller = controller_for(self, drafter, settings)
     if settings.mode == "tree":
-        kwargs.pop("assistant_model")
+        kwargs.pop("assistant_model", None)
         kwargs["custom_generate"] = tree_custom_generate
     for key in OWN_KEYWORDS:
         kwargs.pop(key, None)
@@ -109,7 +113,8 @@ def _run(self, kwargs: dict, call: EagleCall):
 def speculator_for(target) -> tuple[EagleCall, Speculator]:
     """The active call and a fresh speculator for it (one per decoding loop)."""
     call = active_call()
-    return call, Speculator(call.drafter, call.settings, call.stats, call.controller, call.listeners)
+    return call, Speculator(call.drafter, call.settings, call.stats, call.controller, call.listeners,
+                            clock=Clock(target.device))
 
 
 def _tree_unsupported(target, kwargs: dict) -> str | None:

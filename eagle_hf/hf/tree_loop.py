@@ -43,7 +43,8 @@ class TreeLoop:
         self.eos = eos_ids(generation_config)
         self.keep_hidden = bool(generation_config.output_hidden_states)
         self.keep_logits = bool(generation_config.output_logits)
-        self.request = True if self.keep_hidden else hidden_state_request(self.aux_ids)
+        self.uses_eagle = speculator.settings.uses_eagle  # copy drafting alone needs no target features
+        self.request = True if self.keep_hidden else (hidden_state_request(self.aux_ids) if self.uses_eagle else None)
         self.total_tokens = int(speculator.settings.total_tokens)
         self.emitted = Emitted()
         check_tree_cache(cache)
@@ -107,25 +108,28 @@ class TreeLoop:
                 break
         keep = path[: len(new)]  # the nodes whose tokens were emitted ... their successors' features
         compact_cache(self.cache, past_len, torch.tensor(keep, device=device))
-        aux = gather_aux(out.hidden_states, self.aux_ids)[:, keep]  # [1, a+1, A*H_t]
-        self.sp.commit(aux, torch.tensor([new], device=device), position=past_len)
+        if self.uses_eagle:
+            aux = gather_aux(out.hidden_states, self.aux_ids)[:, keep]  # [1, a+1, A*H_t]
+            self.sp.commit(aux, torch.tensor([new], device=device), position=past_len)
         self.keep_outputs(node_logits[keep], raw[keep], out.hidden_states, keep)
         return new, keep, len(new) < full
 
     # ------------------------------------------------------------------ helpers
     def forward(self, ids: torch.Tensor, all_rows: bool = False, **kwargs):
+        hidden = {} if self.request is None else {"output_hidden_states": self.request}
         return self.target(input_ids=ids, past_key_values=self.cache, use_cache=True,
-                           output_hidden_states=self.request, logits_to_keep=0 if all_rows else 1, **kwargs)
+                           logits_to_keep=0 if all_rows else 1, **hidden, **kwargs)
 
     def emit_plain(self, seq: torch.Tensor, out, position: int) -> int:
         """The target's own next token after a plain forward; its rows go to the drafter."""
         raw = out.logits[:, -1].float()  # [1, V]
         scores = process_logits(self.logits_processor, seq, [[]], raw)
         token = int(torch.multinomial(torch.softmax(scores, -1), 1)) if self.do_sample else int(scores.argmax(-1))
-        aux = gather_aux(out.hidden_states, self.aux_ids)  # [1, n, A*H_t]
-        n = aux.shape[1]
-        tokens = torch.cat([seq[:, position + 1 :], torch.tensor([[token]], device=seq.device, dtype=seq.dtype)], 1)
-        self.sp.commit(aux, tokens[:, -n:], position=position)
+        if self.uses_eagle:
+            aux = gather_aux(out.hidden_states, self.aux_ids)  # [1, n, A*H_t]
+            n = aux.shape[1]
+            tokens = torch.cat([seq[:, position + 1 :], torch.tensor([[token]], device=seq.device, dtype=seq.dtype)], 1)
+            self.sp.commit(aux, tokens[:, -n:], position=position)
         self.keep_outputs(scores, raw, out.hidden_states, None)
         return token
 
