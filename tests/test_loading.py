@@ -551,7 +551,7 @@ def test_bf16_copy_of_a_gguf_equals_the_gguf_in_bf16(tmp_path, caplog):
     assert "Converting tiny.Q4_1.gguf once" in caplog.text and "Loading the torch.bfloat16 copy" in caplog.text
     copy = converted_copy_dir(gguf_path, torch.bfloat16, cache)
     assert sorted(p.name for p in cache.iterdir()) == [copy.name]  # no temporary folder left behind
-    assert (copy / "model.safetensors").is_file()
+    assert (copy / "model.safetensors").stat().st_mode & 0o777 == 0o644 and copy.stat().st_mode & 0o777 == 0o755
     assert "quantization_config" not in json.loads((copy / "config.json").read_text())
 
     expected = direct.state_dict()
