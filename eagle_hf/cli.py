@@ -28,7 +28,8 @@ def cmd_generate(args) -> int:
         [{"role": "user", "content": args.prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
     )
     sample = args.temperature > 0
-    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=sample, num_assistant_tokens=args.num_draft_tokens)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=sample, num_assistant_tokens=args.num_draft_tokens,
+                  draft_sources=args.draft_sources)
     if sample:
         kwargs["temperature"] = args.temperature
         torch.manual_seed(args.seed)
@@ -131,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a fixed chain length (transformers' num_assistant_tokens); default: the adaptive schedule")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sampling at this temperature")
     g.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    g.add_argument("--draft-sources", default="auto", choices=["auto", "eagle", "copy", "eagle+copy"],
+                   help="who drafts: the drafter, copies from the prompt and output, or both (auto: both in tree mode)")
     g.add_argument("--dtype", default="bfloat16", choices=dtypes, help="the target's dtype (bf16 is ~2x faster on CPU)")
     g.set_defaults(func=cmd_generate)
 
@@ -140,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--drafter", default="default", help="'default' (the shipped drafter), 'random', a folder or a Hub id")
     b.add_argument("--assistant", default=None, help="a small draft model for transformers' assisted generation")
     b.add_argument("--early-exit-layer", type=int, default=None, help="enable transformers' early-exit mode at this layer")
-    b.add_argument("--prompts", default="mt_bench,humaneval,gsm8k,sum,qa", help="comma-separated prompt sets")
+    b.add_argument("--prompts", default="mt_bench,humaneval,gsm8k,sum,qa,code_edit,multi_turn",
+                   help="comma-separated prompt sets (shipped: mt_bench, humaneval, gsm8k, sum, qa, and the copy-heavy "
+                        "code_edit, multi_turn) or JSONL files")
     b.add_argument("--modes", default=None,
                    help=f"comma-separated subset of modes (plain always runs); one of: {', '.join(MODE_NAMES)}")
     b.add_argument("--chain-lengths", type=int, nargs="+", default=[3, 5], help="fixed chain lengths K to run")
