@@ -161,3 +161,18 @@ def test_sampling_with_copy_branches_is_lossless():
     p23 = chi_square(rows, marginal(exact, (1, 2)), (1, 2))
     assert copied > 400 and 0 < accepted < copied
     assert p12 > 1e-3 and p23 > 1e-3, (p12, p23)
+
+
+def test_copy_drafting_where_the_own_loop_cannot_run():
+    """A sliding-window target runs chains in transformers' loop: copy alone is refused before any compute (with
+    the alternatives named); both sources fall back to the drafter alone, exactly."""
+    from eagle_hf.errors import EagleCompatibilityError
+
+    target = tiny_target("gemma3")
+    drafter = tiny_drafter(target)
+    with pytest.raises(EagleCompatibilityError, match="prompt_lookup_num_tokens"):
+        target.generate(REPEAT, max_new_tokens=8, do_sample=False, draft_sources="copy")
+    ref = target.generate(REPEAT, max_new_tokens=12, do_sample=False)
+    out = target.generate(REPEAT, max_new_tokens=12, do_sample=False, assistant_model=drafter,
+                          draft_sources="eagle+copy")
+    assert torch.equal(out, ref) and "copy" not in eagle_hf.last_stats().drafted_by_source

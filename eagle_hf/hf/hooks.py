@@ -16,6 +16,7 @@ from transformers.generation.utils import GenerationMixin
 
 from ..adaptive import choose_tree_size
 from .costs import controller_for, measure_costs
+from ..errors import EagleCompatibilityError
 from ..modeling import EagleDrafter
 from ..settings import CALL_KEYWORDS, OWN_KEYWORDS, DraftSettings
 from ..speculation import Speculator
@@ -58,18 +59,26 @@ def generate(self, *args, **kwargs):
                      streamer=kwargs.get("streamer"))
     if drafter is not None:
         prepare_drafter(self, drafter)
-    if settings.mode == "tree":
-        reason = _tree_unsupported(self, kwargs)
-        if reason:
-            _log_fallback_once(self, reason, asked="mode" in settings.sources)
-            settings.mode = "chain"
+    reason = _tree_unsupported(self, kwargs)  # eagle_hf's own loop cannot run here: chains in transformers' loop
+    if settings.mode == "tree" and reason:
+        _log_fallback_once(self, reason, asked="mode" in settings.sources)
+        settings.mode = "chain"
     cache = kwargs.get("past_key_values")
+    if reason:
+        if settings.draft_sources == "copy":
+            raise EagleCompatibilityError(
+                f"Copy drafting runs in eagle_hf's own decoding loop, which is not possible here ({reason}). "
+                "Use prompt_lookup_num_tokens= (transformers' prompt lookup) or draft_sources='eagle'."
+            )
+        if settings.draft_sources == "eagle+copy":
+            logger.info("Copy drafting is not possible here (%s); the drafter drafts alone.", reason)
+            settings.draft_sources = "eagle"
     if settings.mode == "chain" and cache is not None and cache.get_seq_length() > 0:
         # transformers' assisted loop (5.23) diverges from plain decoding when the cache already holds a prefix,
         # for its own prompt lookup too; our loop with one child per node is the same chain, and exact
         logger.info("A prefilled past_key_values: chain drafting runs in eagle_hf's loop (a tree with top_k=1).")
         _as_tree_with_top_k_1(settings)
-    if settings.mode == "chain" and settings.uses_copy:  # transformers' loop verifies one chain, not branches
+    if settings.mode == "chain" and settings.uses_copy and not reason:  # transformers' loop verifies one chain
         logger.info("Copy drafting in chain mode: eagle_hf's loop drafts the chain (a tree with top_k=1).")
         _as_tree_with_top_k_1(settings)
     if settings.mode == "tree" and settings.total_tokens <= 0:  # -1: size the tree from measured verify costs
