@@ -26,7 +26,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import eagle_hf
 from eagle_hf.evaluation import load_prompt_set
 from eagle_hf.hf.call import active_call
-from eagle_hf.settings import MAX_DEPTH
+from eagle_hf.settings import DRAFT_SOURCES, MAX_DEPTH
 from eagle_hf.stats import SpecDecodeStats
 from eagle_hf.visualize import CSS, SpanRenderer, TokenEvent, label_round, legend_html, tokens_html
 
@@ -110,22 +110,23 @@ def _stats_so_far() -> SpecDecodeStats | None:
     return SpecDecodeStats(cycles=s.cycles, drafted=s.drafted, accepted=s.accepted,
                            drafted_per_position=list(s.drafted_per_position),
                            accepted_per_position=list(s.accepted_per_position),
-                           fallback_steps=s.fallback_steps, final_steps=s.final_steps)
+                           fallback_steps=s.fallback_steps, final_steps=s.final_steps,
+                           drafted_by_source=dict(s.drafted_by_source), accepted_by_source=dict(s.accepted_by_source))
 
 
 def labelled_stream(target, tokenizer, drafter, enc, gen_kwargs, stop: threading.Event):
     """Run generate() in a thread; yield the `Run` (the same object, updated) as chunks arrive, then once done.
 
     Each round transformers streams a chunk (accepted drafts + the target's token) and then our listener
-    reports the drafts of that round and the statistics so far, so a chunk is labelled once the next event tells
-    whether it was a cycle.
+    reports the drafts of that round, who proposed each (drafter, copy or both) and the statistics so far, so a
+    chunk is labelled once the next event tells whether it was a cycle.
     """
     q: queue.Queue = queue.Queue()
     run = Run(tokenizer=tokenizer)
     result: dict = {}
 
-    def listener(drafts, accepted, last_token):
-        q.put(("cycle", (drafts, accepted), _stats_so_far()))
+    def listener(drafts, accepted, last_token, sources=None):
+        q.put(("cycle", (drafts, accepted, sources), _stats_so_far()))
 
     def work():
         try:
@@ -145,8 +146,8 @@ def labelled_stream(target, tokenizer, drafter, enc, gen_kwargs, stop: threading
     pending: list[int] | None = None
 
     def flush(chunk, cycle):
-        drafts, accepted = cycle if cycle is not None else (None, 0)
-        run.add(label_round(chunk, drafts, accepted))
+        drafts, accepted, sources = cycle if cycle is not None else (None, 0, None)
+        run.add(label_round(chunk, drafts, accepted, sources))
         run.new_ids.extend(chunk)
 
     while True:
@@ -192,6 +193,8 @@ def stats_markdown(run: Run, plain: Run | None = None, stopped: bool = False, dr
             f"mean acceptance length **{stats.mean_acceptance_length:.2f}** (tokens per draft-and-verify cycle, "
             f"bonus counted) · {stats.cycles} cycles · plain decoding in {stats.fallback_ratio:.0%} of steps"
         )
+    if stats is not None and stats.drafted_by_source:
+        lines.append(source_line(stats))
     if drafting:
         lines.append(f"drafting: {drafting}")
     if plain is not None and plain.done and not stopped:
@@ -203,6 +206,32 @@ def stats_markdown(run: Run, plain: Run | None = None, stopped: bool = False, dr
     elif not run.done or (plain is not None and not plain.done):
         lines.append("*generating…*")
     return "  \n".join(lines)
+
+
+#: the statistics' names of the draft sources
+SOURCE_LABELS = {"eagle": "drafter", "copy": "copy"}
+
+
+def source_line(stats) -> str:
+    """Accepted / drafted tokens per source; a token both proposed counts for each."""
+    parts = []
+    for name in ("eagle", "copy"):
+        drafted = stats.drafted_by_source.get(name, 0)
+        if drafted:
+            accepted = stats.accepted_by_source.get(name, 0)
+            parts.append(f"{SOURCE_LABELS[name]} **{accepted}/{drafted}** ({accepted / drafted:.0%})")
+    return "accepted/drafted by source: " + " · ".join(parts)
+
+
+#: the demo's draft-source choices (eagle_hf's `draft_sources`)
+SOURCE_CHOICES = list(DRAFT_SOURCES)
+
+
+def sources_text(draft_sources: str, draft_mode: str) -> str:
+    """What a `draft_sources` choice means in this drafting mode (auto: both in a tree, the drafter in a chain)."""
+    if draft_sources == "auto":
+        return "auto (drafter alone)" if draft_mode == "fixed chain" else "auto (drafter + copies)"
+    return {"eagle": "drafter alone", "copy": "copies alone", "eagle+copy": "drafter + copies"}[draft_sources]
 
 
 #: the chart's x categories in order ("#10" after "#9", not after "#1")
@@ -312,12 +341,16 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
                 mode = gr.Radio(["adaptive", "fixed chain", "tree"], value="adaptive", label="drafting", elem_id="mode")
                 chain = gr.Slider(1, 8, value=5, step=1, label="chain length (fixed chain)", elem_id="chain")
                 tree_size = gr.Slider(4, 64, value=16, step=4, label="tree size: verified tokens (tree)")
+                sources = gr.Radio(SOURCE_CHOICES, value="auto", label="draft sources", elem_id="sources",
+                                   info="eagle: the drafter; copy: spans of the prompt and output; auto: both in a "
+                                        "tree, the drafter alone in a fixed chain")
                 which = gr.Radio(names, value=names[0], label="drafter", visible=len(names) > 1)
                 compare = gr.Checkbox(label="also run plain generate() and show the speedup", value=False)
         if examples:
             gr.Examples(examples=[[e] for e in examples], inputs=[prompt])
 
-        def checked(prompt_, temperature_, max_new_tokens, draft_mode, chain_length, drafter_name, compare_, tree_size_):
+        def checked(prompt_, temperature_, max_new_tokens, draft_mode, chain_length, drafter_name, compare_, tree_size_,
+                    draft_sources_):
             """The raw request values (the components' own checks are off: they print a traceback per bad call),
             checked against the controls' ranges and choices."""
             if prompt_ is not None and not isinstance(prompt_, str):
@@ -328,17 +361,19 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
                 raise BadRequest(f"drafter_name must be one of {names}; got {drafter_name!r}")
             if compare_ is not None and not isinstance(compare_, bool):
                 raise BadRequest(f"compare must be true or false; got {compare_!r}")
+            if draft_sources_ not in _choices(sources):
+                raise BadRequest(f"draft_sources must be one of {_choices(sources)}; got {draft_sources_!r}")
             return (prompt_ or "", _number(temperature_, "temperature", temperature, False),
                     _number(max_new_tokens, "max_new_tokens", max_new, True), draft_mode,
                     _number(chain_length, "chain_length", chain, True), drafter_name, bool(compare_),
-                    _number(tree_size_, "tree_size", tree_size, True))
+                    _number(tree_size_, "tree_size", tree_size, True), draft_sources_)
 
         def respond(prompt, temperature, max_new_tokens, draft_mode, chain_length, drafter_name, compare, tree_size=16,
-                    request: gr.Request = None):
+                    draft_sources="auto", request: gr.Request = None):
             try:
                 (prompt, temperature, max_new_tokens, draft_mode, chain_length, drafter_name, compare,
-                 tree_size) = checked(prompt, temperature, max_new_tokens, draft_mode, chain_length, drafter_name,
-                                      compare, tree_size)
+                 tree_size, draft_sources) = checked(prompt, temperature, max_new_tokens, draft_mode, chain_length,
+                                                     drafter_name, compare, tree_size, draft_sources)
             except BadRequest as err:
                 logger.warning("Rejected a request: %s", err)  # one line in the server log; the client gets the message
                 raise gr.Error(str(err), print_exception=False) from None
@@ -363,11 +398,12 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
                     gr.Warning(msg)
                     yield "", "", msg, acceptance_frame(None)
                     return
-                gen = {"max_new_tokens": max_new_tokens}
+                base = {"max_new_tokens": max_new_tokens}  # what plain generate() gets too
                 if temperature > 0:
-                    gen.update(do_sample=True, temperature=temperature)
+                    base.update(do_sample=True, temperature=temperature)
                 else:
-                    gen.update(do_sample=False)
+                    base.update(do_sample=False)
+                gen = dict(base)  # + the drafting keywords, which plain generate() must not see
                 drafting = "adaptive (the default)"
                 if draft_mode == "fixed chain":
                     gen["num_assistant_tokens"] = chain_length
@@ -376,6 +412,8 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
                     # a fixed tree, as "fixed chain" is a fixed chain ("adaptive" is the adaptive tree)
                     gen.update(draft_mode="tree", tree_total_tokens=tree_size, num_assistant_tokens_schedule="constant")
                     drafting = f"fixed tree of {tree_size} verified tokens"
+                gen["draft_sources"] = draft_sources
+                drafting += f" · sources: {sources_text(draft_sources, draft_mode)}"
                 drafter = drafters[drafter_name]
                 chart_at, plain = 0.0, None
                 for run in labelled_stream(target, tokenizer, drafter, enc, gen, stop):
@@ -387,7 +425,7 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
                     yield (run.html(), "", stats_markdown(run, stopped=run.done and stop.is_set(), drafting=drafting),
                            acceptance_frame(run.stats) if redraw else gr.skip())
                 if compare and not stop.is_set():
-                    for plain in labelled_stream(target, tokenizer, None, enc, gen, stop):
+                    for plain in labelled_stream(target, tokenizer, None, enc, base, stop):
                         yield run.html(), plain.html(), stats_markdown(run, plain, stop.is_set(), drafting), gr.skip()
                 yield (run.html(), plain.html() if plain is not None else "",
                        stats_markdown(run, plain, stop.is_set(), drafting), acceptance_frame(run.stats))
@@ -402,7 +440,7 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
             flags.stop(request.session_hash)
 
         run_args = {
-            "fn": respond, "inputs": [prompt, temperature, max_new, mode, chain, which, compare, tree_size],
+            "fn": respond, "inputs": [prompt, temperature, max_new, mode, chain, which, compare, tree_size, sources],
             "outputs": [eagle_out, plain_out, stats_md, chart], "concurrency_limit": 1, "concurrency_id": "generate",
             "preprocess": False, "show_progress_on": [eagle_out],  # one spinner and queue line, on the output
         }

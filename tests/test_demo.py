@@ -1,6 +1,6 @@
 """Gradio demo: builds without launching; streams labelled tokens and live statistics over HTTP; validates API
 input; a real headless browser uses it (Enter sends, the visible text is the output, the chart is categorical, Stop
-and the queue)."""
+and the queue). Accepted drafts are marked by source (drafter, copied, both), with a legend."""
 
 import html
 import logging
@@ -9,7 +9,6 @@ import re
 import shutil
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -22,9 +21,19 @@ sys.path.insert(0, str(ROOT / "demo"))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 gr = pytest.importorskip("gradio")
-import app  # noqa: E402  (demo/app.py)
+import app  # demo/app.py, imported after its folder joined sys.path
 
-from eagle_hf.visualize import TextPieces  # noqa: E402
+from eagle_hf.visualize import (
+    CSS,
+    DraftRecorder,
+    LabelledTokens,
+    SpanRenderer,
+    TextPieces,
+    TokenEvent,
+    label_round,
+    legend_html,
+    token_span,
+)
 
 
 def demo_tokenizer():
@@ -69,10 +78,17 @@ def plain_text(target, tok, prompt, max_new_tokens):
     return tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
+SPAN = re.compile(r'class="tok tok-(\w+)(?: src-(\w+))?" title="[\w :]+">(.*?)</span>', re.DOTALL)
+
+
 def shown_text(page_html: str) -> str:
     """The output's text without the rejected drafts."""
-    spans = re.findall(r'class="tok tok-(\w+)" title="\w+">(.*?)</span>', page_html, re.S)
-    return "".join(html.unescape(t) for label, t in spans if label != "rejected")
+    return "".join(html.unescape(t) for label, _, t in SPAN.findall(page_html) if label != "rejected")
+
+
+def marks(page_html: str) -> set[tuple[str, str]]:
+    """(label, source) of the spans: source "" for target/plain tokens, else "eagle", "copy" or "both"."""
+    return {(label, source) for label, source, _ in SPAN.findall(page_html)}
 
 
 def test_text_pieces_follow_the_whole_decoding():
@@ -85,6 +101,45 @@ def test_text_pieces_follow_the_whole_decoding():
     assert "".join(got) + "\ufffd" == tok.decode(ids, skip_special_tokens=True)
 
 
+def test_draft_tokens_are_marked_by_source_with_a_legend():
+    tok = demo_tokenizer()
+    wa, wb, wc, wd, we, wf = tok.convert_tokens_to_ids(["wa", "Ġwb", "Ġwc", "Ġwd", "Ġwe", "Ġwf"])
+    recorder = DraftRecorder()
+    recorder([wb, wc, wd], 3, we, sources=["eagle", "eagle+copy", "copy"])  # all accepted; we: the bonus token
+    recorder([wb, wc], 1, wf, sources=["copy", "eagle"])  # wc rejected, wf recovered
+    recorder([], 0, wa, sources=[])  # a plain step
+    assert recorder.rounds[0] == ([wb, wc, wd], 3, we)  # rounds keep their (drafts, accepted, token) shape
+    events = recorder.events([wa, wb, wc, wd, we, wb, wf, wa])
+    assert [(e.label, e.source) for e in events] == [
+        ("target", None), ("accepted", "eagle"), ("accepted", "eagle+copy"), ("accepted", "copy"), ("target", None),
+        ("accepted", "copy"), ("rejected", "eagle"), ("target", None), ("plain", None)]
+    view = LabelledTokens(events, tok)
+    assert view.counts() == {"accepted": 4, "target": 3, "rejected": 1, "plain": 1}
+    assert view.accepted_by_source() == {"eagle": 1, "copy": 2, "eagle+copy": 1}
+    page = view._repr_html_()
+    assert marks(page) == {("target", ""), ("accepted", "eagle"), ("accepted", "both"), ("accepted", "copy"),
+                           ("rejected", "eagle"), ("plain", "")}
+    assert 'title="accepted: copied and drafted"' in page and 'title="rejected: drafter"' in page
+    assert shown_text(page) == "wa wb wc wd we wb wfwa"
+    # the legend names the three sources of accepted drafts next to the other labels, in their colours
+    legend = legend_html()
+    for css, name in (("src-eagle", "accepted · drafter"), ("src-copy", "accepted · copied"),
+                      ("src-both", "accepted · both")):
+        assert f'<span class="tok tok-accepted {css}">&nbsp;{name}&nbsp;</span>' in legend
+    assert all(f'class="tok tok-{k}"' in legend for k in ("target", "rejected", "plain"))
+    assert "accepted · " not in legend_html(sources=False) and 'class="tok tok-accepted"' in legend_html(sources=False)
+    assert ".tok-accepted.src-copy {background: #ffe08a}" in CSS and "src-both" in CSS  # amber, green underline
+    # a listener without `sources` (or an older recording): accepted drafts unmarked, as before
+    old = label_round([wb, we], [wb, wc], 1)
+    assert [(e.label, e.source) for e in old] == [("accepted", None), ("rejected", None), ("target", None)]
+    assert token_span(old[0], tok) == '<span class="tok tok-accepted" title="accepted"> wb</span>'
+    # bytes held back to the end keep the last token's label and source
+    renderer = SpanRenderer(tok)
+    renderer.add([TokenEvent(tok.convert_tokens_to_ids("Ã"), "accepted", "copy")])
+    renderer.finish()
+    assert marks("".join(renderer.spans)) == {("accepted", "copy")}
+
+
 def test_app_builds_and_its_api_names_every_output(parts):
     target, tok, drafters = parts
     demo = app.build_demo(target, tok, drafters, examples=["wa wb"])
@@ -95,13 +150,13 @@ def test_app_builds_and_its_api_names_every_output(parts):
     assert returns == ["EAGLE output", "plain generate()", "statistics", "acceptance per draft position"]
     params = [p["parameter_name"] for p in info["named_endpoints"]["/generate"]["parameters"]]
     assert params == ["prompt", "temperature", "max_new_tokens", "draft_mode", "chain_length", "drafter_name",
-                      "compare", "tree_size"]
+                      "compare", "tree_size", "draft_sources"]
 
 
 def test_labelled_stream_rebuilds_the_exact_output_with_live_statistics(parts):
     target, tok, drafters = parts
     enc = encode(tok, "wd we wf")
-    gen = dict(max_new_tokens=24, do_sample=False, num_assistant_tokens=3)
+    gen = {"max_new_tokens": 24, "do_sample": False, "num_assistant_tokens": 3}
     cycles = []
     for run in app.labelled_stream(target, tok, drafters["random"], dict(enc), gen, threading.Event()):
         if run.stats is not None:
@@ -113,6 +168,7 @@ def test_labelled_stream_rebuilds_the_exact_output_with_live_statistics(parts):
     kept = [e for e in run.events if e.label != "rejected"]
     assert len(kept) == len(ref)
     assert sum(e.label == "rejected" for e in run.events) == run.stats.drafted - run.stats.accepted
+    assert {e.source for e in run.events if e.label in ("accepted", "rejected")} == {"eagle"}  # a chain: the drafter's
     assert shown_text(run.html()) == tok.decode(ref, skip_special_tokens=True)
     assert run.prefill_seconds > 0 and run.decode_tokens_per_second > 0
     md = app.stats_markdown(run, drafting="fixed chain of 3")
@@ -138,7 +194,7 @@ def test_client_streams_labelled_tokens_equal_to_plain_generate(parts, capfd, ca
         outputs = list(job)
         assert len(outputs) >= 2  # streamed, not one final answer
         final = job.outputs()[-1]
-        labels = re.findall(r'class="tok tok-(\w+)"', final[0])
+        labels = [label for label, _ in marks(final[0])]
         assert "rejected" in labels and "target" in labels
         expected = plain_text(target, tok, "wd we wf", 24)
         assert shown_text(final[0]) == expected
@@ -147,12 +203,22 @@ def test_client_streams_labelled_tokens_equal_to_plain_generate(parts, capfd, ca
         # an empty prompt gets a message, not a crash
         empty = client.predict("", 0, 8, "adaptive", 5, "random", False, 16, api_name="/generate")
         assert "Type a prompt" in empty[2]
-        # tree mode streams labelled tokens too, with the same final text
-        tree = client.predict("wd we wf", 0, 24, "tree", 3, "random", False, 8, api_name="/generate")
+        # tree mode streams labelled tokens too, with the same final text; by default copies from the prompt and
+        # output join the drafter's tree: the random drafter's drafts are rejected, the copies of the repeating
+        # output accepted, and the statistics count both sources
+        tree = client.predict("wd we wf", 0, 24, "tree", 3, "random", False, 8, "auto", api_name="/generate")
         assert shown_text(tree[0]) == expected
+        assert ("accepted", "copy") in marks(tree[0]) and ("rejected", "eagle") in marks(tree[0])
+        assert re.search(r"accepted/drafted by source: drafter \*\*\d+/\d+\*\* \(\d+%\) · copy \*\*[1-9]\d*/\d+\*\*", tree[2])
+        assert "sources: auto (drafter + copies)" in tree[2]
+        # one source alone: only its marks
+        for sources, only in (("eagle", "eagle"), ("copy", "copy")):
+            one = client.predict("wd we wf", 0, 24, "tree", 3, "random", False, 8, sources, api_name="/generate")
+            assert shown_text(one[0]) == expected
+            assert {s for label, s in marks(one[0]) if label in ("accepted", "rejected")} == {only}, sources
         # the adaptive schedule falls back with a random drafter: those steps are marked as plain
         adaptive = client.predict("wd we wf", 0, 24, "adaptive", 3, "random", True, 16, api_name="/generate")
-        assert "plain" in re.findall(r'class="tok tok-(\w+)"', adaptive[0])
+        assert "plain" in {label for label, _ in marks(adaptive[0])}
         assert shown_text(adaptive[0]) == expected == shown_text(adaptive[1])
         assert "speedup" in adaptive[2]
 
@@ -163,7 +229,9 @@ def test_client_streams_labelled_tokens_equal_to_plain_generate(parts, capfd, ca
                ((0, 24, "bogus", 3, "random", False, 16), "draft_mode must be one of"),
                ((0, 24, "adaptive", 2.5, "random", False, 16), "chain_length must be a whole number; got 2.5"),
                ((0, 24, "adaptive", 3, "nope", False, 16), "drafter_name must be one of ['random']; got 'nope'"),
-               ((0, 24, "tree", 3, "random", False, "x"), "tree_size must be a number from 4 to 64; got 'x'")]
+               ((0, 24, "tree", 3, "random", False, "x"), "tree_size must be a number from 4 to 64; got 'x'"),
+               ((0, 24, "tree", 3, "random", False, 16, "ngram"),
+                "draft_sources must be one of ['auto', 'eagle', 'copy', 'eagle+copy']; got 'ngram'")]
         with caplog.at_level(logging.WARNING, logger="eagle_hf.demo"):
             for values, message in bad:
                 with pytest.raises(Exception, match=re.escape(message)):
@@ -245,6 +313,13 @@ def test_real_browser(parts, tmp_path):
             assert len(bars) == len(labels)
             assert bars and all(b["width"] > 20 for b in bars), bars  # bars, not hairlines
             assert any(b["height"] > 20 for b in bars), bars  # the tree's first position is often accepted
+            # accepted drafts by source: the repeating output is copied (amber), explained by the legend
+            copied = page.locator("#eagle-output .tok-accepted.src-copy")
+            assert copied.count() > 0
+            assert copied.first.evaluate("e => getComputedStyle(e).backgroundColor") == "rgb(255, 224, 138)"
+            legend = page.locator(".legend").first.inner_text()
+            assert all(f"accepted · {k}" in legend for k in ("drafter", "copied", "both")), legend
+            assert "accepted/drafted by source: drafter" in page.locator("#stats").inner_text()
             shot = Path(os.environ.get("EAGLE_HF_SCREENSHOT_DIR", tmp_path)) / "demo.png"
             page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 10_000
@@ -255,6 +330,7 @@ def test_real_browser(parts, tmp_path):
             other.goto(url)
             other.wait_for_selector("#prompt textarea")
             _settings(other, 16, "adaptive")
+            other.get_by_label("copy", exact=True).check()  # draft sources: copies alone
             other.locator("#prompt textarea").fill("wa wb")
             _settings(page, 480, "fixed chain")
             page.locator("#send").click()
@@ -269,7 +345,7 @@ def test_real_browser(parts, tmp_path):
             stats = page.locator("#stats").inner_text()
             n = int(re.search(r"stopped after (\d+) tokens", stats).group(1))
             assert 0 < n < 480 and "mean acceptance length" in stats and f"({n} tokens in" in stats
-            other.wait_for_function(JS_DONE, arg="adaptive", timeout=60_000)
+            other.wait_for_function(JS_DONE, arg="adaptive (the default) · sources: copies alone", timeout=60_000)
             browser.close()
     finally:
         demo.close()
