@@ -151,6 +151,31 @@ def test_ttt_step0_matches_inference_and_chain_step_matches_drafting():
     assert torch.allclose(s2.logits[0, t], o.logits[0, -1], atol=1e-5)
 
 
+def test_fast_ttt_loss_equals_the_reference():
+    """Target distribution once per batch + fused soft cross-entropy: same loss, accuracy and gradients."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, draft_vocab=48)
+    drafter.bind_target_embedding(target.get_input_embeddings())
+    B, T = 2, 11
+    g = torch.Generator().manual_seed(3)
+    aux, final = torch.randn(B, T, 3 * 64, generator=g), torch.randn(B, T, 64, generator=g)
+    ids = torch.randint(0, VOCAB, (B, T), generator=g)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[0, 3:], mask[1, 4:9] = True, True  # prompts, and padding after row 1's answer
+    W = torch.randn(48, 64, generator=g)
+    results = []
+    for fast in (False, True):
+        drafter.zero_grad()
+        out = ttt_loss(drafter, aux, final, W, ids, mask, drafter.t2d[ids], steps=3, fast=fast)
+        out.loss.backward()
+        results.append((out, {n: q.grad.clone() for n, q in drafter.named_parameters() if q.grad is not None}))
+    (ref, ref_g), (new, new_g) = results
+    assert torch.allclose(ref.loss, new.loss, atol=1e-5) and ref.step_accuracy == new.step_accuracy
+    assert ref.step_counts == new.step_counts and ref_g.keys() == new_g.keys()
+    for name in ref_g:
+        assert torch.allclose(ref_g[name], new_g[name], atol=1e-5, rtol=1e-4), name
+
+
 # ------------------------------------------------------------------------------------------ end to end
 def peaky_target():
     """A tiny target with confident next-token distributions (random init is near uniform: nothing to learn)."""

@@ -48,6 +48,7 @@ class TrainConfig:
     seed: int = 0
     bf16: bool = True
     max_minutes: float | None = None  # stop (after a checkpoint) when the wall-clock budget is spent
+    compile: bool = False  # torch.compile the decoder layer (dynamic shapes; needs a C++ compiler on CPU)
     extra: dict = field(default_factory=dict)
 
 
@@ -269,6 +270,8 @@ def train(
     per_epoch = max(1, per_epoch // world)
     total = cfg.max_steps if cfg.max_steps is not None else max(1, int(per_epoch * cfg.epochs))
     drafter.to(device).train()
+    if cfg.compile:  # in place: parameter names (checkpoints) are unchanged
+        drafter.midlayer.compile(dynamic=True)
     objective = TTTObjective(drafter, cfg)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)

@@ -52,6 +52,53 @@ def ttt_unroll(drafter: EagleDrafter, aux: torch.Tensor, input_ids: torch.Tensor
         hidden = out.hidden
 
 
+@dataclass
+class SoftTargets:
+    """The target's distribution over the draft vocabulary, once per batch, at every position whose next token is
+    an answer token in the draft vocabulary (every TTT step reads a shifted subset of these positions)."""
+
+    probs: torch.Tensor  # [n, Vd] float32
+    argmax: torch.Tensor  # [n] draft ids
+    index: torch.Tensor  # [B, T] row of `probs` for position p, -1 where none
+
+
+def soft_targets(target_final, head_weight, loss_mask, in_draft_vocab) -> SoftTargets:
+    b, t = loss_mask.shape
+    need = torch.zeros((b, t), dtype=torch.bool, device=loss_mask.device)
+    need[:, : t - 1] = loss_mask[:, 1:].bool() & in_draft_vocab[:, 1:]
+    with torch.no_grad(), torch.autocast(target_final.device.type, enabled=False):  # bf16 is too coarse here
+        logits = target_final[need].float() @ head_weight.float().T  # [n, Vd]
+        probs = torch.softmax(logits, dim=-1)
+        argmax = logits.argmax(-1)
+    index = torch.full((b, t), -1, dtype=torch.long, device=loss_mask.device)
+    index[need] = torch.arange(int(need.sum()), device=loss_mask.device)
+    return SoftTargets(probs, argmax, index)
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """sum over rows of -sum_v p_v log softmax(z)_v = logsumexp(z) - <p, z> (p sums to 1); the gradient
+    softmax(z) - p is formed in one pass in backward, nothing but z and the log-normaliser is kept."""
+
+    @staticmethod
+    def forward(ctx, logits, probs):
+        z = logits.float()
+        lse = torch.logsumexp(z, dim=-1)
+        loss = (lse - (probs * z).sum(-1)).sum()
+        ctx.save_for_backward(logits, probs, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, probs, lse = ctx.saved_tensors
+        g = torch.exp(logits.float() - lse[:, None]).sub_(probs).mul_(grad)
+        return g.to(logits.dtype), None
+
+
+def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Summed soft-label cross-entropy of `logits` [n, V] against probabilities `probs` [n, V] (fused)."""
+    return _SoftCrossEntropy.apply(logits, probs)
+
+
 def ttt_loss(
     drafter: EagleDrafter,
     aux: torch.Tensor,  # [B, T, A*H_t]
@@ -62,24 +109,35 @@ def ttt_loss(
     in_draft_vocab: torch.Tensor,  # [B, T] bool: token is in the draft vocabulary
     steps: int = 7,
     decay: float = 0.8,
+    fast: bool = True,
 ) -> TTTOutput:
+    """Weighted TTT loss. `fast` (default) computes the target's soft distribution once per batch and uses the
+    fused soft cross-entropy; `fast=False` is the plain reference (per step, autograd log-softmax)."""
     t = aux.shape[1]
     device = aux.device
     total = aux.new_zeros((), dtype=torch.float32)
     step_losses, step_acc, step_counts = [], [], []
+    st = soft_targets(target_final, head_weight, loss_mask, in_draft_vocab) if fast else None
     for k, out in ttt_unroll(drafter, aux, input_ids, steps):
         # targets: distribution at position t+k+1, valid where token t+k+2 is an assistant token in the draft vocab
         valid = loss_mask[:, k + 2 :].bool() & in_draft_vocab[:, k + 2 :]  # [B, T-k-2] for rows 0..T-k-3
         rows = out.normed[:, : t - k - 2][valid]  # [n, H] only rows that carry a loss
-        with torch.autocast(device.type, enabled=False):  # bf16 logits are too coarse for soft targets
-            tgt = target_final[:, k + 1 : t - 1][valid].float() @ head_weight.float().T  # [n, Vd] target logits
         n = rows.shape[0]
-        logq = torch.log_softmax(drafter.lm_head(rows).float(), dim=-1)
-        p = torch.softmax(tgt.float(), dim=-1)
-        loss_k = -(p * logq).sum(-1).sum() / max(n, 1)
+        logits = drafter.lm_head(rows)
+        if fast:
+            idx = st.index[:, k + 1 : t - 1][valid]
+            loss_k = soft_cross_entropy(logits, st.probs[idx]) / max(n, 1)
+            with torch.no_grad():
+                acc = (logits.argmax(-1) == st.argmax[idx]).sum().item() / max(n, 1)
+        else:
+            with torch.autocast(device.type, enabled=False):  # bf16 logits are too coarse for soft targets
+                tgt = target_final[:, k + 1 : t - 1][valid].float() @ head_weight.float().T  # [n, Vd] target logits
+            logq = torch.log_softmax(logits.float(), dim=-1)
+            p = torch.softmax(tgt.float(), dim=-1)
+            loss_k = -(p * logq).sum(-1).sum() / max(n, 1)
+            with torch.no_grad():
+                acc = (logq.argmax(-1) == tgt.argmax(-1)).sum().item() / max(n, 1)
         total = total + (decay**k) * loss_k
-        with torch.no_grad():
-            acc = (logq.argmax(-1) == tgt.argmax(-1)).sum().item() / max(n, 1)
         step_losses.append(float(loss_k.detach()))
         step_acc.append(acc)
         step_counts.append(n)
