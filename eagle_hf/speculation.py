@@ -104,6 +104,8 @@ class Speculator:
             s = self.settings
             eagle_size = 0 if depth == 0 else (depth + 1 if s.branching == 1 else s.total_tokens)
             branches = self.copy.propose(room, max(eagle_size, 1))
+            if depth > 0 and branches and not self._drafter_pays_beside_copy(depth):
+                depth = 0
         self.round = "draft" if depth > 0 or branches else ("fallback" if wanted <= 0 else "final")
         return depth
 
@@ -147,8 +149,7 @@ class Speculator:
             path = path if path is not None else list(range(accepted + 1))
             depths = tree.depths()
             self.stats.record_cycle(int(depths.max()), accepted)
-            if tree.sources is not None:
-                self.stats.record_sources(_per_source(tree, depths, path))
+            self.stats.record_sources(_per_source(tree, depths, path))
             if self.eagle_depth > 0:
                 self._record_eagle(tree, depths, path, accepted)
             if self.copy is not None and self.copy.branches:
@@ -182,6 +183,16 @@ class Speculator:
             self.controller.update(drafted, mine, None if self.controller.seeded else tree.confidences())
         if self.settings.schedule.startswith("heuristic"):
             self.depth = min(self.depth + 2, MAX_DEPTH) if mine == drafted else max(1, self.depth - 1)
+
+    def _drafter_pays_beside_copy(self, depth: int) -> bool:
+        """Whether the drafter's tree is worth its cost next to this round's copy branches: it only adds tokens
+        when the copy's first token is rejected (tokens and costs in one-token target forwards)."""
+        c = self.controller
+        if c is None:
+            return True
+        copy_first = max(self.copy.acceptance.first[b.match - 1] for b in self.copy.branches)
+        gain = (1.0 - copy_first) * (c.expected_tokens(depth) - 1.0)
+        return gain > c.cycle_cost(depth) - c.cost.forward(1)
 
     def _marginal_cost(self, verified: int) -> float:
         """Extra cost of verifying one more token on top of `verified`, in one-token target forwards."""

@@ -88,7 +88,8 @@ def test_copy_drafting_is_exact_greedy(mode, sources):
     assert torch.equal(out, ref)
     s = eagle_hf.last_stats()
     assert s.drafted_by_source["copy"] > 0 and s.accepted_by_source["copy"] > 0
-    assert ("eagle" in s.drafted_by_source) == (sources != "copy")
+    if sources == "copy":  # (with both, a random drafter mostly rests beside a reliable copy: not asserted)
+        assert "eagle" not in s.drafted_by_source and s.drafter_time == 0
     assert s.accepted == sum(s.accepted_per_position)
 
 
