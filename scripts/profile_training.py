@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()
 
     from safetensors.torch import load_file
 
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
             r["padded_tokens"].append(int(ids.numel()))
             r["answer_tokens"].append(int(mask.sum()))
             r["loss"].append(float(out.loss))
-    summary = {"load_average": os.getloadavg(), "threads": torch.get_num_threads(), "batches": args.batches,
+    summary = {"load_average": load_start, "threads": torch.get_num_threads(), "batches": args.batches,
                "tokens_per_batch": args.tokens_per_batch, "ttt_steps": args.ttt_steps, "variants": {}}
     for v in variants:
         r = results[v]
