@@ -16,6 +16,8 @@ from .cache import new_cache
 logger = logging.getLogger(__name__)
 
 _COST_CACHE: dict[tuple, CostModel] = {}
+#: the largest verify forward measured (copy branches included); beyond it the cost is extrapolated
+MAX_MEASURED_TOKENS = 64
 
 
 @torch.no_grad()
@@ -78,7 +80,10 @@ def controller_for(target, drafter, settings: DraftSettings) -> DraftLengthContr
     if not settings.adaptive:
         return None
     tree = settings.mode == "tree"
-    cost = measure_costs(target, drafter, max_tokens=max(9, settings.total_tokens if tree else settings.depth + 1))
+    verified = max(9, settings.total_tokens if tree else settings.depth + 1)
+    if settings.uses_copy:  # copy branches come on top: measure their verify cost, never extrapolate it
+        verified = min(verified + settings.copy_branches * settings.copy_length, MAX_MEASURED_TOKENS)
+    cost = measure_costs(target, drafter, max_tokens=verified)
     return DraftLengthController(
         cost,
         max_draft=settings.depth,
