@@ -54,6 +54,7 @@ class DraftLengthController:
     round_overhead: float = 0.0  # drafter cost per drafting round besides the steps (catch-up, bookkeeping)
     loop_overhead: float = 0.1  # cost of every round outside the target forward and the drafter (the decoding
     # loop itself: logits processing, stopping criteria, cache bookkeeping); re-measured on plain rounds
+    rows: int = 1  # rows verified together (a batch): each row's share of a forward over rows * n tokens
     _seen: list[int] = field(default_factory=list)
     _drafting: bool = True
     _plain_steps: int = 0
@@ -80,13 +81,20 @@ class DraftLengthController:
         else:  # draft_tree: top_k candidates at depth 1, top_k * top_k at each further depth, best total_tokens kept
             top_k, total_tokens = self.tree
             verified = min(total_tokens, 1 + top_k + (k - 1) * top_k * top_k)
-        return self.cost.forward(verified) + k * self.draft_step + self.round_overhead
+        return self.verify_cost(verified) + k * self.draft_step + self.round_overhead
+
+    def verify_cost(self, n: int) -> float:
+        """One row's share of the target forward when each of the batch's rows verifies n tokens: a forward over
+        rows * n tokens costs about what one row's over as many tokens does, so a batch that already fills the
+        device gains less from drafting (1 for a single row's plain step)."""
+        return self.cost.forward(self.rows * n) / self.rows
 
     def best(self) -> tuple[int, float]:
         """(k, expected speedup over plain decoding) of the best draft length.
 
-        A plain round costs 1 + loop overhead and yields one token; a cycle costs cycle_cost(k) + loop overhead."""
-        plain = 1.0 + self.loop_overhead
+        A plain round costs verify_cost(1) + loop overhead and yields one token; a cycle costs cycle_cost(k) +
+        loop overhead."""
+        plain = self.verify_cost(1) + self.loop_overhead
         gains = [(k, self.expected_tokens(k) * plain / (self.cycle_cost(k) + self.loop_overhead))
                  for k in range(1, self.max_draft + 1)]
         return max(gains, key=lambda x: x[1])
@@ -114,8 +122,9 @@ class DraftLengthController:
 
     def observe_plain_round(self, seconds: float) -> None:
         """Measured wall time of a whole plain round (target forward plus the decoding loop's own work)."""
-        if self.cost.base_seconds > 0:
-            self.loop_overhead = _ema(self.loop_overhead, max(seconds / self.cost.base_seconds - 1.0, 0.0))
+        if self.cost.base_seconds > 0:  # a batch's round: each row's share
+            share = seconds / self.cost.base_seconds / self.rows
+            self.loop_overhead = _ema(self.loop_overhead, max(share - self.verify_cost(1), 0.0))
 
     @property
     def seeded(self) -> bool:

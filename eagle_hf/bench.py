@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .evaluation import chat_inputs, load_prompt_set
+from .evaluation import batch_chat_inputs, chat_inputs, load_prompt_set
 from .stats import last_stats, merge_stats
 
 logger = logging.getLogger(__name__)
@@ -62,11 +62,32 @@ def _generate(target, enc, mode: Mode, max_new_tokens: int, temperature: float, 
         torch.manual_seed(seed)
     else:
         kwargs["do_sample"] = False
+    _synchronize(target.device)
     start = time.perf_counter()
     out = target.generate(**enc, **kwargs)
+    _synchronize(target.device)
     elapsed = time.perf_counter() - start
-    new = out[0, enc["input_ids"].shape[1] :]
-    return new, elapsed
+    return out[:, enc["input_ids"].shape[1] :], elapsed
+
+
+def _synchronize(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def generated_tokens(new: torch.Tensor, eos: set[int]) -> int:
+    """Tokens a batch generated ([B, n] new columns): each row up to its first EOS (the padding after is not
+    generated)."""
+    total = 0
+    for row in new.tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        total += end
+    return total
+
+
+def _eos_ids(target) -> set[int]:
+    eos = target.generation_config.eos_token_id
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
 
 def run_benchmark(
@@ -79,27 +100,35 @@ def run_benchmark(
     temperature: float = 0.0,
     repeats: int = 1,
     seed: int = 0,
+    batch_size: int = 1,
 ) -> dict:
-    """Run every mode on every prompt, interleaved; return the results dict (see `write_results`)."""
+    """Run every mode on every prompt (or batch of `batch_size` prompts, left-padded), interleaved; return the
+    results dict (see `write_results`). Speed is generated tokens per second (a batch's rows up to their EOS)."""
     results = {"settings": dict(max_new_tokens=max_new_tokens, limit=limit, temperature=temperature, repeats=repeats,
-                                prompt_sets=prompt_sets, modes=[m.name for m in modes]),
+                                prompt_sets=prompt_sets, modes=[m.name for m in modes], batch_size=batch_size),
                "machine": machine_info(target), "sets": {}}
+    eos = _eos_ids(target)
     warm = chat_inputs(tokenizer, "Hello!", target.device)
     for mode in modes:  # warm-up: first-call allocations, lazy inits
         _generate(target, warm, mode, 16, temperature, seed)
     for set_name in prompt_sets:
         prompts = load_prompt_set(set_name, limit=limit)
+        batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
         per_mode = {m.name: {"tok_s": [], "tokens": 0, "time": 0.0, "stats": [], "mismatches": []} for m in modes}
         for r in range(repeats):
-            for i, (pid, text) in enumerate(tqdm(prompts, desc=f"{set_name} (repeat {r + 1}/{repeats})")):
-                enc = chat_inputs(tokenizer, text, target.device)
+            for i, batch in enumerate(tqdm(batches, desc=f"{set_name} (repeat {r + 1}/{repeats})")):
+                pid = ",".join(p for p, _ in batch)
+                texts = [text for _, text in batch]
+                enc = chat_inputs(tokenizer, texts[0], target.device) if batch_size == 1 else \
+                    batch_chat_inputs(tokenizer, texts, target.device)
                 order = modes if (i + r) % 2 == 0 else list(reversed(modes))
                 outputs = {}
                 for mode in order:
                     new, elapsed = _generate(target, enc, mode, max_new_tokens, temperature, seed + i)
                     rec = per_mode[mode.name]
-                    rec["tok_s"].append(new.shape[0] / elapsed)
-                    rec["tokens"] += int(new.shape[0])
+                    tokens = generated_tokens(new, eos) if batch_size > 1 else new.shape[1]
+                    rec["tok_s"].append(tokens / elapsed)
+                    rec["tokens"] += int(tokens)
                     rec["time"] += elapsed
                     if mode.uses_drafter:
                         rec["stats"].append(last_stats())
@@ -167,10 +196,12 @@ def results_markdown(results: dict) -> str:
     lines = []
     s = results["settings"]
     m = results["machine"]
+    batch = s.get("batch_size", 1)
     lines.append(
         f"Target `{m['target']}` ({m['dtype']}, {m['device']}, {m['threads']} threads, torch {m['torch']}, "
         f"transformers {m['transformers']}); {s['max_new_tokens']} new tokens, temperature {s['temperature']}, "
-        f"{s['limit'] or 'all'} prompts per set, {s['repeats']} repeat(s)."
+        f"{s['limit'] or 'all'} prompts per set, {s['repeats']} repeat(s)"
+        + (f", batches of {batch} prompts (speedup per batch)." if batch > 1 else ".")
     )
     lines.append("")
     lines.append(

@@ -57,8 +57,14 @@ def cmd_bench(args) -> int:
     if args.modes:
         keep = set(args.modes.split(","))
         modes = [m for m in modes if m.name in keep or m.name == "plain"]
+    if args.batch_size > 1:  # transformers' assisted modes decode one sequence
+        single = [m.name for m in modes if m.name != "plain" and not m.uses_drafter]
+        if single:
+            print(f"note: {', '.join(single)} cannot run batched in transformers; left out at --batch-size {args.batch_size}")
+        modes = [m for m in modes if m.name == "plain" or m.uses_drafter]
     results = run_benchmark(
-        target, tok, modes, args.prompts.split(","), args.max_new_tokens, args.limit, args.temperature, args.repeats
+        target, tok, modes, args.prompts.split(","), args.max_new_tokens, args.limit, args.temperature, args.repeats,
+        batch_size=args.batch_size,
     )
     results["drafter"] = label
     out = write_results(results, args.out)
@@ -152,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per prompt")
     b.add_argument("--limit", type=int, default=None, help="prompts per set (default: all)")
     b.add_argument("--repeats", type=int, default=1, help="repeats per prompt (medians are taken)")
+    b.add_argument("--batch-size", type=int, default=1,
+                   help="prompts per generate() call, left-padded (speed: generated tokens per second per batch)")
     b.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs are compared); above 0: sampling")
     b.add_argument("--dtype", default="bfloat16", choices=dtypes, help="the target's dtype")
     b.add_argument("--out", default="bench_results", help="folder for results.json, results.md and speedup.png")

@@ -48,6 +48,18 @@ def chat_inputs(tokenizer, text: str | list[dict], device) -> dict:
     return {k: v.to(device) for k, v in enc.items()}
 
 
+def batch_chat_inputs(tokenizer, texts: list[str | list[dict]], device) -> dict:
+    """`chat_inputs` of several prompts as one left-padded batch with its attention mask."""
+    rows = [chat_inputs(tokenizer, text, "cpu")["input_ids"][0] for text in texts]
+    width = max(r.shape[0] for r in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, width - r.shape[0] :], mask[b, width - r.shape[0] :] = r, 1
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+
 @torch.no_grad()
 def measure_acceptance(target, tokenizer, drafter, prompts, max_new_tokens=256, num_draft_tokens=5, **gen_kwargs) -> SpecDecodeStats:
     """Greedy EAGLE generation over `prompts`; pooled stats (acceptance length, per position, timing)."""

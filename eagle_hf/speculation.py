@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 #: ``listener(drafts, accepted, last_token)`` after every round: the drafts shown for the round (the accepted
 #: path and the best rejected continuation; [] for a plain step), how many were accepted, the round's last token.
-#: A listener with a ``sources`` parameter also gets who proposed each shown draft ("eagle", "copy", "eagle+copy").
+#: A listener with a ``sources`` parameter also gets who proposed each shown draft ("eagle", "copy", "eagle+copy");
+#: one with a ``row`` parameter gets the batch row of the round (None for batch size 1).
 DraftListener = Callable[[list[int], int, int], None]
 
 #: extra verify cost per token assumed when no cost model was measured (fixed schedules), in one-token forwards
@@ -51,9 +52,11 @@ class Speculator:
         controller: DraftLengthController | None = None,
         listeners: Sequence[DraftListener] = (),
         clock: Clock | None = None,
+        row: int | None = None,
     ):
         self.drafter, self.settings, self.stats, self.controller = drafter, settings, stats, controller
-        self.listeners = [(f, _takes_sources(f)) for f in listeners]
+        self.row = row  # the batch row this speculator drafts for (None: batch size 1)
+        self.listeners = [(f, _keywords(f)) for f in listeners]
         self.clock = clock or Clock(drafter.fc.weight.device if drafter is not None else "cpu")
         self.state = DraftState()
         self.copy = CopySource(settings.copy_ngram, settings.copy_length, settings.copy_branches,
@@ -114,7 +117,7 @@ class Speculator:
         the copy branches onto it."""
         start = self.clock()
         self.eagle_depth = depth
-        tree = DraftTree(torch.tensor([root_token]), torch.tensor([-1]), torch.zeros(1))
+        tree = DraftTree.root(root_token)
         if depth > 0:
             logits, hidden = self._catch_up()
             caught_up = self.clock()
@@ -165,11 +168,9 @@ class Speculator:
         else:
             self.stats.final_steps += 1
         self._after_cycle = self.round == "draft" and self.eagle_depth > 0
-        for listener, takes_sources in self.listeners:
-            if takes_sources:
-                listener(drafts, accepted, last_token, sources=sources)
-            else:
-                listener(drafts, accepted, last_token)
+        for listener, keywords in self.listeners:
+            extra = {"sources": sources, "row": self.row}
+            listener(drafts, accepted, last_token, **{k: v for k, v in extra.items() if k in keywords})
 
     def _record_eagle(self, tree: DraftTree, depths: torch.Tensor, path: list[int], accepted: int) -> None:
         """The drafter's own outcome (its nodes only) for the adaptive controller and the heuristic schedule."""
@@ -192,14 +193,14 @@ class Speculator:
             return True
         copy_first = max(self.copy.acceptance.first[b.match - 1] for b in self.copy.branches)
         gain = (1.0 - copy_first) * (c.expected_tokens(depth) - 1.0)
-        return gain > c.cycle_cost(depth) - c.cost.forward(1)
+        return gain > c.cycle_cost(depth) - c.verify_cost(1)
 
     def _marginal_cost(self, verified: int) -> float:
         """Extra cost of verifying one more token on top of `verified`, in one-token target forwards."""
         if self.controller is None:
             return DEFAULT_MARGINAL_COST
-        cost = self.controller.cost  # a secant over 8 tokens: single-token steps of measured times are noisy
-        return max((cost.forward(verified + 8) - cost.forward(verified)) / 8, 0.0)
+        c = self.controller  # a secant over 8 tokens: single-token steps of measured times are noisy
+        return max((c.verify_cost(verified + 8) - c.verify_cost(verified)) / 8, 0.0)
 
     # ------------------------------------------------------------------ helpers
     def _catch_up(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,8 +250,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _takes_sources(listener) -> bool:
+def _keywords(listener) -> set[str]:
+    """The optional keywords (``sources``, ``row``) a listener takes."""
     try:
-        return "sources" in inspect.signature(listener).parameters
+        return set(inspect.signature(listener).parameters) & {"sources", "row"}
     except (TypeError, ValueError):
-        return False
+        return set()

@@ -31,6 +31,7 @@ class SpecDecodeStats:
     drafted_per_position_by_source: dict[str, list[int]] = field(default_factory=dict)
     accepted_per_position_by_source: dict[str, list[int]] = field(default_factory=dict)
     drafter_time: float = 0.0  # seconds in the drafter
+    per_row: list[SpecDecodeStats] = field(default_factory=list)  # a batch's rows (these stats are their merge)
     total_time: float = 0.0  # wall time of the whole generate() call
 
     def record_cycle(self, drafted: int, accepted: int) -> None:

@@ -27,6 +27,11 @@ class DraftTree:
     # unused); None for deterministic (top-k) drafts; a deterministic draft among sampled ones has a one-hot row
     sources: torch.Tensor | None = None  # [N+1] bits EAGLE | COPY of who proposed each node; None: all EAGLE
 
+    @classmethod
+    def root(cls, token: int) -> DraftTree:
+        """The tree of a plain step: the root alone (the target decodes one token)."""
+        return cls(torch.tensor([token]), torch.tensor([-1]), torch.zeros(1))
+
     def source(self, node: int) -> int:
         return EAGLE if self.sources is None else int(self.sources[node])
 

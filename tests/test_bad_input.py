@@ -73,19 +73,19 @@ def drafter(target):
 
 
 @pytest.mark.parametrize("as_keyword", [False, True])
-def test_batch_size_two(target, drafter, no_generation, as_keyword):
+def test_padded_batch_without_attention_mask(target, drafter, no_generation, as_keyword):
     ids = prompt(batch=2)
+    ids[0, :2] = 0  # left padding (pad_token_id 0) but no attention mask
     call = dict(input_ids=ids) if as_keyword else {}
     args = () if as_keyword else (ids,)
-    with pytest.raises(EagleCompatibilityError, match="batch size 1; got 2"):
+    with pytest.raises(EagleCompatibilityError, match="no attention_mask"):
         target.generate(*args, **call, assistant_model=drafter, max_new_tokens=5)
 
 
-def test_num_return_sequences(target, drafter, no_generation):
-    with pytest.raises(EagleCompatibilityError, match="num_return_sequences=2"):
-        target.generate(prompt(), assistant_model=drafter, max_new_tokens=5, num_return_sequences=2, do_sample=True)
-    config = GenerationConfig(num_return_sequences=2, do_sample=True, max_new_tokens=5, pad_token_id=0)
-    with pytest.raises(EagleCompatibilityError, match="num_return_sequences=2"):
+def test_batched_hidden_states_from_the_generation_config(target, drafter, no_generation):
+    config = GenerationConfig(num_return_sequences=2, do_sample=True, max_new_tokens=5, pad_token_id=0,
+                              output_hidden_states=True, return_dict_in_generate=True)
+    with pytest.raises(EagleCompatibilityError, match="hidden states per step"):
         target.generate(prompt(), assistant_model=drafter, generation_config=config)
 
 

@@ -84,8 +84,9 @@ def sample(target, drafter, n: int, seed: int, **kwargs):
 
 
 @torch.no_grad()
-def exact_distribution(target, processors, length: int) -> dict[tuple[int, ...], float]:
-    """P(first `length` new tokens) under the target alone, applying `processors` with the full prefix."""
+def exact_distribution(target, processors, length: int, prompt: torch.Tensor = PROMPT) -> dict[tuple[int, ...], float]:
+    """P(first `length` new tokens after `prompt`) under the target alone, applying `processors` with the full
+    prefix."""
     dist: dict[tuple[int, ...], float] = {}
 
     def walk(prefix: torch.Tensor, tokens: tuple[int, ...], prob: float):
@@ -97,7 +98,7 @@ def exact_distribution(target, processors, length: int) -> dict[tuple[int, ...],
         for t in torch.nonzero(probs > 0).flatten().tolist():
             walk(torch.cat([prefix, torch.tensor([[t]])], 1), tokens + (t,), prob * float(probs[t]))
 
-    walk(PROMPT, (), 1.0)
+    walk(prompt, (), 1.0)
     total = sum(dist.values())
     assert abs(total - 1.0) < 1e-6
     return dist

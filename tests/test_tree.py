@@ -36,10 +36,21 @@ def test_tree_tensors_by_hand():
         [1, 1, 0, 1, 0, 0, 1],
     ]
     assert TREE.retrieve_indices().tolist() == [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]]
-    mask = tree_attention_mask(TREE, past_len=3, dtype=torch.float32, device="cpu")
+    mask = tree_attention_mask([TREE], torch.ones(1, 3, dtype=torch.bool), dtype=torch.float32)
     assert mask.shape == (1, 1, 7, 10)
     assert (mask[0, 0, :, :3] == 0).all()  # the prefix is visible to every node
     assert ((mask[0, 0, :, 3:] == 0) == TREE.ancestor_mask()).all()
+
+
+def test_batched_tree_mask_hides_holes_and_padding_nodes():
+    """Two rows: a hole in row 1's cache, and row 1's one-node tree padded to the other row's 7 nodes."""
+    valid = torch.tensor([[True, True, True], [True, False, True]])
+    root_only = DraftTree.root(5)
+    mask = tree_attention_mask([TREE, root_only], valid, dtype=torch.float32) == 0  # [2, 1, 7, 10] visible
+    assert mask.shape == (2, 1, 7, 10)
+    assert (mask[1, 0, :, :3] == valid[1]).all()  # the hole is hidden from every node of row 1
+    assert mask[1, 0, 0, 3:].tolist() == [True] + [False] * 6  # the root sees itself
+    assert (mask[1, 0, 1:, 4:] == torch.eye(6, dtype=torch.bool)).all()  # padding nodes: only themselves
 
 
 def test_greedy_acceptance_takes_the_longest_matching_path():

@@ -38,20 +38,63 @@ def check_tree_cache(cache) -> None:
             )
 
 
-def compact_cache(cache, past_len: int, keep: torch.Tensor) -> None:
-    """Keep the prefix and the accepted tree nodes (`keep`, indices relative to `past_len`) in every layer."""
+def commit_paths(cache, past_len: int, keeps: list[list[int]]) -> torch.Tensor:
+    """Keep each row's accepted tree nodes after the prefix, in every layer; returns their validity [B, K].
+
+    Row b's nodes ``keeps[b]`` (indices relative to `past_len`) move to slots ``past_len .. past_len+len-1``; the
+    round's cache grows by K = the longest path, and a shorter row's slots after its own path are holes that its
+    mask hides (`RaggedRows`). O(B * K) copies per layer besides the prefix."""
+    rows, width = len(keeps), max(len(k) for k in keeps)
+    device = cache.layers[0].keys.device
+    valid = torch.zeros(rows, width, dtype=torch.bool)
+    index = torch.zeros(rows, width, dtype=torch.long)
+    for b, keep in enumerate(keeps):
+        valid[b, : len(keep)] = True
+        index[b, : len(keep)] = torch.tensor(keep)
+    if all(keep == list(range(len(keep))) for keep in keeps):  # every path is a prefix (chains): crop in place
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, : past_len + width], layer.values[:, :, : past_len + width]
+        return valid.to(device)
+    index = index.to(device)
     for layer in cache.layers:
-        index = (past_len + keep).to(layer.keys.device)
-        layer.keys = torch.cat([layer.keys[:, :, :past_len], layer.keys.index_select(2, index)], 2)
-        layer.values = torch.cat([layer.values[:, :, :past_len], layer.values.index_select(2, index)], 2)
+        b, h, _, d = layer.keys.shape
+        gather = index[:, None, :, None].expand(b, h, width, d)  # [B, H, K, D]
+        layer.keys = torch.cat([layer.keys[:, :, :past_len], layer.keys[:, :, past_len:].gather(2, gather)], 2)
+        layer.values = torch.cat([layer.values[:, :, :past_len], layer.values[:, :, past_len:].gather(2, gather)], 2)
+    return valid.to(device)
 
 
-def tree_attention_mask(tree: DraftTree, past_len: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive float mask [1, 1, N+1, past_len + N+1]: the whole prefix, plus each node's ancestors and itself."""
-    allowed = torch.cat([torch.ones(tree.size, past_len, dtype=torch.bool), tree.ancestor_mask()], 1)
-    mask = torch.zeros(allowed.shape, dtype=dtype)
+def select_cache(cache, rows: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> None:
+    """Keep the given batch rows and/or cache slots (both index tensors) in every layer."""
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            if rows is not None:
+                t = t.index_select(0, rows.to(t.device))
+            if slots is not None:
+                t = t.index_select(2, slots.to(t.device))
+            setattr(layer, name, t)
+
+
+def regather_cache(cache, index: torch.Tensor) -> None:
+    """Row b keeps its slots ``index[b]`` ([B, L'] per row), in every layer (the holes' compaction)."""
+    for layer in cache.layers:
+        b, h, _, d = layer.keys.shape
+        gather = index.to(layer.keys.device)[:, None, :, None].expand(b, h, index.shape[1], d)
+        layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
+
+
+def tree_attention_mask(trees: list[DraftTree], valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive float mask [B, 1, N, L + N] for one verify forward of B trees padded to N nodes: each row's valid
+    cache slots (`valid` [B, L]), plus each node's ancestors and itself; padding nodes see only themselves."""
+    rows, width = len(trees), max(t.size for t in trees)
+    tree_part = torch.eye(width, dtype=torch.bool).repeat(rows, 1, 1)  # [B, N, N]
+    for b, tree in enumerate(trees):
+        tree_part[b, : tree.size, : tree.size] = tree.ancestor_mask()
+    allowed = torch.cat([valid[:, None, :].expand(rows, width, valid.shape[1]), tree_part.to(valid.device)], 2)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=valid.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None].to(device)
+    return mask[:, None]
 
 
 def new_cache(target):

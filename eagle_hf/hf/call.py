@@ -93,25 +93,69 @@ def check_compatible(target, drafter: EagleDrafter) -> list[int]:
     return ids
 
 
-def check_call(kwargs: dict) -> None:
-    """Inputs and generation modes EAGLE drafting cannot serve, before any compute."""
+def check_call(kwargs: dict, defaults=None) -> None:
+    """Inputs and generation modes EAGLE drafting cannot serve, before any compute. defaults: the target's
+    generation config (what the call does not set)."""
     inputs = kwargs.get("inputs", kwargs.get("input_ids"))
-    if isinstance(inputs, torch.Tensor):
-        if inputs.dim() == 2 and inputs.shape[0] > 1:
-            raise EagleCompatibilityError(
-                f"EAGLE drafting supports batch size 1; got {inputs.shape[0]} sequences. Call generate() once per "
-                "prompt (or generate without the drafter for batched throughput)."
-            )
-        if inputs.shape[-1] == 0:
-            raise EagleCompatibilityError("The prompt is empty: pass at least one token (e.g. the chat template's).")
-    gen_config = kwargs.get("generation_config")
-    nrs = kwargs.get("num_return_sequences", getattr(gen_config, "num_return_sequences", None)) or 1
-    if nrs > 1:
+    if isinstance(inputs, (list, tuple)):
         raise EagleCompatibilityError(
-            f"num_return_sequences={nrs} is not supported with EAGLE drafting; call generate() {nrs} times."
+            "The prompts are a Python list; generate() takes one left-padded tensor with its attention mask: "
+            "tokenizer(prompts, padding=True, padding_side='left', return_tensors='pt')."
         )
-    if (kwargs.get("num_beams") or getattr(gen_config, "num_beams", 1) or 1) > 1:
+    if isinstance(inputs, torch.Tensor) and inputs.shape[-1] == 0:
+        raise EagleCompatibilityError("The prompt is empty: pass at least one token (e.g. the chat template's).")
+    if (kwargs.get("num_beams") or getattr(kwargs.get("generation_config"), "num_beams", 1) or 1) > 1:
         raise EagleCompatibilityError("Beam search cannot be combined with speculative decoding; drop num_beams.")
+    if batch_rows(kwargs) > 1:
+        check_batch(kwargs, inputs, defaults)
+
+
+def batch_rows(kwargs: dict) -> int:
+    """Rows decoded together: prompts times num_return_sequences."""
+    inputs = kwargs.get("inputs", kwargs.get("input_ids"))
+    prompts = int(inputs.shape[0]) if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else 1
+    gen_config = kwargs.get("generation_config")
+    return prompts * int(kwargs.get("num_return_sequences", getattr(gen_config, "num_return_sequences", None)) or 1)
+
+
+def check_batch(kwargs: dict, inputs, defaults=None) -> None:
+    """What batched drafting needs: left padding with its mask, and outputs that exist per row."""
+    gen_config = kwargs.get("generation_config")
+
+    def asked(name: str):
+        if name in kwargs:
+            return kwargs[name]
+        return getattr(gen_config, name, None) if gen_config is not None else getattr(defaults, name, None)
+
+    mask = kwargs.get("attention_mask")
+    if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and inputs.shape[0] > 1:
+        if mask is not None and bool((mask[:, -1] == 0).any()):
+            raise EagleCompatibilityError(
+                "The batch is right-padded (its attention_mask ends in 0 on some rows); generation appends after the "
+                "last column, so pad on the left: tokenizer(prompts, padding=True, padding_side='left', "
+                "return_tensors='pt')."
+            )
+        pad = asked("pad_token_id")
+        if mask is None and pad is not None and bool((inputs == pad).any()):
+            raise EagleCompatibilityError(
+                f"The batch holds padding (token {pad}) but no attention_mask: pass the tokenizer's attention_mask "
+                "with the left-padded input_ids (tokenizer(prompts, padding=True, padding_side='left', "
+                "return_tensors='pt') returns both)."
+            )
+    cache = kwargs.get("past_key_values")
+    refused = {
+        "output_hidden_states": "hidden states per step",
+        "streamer": "a streamer (transformers' streamers take one sequence)",
+        "prefix_allowed_tokens_fn": "prefix_allowed_tokens_fn (it is called per batch index)",
+    }
+    for name, what in refused.items():
+        if asked(name):
+            raise EagleCompatibilityError(
+                f"Batched EAGLE drafting does not support {what} yet; call generate() once per prompt for it.")
+    if cache is not None and cache.get_seq_length() > 0:
+        raise EagleCompatibilityError(
+            "Batched EAGLE drafting does not continue from a prefilled past_key_values yet; pass the whole prompts "
+            "(or call generate() once per prompt).")
 
 
 def prompt_length(kwargs: dict) -> int | None:

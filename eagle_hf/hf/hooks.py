@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import fields
 
 from transformers.generation.utils import GenerationMixin
 
@@ -20,10 +21,11 @@ from ..errors import EagleCompatibilityError
 from ..modeling import EagleDrafter
 from ..settings import CALL_KEYWORDS, OWN_KEYWORDS, DraftSettings
 from ..speculation import Speculator
-from ..stats import _set_last
+from ..stats import SpecDecodeStats, _set_last, merge_stats
 from ..timing import Clock
 from .call import (
-    EagleCall, active_call, as_keywords, check_call, check_compatible, prepare_drafter, prompt_length, set_active_call,
+    EagleCall, active_call, as_keywords, batch_rows, check_call, check_compatible, prepare_drafter, prompt_length,
+    set_active_call,
 )
 from .cache import tree_unsupported_reason
 from .candidate import EagleCandidateGenerator
@@ -51,7 +53,7 @@ def generate(self, *args, **kwargs):
     kwargs = as_keywords(args, kwargs)
     check_transformers_version()
     aux_ids = check_compatible(self, drafter) if drafter is not None else []
-    check_call(kwargs)
+    check_call(kwargs, self.generation_config)
     saved = drafter.config.draft_settings if drafter is not None else None
     settings = DraftSettings.resolve(saved, kwargs.get("generation_config"),
                                      {k: kwargs.pop(k, None) for k in CALL_KEYWORDS})
@@ -78,6 +80,15 @@ def generate(self, *args, **kwargs):
         # for its own prompt lookup too; our loop with one child per node is the same chain, and exact
         logger.info("A prefilled past_key_values: chain drafting runs in eagle_hf's loop (a tree with top_k=1).")
         _as_tree_with_top_k_1(settings)
+    rows = batch_rows(kwargs)
+    if rows > 1:
+        if reason:
+            raise EagleCompatibilityError(
+                f"Batched EAGLE drafting runs in eagle_hf's own decoding loop, which is not possible here ({reason}). "
+                "Call generate() once per prompt.")
+        if settings.mode == "chain":  # transformers' assisted loop decodes one sequence
+            logger.info("Batch of %d rows: eagle_hf's loop drafts the chains (trees with top_k=1).", rows)
+            _as_tree_with_top_k_1(settings)
     if settings.mode == "chain" and settings.uses_copy and not reason:  # transformers' loop verifies one chain
         logger.info("Copy drafting in chain mode: eagle_hf's loop drafts the chain (a tree with top_k=1).")
         _as_tree_with_top_k_1(settings)
@@ -110,20 +121,35 @@ def _run(self, kwargs: dict, call: EagleCall):
         set_active_call(None)
         call.stats.total_time = time.perf_counter() - start
     prompt_len = prompt_length(kwargs)
-    out = trim_at_stopping_criteria(out, prompt_len, kwargs)
-    sequences = getattr(out, "sequences", out)
-    if prompt_len is not None:
-        call.stats.new_tokens = int(sequences.shape[-1] - prompt_len)
+    if not call.stats.per_row:  # a batch was cut per row in eagle_hf's loop, and counted there
+        out = trim_at_stopping_criteria(out, prompt_len, kwargs)
+        sequences = getattr(out, "sequences", out)
+        if prompt_len is not None:
+            call.stats.new_tokens = int(sequences.shape[-1] - prompt_len)
     _set_last(call.stats)
     logger.info("EAGLE generate (%s): %s", call.settings.mode, call.stats.summary())
     return out
 
 
-def speculator_for(target) -> tuple[EagleCall, Speculator]:
-    """The active call and a fresh speculator for it (one per decoding loop)."""
+def speculators_for(target, rows: int = 1) -> tuple[EagleCall, list[Speculator]]:
+    """The active call and a fresh speculator per batch row (one set per decoding loop); a batch's rows record
+    into stats of their own (merged by `finish_rows`) and share the call's controller."""
     call = active_call()
-    return call, Speculator(call.drafter, call.settings, call.stats, call.controller, call.listeners,
-                            clock=Clock(target.device))
+    stats = [call.stats] if rows == 1 else [SpecDecodeStats() for _ in range(rows)]
+    return call, [Speculator(call.drafter, call.settings, s, call.controller, call.listeners, clock=Clock(target.device),
+                             row=None if rows == 1 else b) for b, s in enumerate(stats)]
+
+
+def finish_rows(call: EagleCall, speculators: list[Speculator], new_tokens: list[int]) -> None:
+    """The call's stats after the loop: a batch's are the rows' merged, each row's kept in ``per_row``."""
+    for sp, n in zip(speculators, new_tokens):
+        sp.stats.new_tokens = n
+    if len(speculators) > 1:
+        per_row = [sp.stats for sp in speculators]
+        merged = merge_stats(per_row)
+        for f in fields(SpecDecodeStats):
+            setattr(call.stats, f.name, getattr(merged, f.name))
+        call.stats.per_row = per_row
 
 
 def _tree_unsupported(target, kwargs: dict) -> str | None:
@@ -147,7 +173,7 @@ def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, 
                              assistant_model=None, **kwargs):
     call = active_call()
     if isinstance(assistant_model, EagleDrafter) and call is not None:
-        _, speculator = speculator_for(self)
+        _, (speculator,) = speculators_for(self)
         return EagleCandidateGenerator(generation_config, logits_processor, call, speculator)
     return _original_get_candidate_generator(
         self, generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,

@@ -1,8 +1,14 @@
 """Tree mode: our own decoding loop, reached through the same `generate()` call as a ``custom_generate``.
 
-transformers' assisted loop verifies one chain; a tree needs one target forward with a 4D ancestor mask and
-tree position ids, acceptance of the best root path, and a KV cache compacted to that path. The loop is
-prefill / draft / verify / commit; the drafter's side of each round is the `Speculator`'s.
+transformers' assisted loop verifies one chain of one sequence; a tree needs one target forward with a 4D
+ancestor mask and tree position ids, acceptance of the best root path, and a KV cache compacted to that path.
+The loop is prefill / draft / verify / commit for a batch of rows: each row drafts its own tree (its own
+`Speculator`), one target forward verifies every row's tree, and each row keeps its own accepted path.
+
+Ragged rows: row b's cache slots are valid or holes (`valid` [B, L]); a round appends the longest accepted path's
+length to every row, a shorter path leaves holes its row's mask hides, and positions are counted per row. Holes
+are compacted away once they are a quarter of the cache (amortised O(1) per token); a finished row leaves the
+batch. Batch size 1 never has holes.
 """
 
 from __future__ import annotations
@@ -11,108 +17,187 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..capture import gather_aux, hidden_state_request
 from ..speculation import Speculator
+from ..tree import DraftTree
 from ..verification import process_logits, verify
-from .cache import check_tree_cache, compact_cache, tree_attention_mask
+from .cache import check_tree_cache, commit_paths, regather_cache, select_cache, tree_attention_mask
 from .stopping import eos_ids
 
 logger = logging.getLogger(__name__)
 
+#: holes are compacted when every row has at least this many, and this fraction of the cache
+MIN_HOLES_TO_COMPACT = 32
+HOLE_FRACTION = 0.25
+
 
 @dataclass
 class Emitted:
-    """What the loop hands back per emitted token (as plain generate() does per step)."""
+    """What the loop hands back per emitted token of one row (as plain generate() does per step)."""
 
     scores: list[torch.Tensor] = field(default_factory=list)  # processed logits [1, V]
     logits: list[torch.Tensor] = field(default_factory=list)  # raw logits [1, V]
     hidden_states: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # per step: per layer [1, t, H]
 
 
-class TreeLoop:
-    """Decode one sequence with draft trees. `run()` returns (sequences [1, T], Emitted)."""
+@dataclass
+class Row:
+    """One sequence of the batch."""
 
-    def __init__(self, target, speculator: Speculator, aux_ids, cache, logits_processor, stopping_criteria,
+    seq: torch.Tensor  # [1, T] the row as plain generate() holds it (left padding included)
+    sp: Speculator
+    position: int = 0  # position of the next token to enter the cache: the row's count of real tokens
+    token: int = -1  # the last emitted token (the next tree's root)
+    new_tokens: int = 0
+    done: bool = False
+    emitted: Emitted = field(default_factory=Emitted)
+
+
+class TreeLoop:
+    """Decode a batch with draft trees. `run()` returns (sequences [B, T'], the rows)."""
+
+    def __init__(self, target, speculators: list[Speculator], aux_ids, cache, logits_processor, stopping_criteria,
                  generation_config, streamer=None):
-        self.target, self.sp, self.aux_ids, self.cache = target, speculator, list(aux_ids), cache
-        self.logits_processor, self.stopping_criteria, self.streamer = logits_processor, stopping_criteria, streamer
+        self.target, self.speculators, self.aux_ids, self.cache = target, speculators, list(aux_ids), cache
+        self.logits_processor, self.streamer = logits_processor, streamer
+        # EOS and max_length are checked directly; the other criteria (stop strings, the user's) on every prefix
+        self.criteria = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = generation_config.max_length
         self.eos = eos_ids(generation_config)
+        pad = generation_config._pad_token_tensor
+        self.pad = int(pad) if pad is not None else (min(self.eos) if self.eos else 0)
         self.keep_hidden = bool(generation_config.output_hidden_states)
         self.keep_logits = bool(generation_config.output_logits)
-        self.uses_eagle = speculator.settings.uses_eagle  # copy drafting alone needs no target features
+        settings = speculators[0].settings
+        self.uses_eagle = settings.uses_eagle  # copy drafting alone needs no target features
         self.request = True if self.keep_hidden else (hidden_state_request(self.aux_ids) if self.uses_eagle else None)
-        self.total_tokens = int(speculator.settings.total_tokens)
-        self.emitted = Emitted()
+        self.total_tokens = int(settings.total_tokens)
+        self.controller = speculators[0].controller  # shared by the rows: it plans for the whole batch
+        self.valid: torch.Tensor | None = None  # [B, L] which cache slots each active row reads
         check_tree_cache(cache)
 
     @torch.no_grad()
-    def run(self, input_ids: torch.Tensor):
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
         device = self.target.device
-        seq = input_ids.to(device)  # plain generate() accepts CPU inputs for an accelerator target
-        cached = self.cache.get_seq_length()  # a past_key_values passed in already holds this prefix
-        self.sp.extend_context(seq[0].tolist())
-        token = self.prefill(seq, cached)
-        seq = self.append(seq, [token])
-        while not self.done(seq, token):
-            self.sp.begin_round()
-            room = self.max_length - seq.shape[1] - 1
-            depth = self.sp.choose_depth(room)
-            if self.sp.round != "draft":
-                token = self.plain_step(seq)
-                new, path, cut = [token], [0], False
+        ids = input_ids.to(device)  # plain generate() accepts CPU inputs for an accelerator target
+        mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(device).bool()
+        rows = [Row(ids[b : b + 1], sp) for b, sp in enumerate(self.speculators)]
+        self.prefill(rows, ids, mask)
+        active = [r for r in rows if not r.done]
+        if len(active) < len(rows):
+            self.retire(rows)
+        while active:
+            if self.controller is not None:
+                self.controller.rows = len(active)
+            trees = [self.plan(row) for row in active]
+            self.verify_and_commit(active, trees)
+            if any(r.done for r in active):
+                active = self.retire(active)
             else:
-                tree = self.sp.draft(token, depth, min(self.total_tokens, room + 1))
-                if tree.num_drafts == 0:  # fully pruned: the target decodes the root alone
-                    token = self.plain_step(seq)
-                    new, path, cut = [token], [0], False
-                else:
-                    new, path, cut = self.verify_and_commit(seq, tree)
-            seq = self.append(seq, new)
-            token = new[-1]
-            self.sp.record(len(new) - 1, token, path=path, cut=cut)
+                self.compact_holes()
         if self.streamer is not None:
             self.streamer.end()
-        return seq, self.emitted
+        return self.sequences(rows), rows
 
     # ------------------------------------------------------------------ steps
-    def prefill(self, seq: torch.Tensor, cached: int) -> int:
-        """The target reads the uncached prompt; the drafter gets its rows (read at the first draft)."""
-        out = self.forward(seq[:, cached:])
-        return self.emit_plain(seq, out, position=cached)
+    def prefill(self, rows: list[Row], ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """The target reads the uncached prompts; each row's drafter gets its real rows (read at its first draft)."""
+        cached = self.cache.get_seq_length()  # a past_key_values passed in already holds this prefix
+        for b, row in enumerate(rows):
+            row.sp.extend_context(ids[b][mask[b]].tolist())
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T] as generate() numbers a left-padded batch
+        padded = not bool(mask.all())
+        out = self.forward(ids[:, cached:], attention_mask=mask.long() if padded else None,
+                           position_ids=positions[:, cached:])
+        raw = out.logits[:, -1].float()  # [B, V]
+        aux = gather_aux(out.hidden_states, self.aux_ids) if self.uses_eagle else None  # [B, T - cached, A*H_t]
+        self.valid = mask.clone()
+        for b, row in enumerate(rows):
+            scores = process_logits(self.logits_processor, row.seq, [[]], raw[b : b + 1])
+            token = int(torch.multinomial(torch.softmax(scores, -1), 1)) if self.do_sample else int(scores.argmax(-1))
+            real = mask[b, cached:]  # [T - cached] the row's uncached real tokens
+            if aux is not None:
+                after = torch.cat([ids[b, cached + 1 :], torch.tensor([token], device=ids.device)])[real]
+                row.sp.commit(aux[b : b + 1][:, real], after[None], position=int(mask[b, :cached].sum()))
+            row.position = int(mask[b].sum())
+            self.keep_outputs(row, scores, raw[b : b + 1], out.hidden_states, b, None)
+            self.append(row, self.cut(row, [token]))
 
-    def plain_step(self, seq: torch.Tensor) -> int:
-        out = self.forward(seq[:, -1:])
-        return self.emit_plain(seq, out, position=seq.shape[1] - 1)
+    def plan(self, row: Row) -> DraftTree:
+        """The row's round: its drafter's and copy source's tree, or the root alone for a plain step."""
+        row.sp.begin_round()
+        room = self.max_length - row.seq.shape[1] - 1
+        depth = row.sp.choose_depth(room)
+        if row.sp.round == "draft":
+            tree = row.sp.draft(row.token, depth, min(self.total_tokens, room + 1))
+            if tree.num_drafts > 0:  # else fully pruned: the target decodes the root alone
+                return tree
+        return DraftTree.root(row.token)
 
-    def verify_and_commit(self, seq: torch.Tensor, tree):
-        """One target forward over the tree; accept a path; keep its KV; commit its rows to the drafter."""
+    def verify_and_commit(self, active: list[Row], trees: list[DraftTree]) -> None:
+        """One target forward over every row's tree; each row accepts a path, keeps its KV, commits its rows."""
         device = self.target.device
         past_len = self.cache.get_seq_length()
-        positions = (past_len + tree.depths()).to(device)[None]  # [1, N+1]
-        mask = tree_attention_mask(tree, past_len, self.target.dtype, device)  # [1, 1, N+1, past_len + N+1]
-        out = self.forward(tree.tokens[None].to(device), attention_mask=mask, position_ids=positions, all_rows=True)
-        raw = out.logits[0].float()  # [N+1, V]
-        paths = [tree.path_tokens(n) for n in range(tree.size)] if len(self.logits_processor) else []
-        node_logits = process_logits(self.logits_processor, seq, paths, raw)  # [N+1, V]
-        path, bonus = verify(tree, node_logits, self.do_sample)
-        new = [int(tree.tokens[n]) for n in path[1:]] + [bonus]
-        full = len(new)
-        new = new[: self.max_length - seq.shape[1]]  # crop at max_length and EOS, as the assisted loop does
-        for i, tok in enumerate(new):
-            if tok in self.eos:
-                new = new[: i + 1]
-                break
-        keep = path[: len(new)]  # the nodes whose tokens were emitted ... their successors' features
-        compact_cache(self.cache, past_len, torch.tensor(keep, device=device))
-        if self.uses_eagle:
-            aux = gather_aux(out.hidden_states, self.aux_ids)[:, keep]  # [1, a+1, A*H_t]
-            self.sp.commit(aux, torch.tensor([new], device=device), position=past_len)
-        self.keep_outputs(node_logits[keep], raw[keep], out.hidden_states, keep)
-        return new, keep, len(new) < full
+        width = max(t.size for t in trees)  # N: the trees are padded to the largest
+        tokens = torch.stack([_pad(t.tokens, width, int(t.tokens[0])) for t in trees]).to(device)  # [B, N]
+        positions = torch.stack([_pad(r.position + t.depths(), width, r.position) for r, t in zip(active, trees)])
+        mask = None
+        if width > 1 or not bool(self.valid.all()):
+            mask = tree_attention_mask(trees, self.valid, self.target.dtype)  # [B, 1, N, L + N]
+        out = self.forward(tokens, attention_mask=mask, position_ids=positions.to(device), all_rows=width > 1)
+        raw = out.logits.float()  # [B, N, V] (N = 1 for plain steps)
+        rounds = []
+        for b, (row, tree) in enumerate(zip(active, trees)):
+            paths = [tree.path_tokens(n) for n in range(tree.size)] if len(self.logits_processor) else []
+            node_logits = process_logits(self.logits_processor, row.seq, paths, raw[b, : tree.size])  # [n, V]
+            path, bonus = verify(tree, node_logits, self.do_sample)
+            proposed = [int(tree.tokens[n]) for n in path[1:]] + [bonus]
+            new = self.cut(row, proposed)  # cut at EOS, max_length and stopping criteria, as plain decoding stops
+            rounds.append((new, path[: len(new)], node_logits, len(new) < len(proposed)))
+        self.valid = torch.cat([self.valid, commit_paths(self.cache, past_len, [keep for _, keep, _, _ in rounds])], 1)
+        aux = gather_aux(out.hidden_states, self.aux_ids) if self.uses_eagle else None  # [B, N, A*H_t]
+        for b, (row, (new, keep, node_logits, cut)) in enumerate(zip(active, rounds)):
+            if aux is not None:  # the kept nodes' features, each with the token that follows it
+                row.sp.commit(aux[b : b + 1, keep], torch.tensor([new], device=device), position=row.position)
+            self.keep_outputs(row, node_logits[keep], raw[b, keep], out.hidden_states, b, keep)
+            row.position += len(new)
+            self.append(row, new)
+            row.sp.record(len(new) - 1, row.token, path=keep, cut=cut)
+
+    def retire(self, rows: list[Row]) -> list[Row]:
+        """Finished rows leave the batch (and the cache); slots no remaining row reads are dropped."""
+        stay = [i for i, r in enumerate(rows) if not r.done]
+        if not stay:
+            return []
+        index = torch.tensor(stay, device=self.valid.device)
+        self.valid = self.valid.index_select(0, index)
+        read = self.valid.any(0)  # [L]
+        slots = None if bool(read.all()) else read.nonzero()[:, 0]
+        select_cache(self.cache, rows=index, slots=slots)
+        if slots is not None:
+            self.valid = self.valid[:, read]
+        return [rows[i] for i in stay]
+
+    def compact_holes(self) -> None:
+        """Move each row's valid slots to the end of a shorter cache once every row has many holes."""
+        length = self.valid.shape[1]
+        counts = self.valid.sum(1)  # [B] real tokens per row
+        holes = length - int(counts.max())
+        if holes < max(MIN_HOLES_TO_COMPACT, HOLE_FRACTION * length):
+            return
+        width = length - holes
+        index = torch.zeros(self.valid.shape[0], width, dtype=torch.long, device=self.valid.device)
+        valid = torch.zeros_like(index, dtype=torch.bool)
+        for b in range(self.valid.shape[0]):
+            mine = self.valid[b].nonzero()[:, 0]
+            index[b, width - mine.numel() :] = mine  # left slots of a shorter row: masked copies of slot 0
+            valid[b, width - mine.numel() :] = True
+        regather_cache(self.cache, index)
+        self.valid = valid
 
     # ------------------------------------------------------------------ helpers
     def forward(self, ids: torch.Tensor, all_rows: bool = False, **kwargs):
@@ -120,54 +205,78 @@ class TreeLoop:
         return self.target(input_ids=ids, past_key_values=self.cache, use_cache=True,
                            logits_to_keep=0 if all_rows else 1, **hidden, **kwargs)
 
-    def emit_plain(self, seq: torch.Tensor, out, position: int) -> int:
-        """The target's own next token after a plain forward; its rows go to the drafter."""
-        raw = out.logits[:, -1].float()  # [1, V]
-        scores = process_logits(self.logits_processor, seq, [[]], raw)
-        token = int(torch.multinomial(torch.softmax(scores, -1), 1)) if self.do_sample else int(scores.argmax(-1))
-        if self.uses_eagle:
-            aux = gather_aux(out.hidden_states, self.aux_ids)  # [1, n, A*H_t]
-            n = aux.shape[1]
-            tokens = torch.cat([seq[:, position + 1 :], torch.tensor([[token]], device=seq.device, dtype=seq.dtype)], 1)
-            self.sp.commit(aux, tokens[:, -n:], position=position)
-        self.keep_outputs(scores, raw, out.hidden_states, None)
-        return token
+    def cut(self, row: Row, new: list[int]) -> list[int]:
+        """The tokens of `new` plain decoding emits before it stops (EOS, max_length, the stopping criteria on
+        every prefix); marks the row done when it stops."""
+        for i, tok in enumerate(new):
+            if tok in self.eos or row.seq.shape[1] + i + 1 >= self.max_length or self.stops(row.seq, new[: i + 1]):
+                row.done = True
+                return new[: i + 1]
+        return new
 
-    def keep_outputs(self, scores, raw, hidden_states, rows) -> None:
+    def stops(self, seq: torch.Tensor, new: list[int]) -> bool:
+        if not self.criteria:
+            return False
+        ids = torch.cat([seq, torch.tensor([new], device=seq.device, dtype=seq.dtype)], 1)
+        return any(bool(torch.as_tensor(c(ids, None)).all()) for c in self.criteria)
+
+    def keep_outputs(self, row: Row, scores, raw, hidden_states, b: int, nodes) -> None:
         for i in range(scores.shape[0]):
-            self.emitted.scores.append(scores[i : i + 1])
+            row.emitted.scores.append(scores[i : i + 1])
             if self.keep_logits:
-                self.emitted.logits.append(raw[i : i + 1])
+                row.emitted.logits.append(raw[i : i + 1])
             if self.keep_hidden:
-                self.emitted.hidden_states.append(
-                    tuple(h if rows is None else h[:, rows[i] : rows[i] + 1] for h in hidden_states))
+                row.emitted.hidden_states.append(
+                    tuple(h[b : b + 1] if nodes is None else h[b : b + 1, nodes[i] : nodes[i] + 1] for h in hidden_states))
 
-    def append(self, seq: torch.Tensor, new: list[int]) -> torch.Tensor:
-        self.sp.extend_context(new)
+    def append(self, row: Row, new: list[int]) -> None:
+        row.sp.extend_context(new)
         if self.streamer is not None:
             self.streamer.put(torch.tensor(new))
-        return torch.cat([seq, torch.tensor([new], device=seq.device, dtype=seq.dtype)], 1)
+        row.seq = torch.cat([row.seq, torch.tensor([new], device=row.seq.device, dtype=row.seq.dtype)], 1)
+        row.token = new[-1]
+        row.new_tokens += len(new)
 
-    def done(self, seq: torch.Tensor, token: int) -> bool:
-        return token in self.eos or seq.shape[1] >= self.max_length or bool(self.stopping_criteria(seq, None).all())
+    def sequences(self, rows: list[Row]) -> torch.Tensor:
+        """[B, T'] the rows, finished ones padded with the pad token after their end (as plain generate())."""
+        width = max(r.seq.shape[1] for r in rows)
+        return torch.cat([_pad(r.seq[0], width, self.pad)[None] for r in rows])
+
+
+def _pad(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    return torch.cat([t, t.new_full((width - t.shape[0],), value)]) if t.shape[0] < width else t
+
+
+def stack_steps(per_row: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    """Per step [B, V]: the rows' entries; a row that had already finished gets -inf (plain decoding computes
+    scores for its padding, which mean nothing)."""
+    steps = max(len(r) for r in per_row)
+    filler = next(r[0] for r in per_row if r)
+    out = []
+    for i in range(steps):
+        out.append(torch.cat([r[i] if i < len(r) else torch.full_like(filler, float("-inf")) for r in per_row]))
+    return tuple(out)
 
 
 def tree_custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
-    """`custom_generate` callable: generate() has prepared processors, criteria and the cache."""
-    from .hooks import speculator_for
+    """`custom_generate` callable: generate() has prepared processors, criteria, the cache and the batch."""
+    from .hooks import finish_rows, speculators_for
 
     cache = model_kwargs.get("past_key_values")
-    call, speculator = speculator_for(model)
-    loop = TreeLoop(model, speculator, call.aux_ids, cache, logits_processor, stopping_criteria, generation_config,
+    call, speculators = speculators_for(model, input_ids.shape[0])
+    loop = TreeLoop(model, speculators, call.aux_ids, cache, logits_processor, stopping_criteria, generation_config,
                     call.streamer)
-    seq, emitted = loop.run(input_ids)
+    seq, rows = loop.run(input_ids, model_kwargs.get("attention_mask"))
+    finish_rows(call, speculators, [r.new_tokens for r in rows])
+    emitted = [r.emitted for r in rows]
     if not generation_config.return_dict_in_generate:
         return seq
     g = generation_config
+    batched = len(emitted) > 1
     return GenerateDecoderOnlyOutput(
         sequences=seq,
-        scores=tuple(emitted.scores) if g.output_scores else None,
-        logits=tuple(emitted.logits) if g.output_logits else None,
-        hidden_states=tuple(emitted.hidden_states) if g.output_hidden_states else None,
-        past_key_values=cache,
+        scores=stack_steps([e.scores for e in emitted]) if g.output_scores else None,
+        logits=stack_steps([e.logits for e in emitted]) if g.output_logits else None,
+        hidden_states=tuple(emitted[0].hidden_states) if g.output_hidden_states else None,
+        past_key_values=None if batched else cache,  # a batch's cache has holes: it cannot continue a generate()
     )

@@ -1,0 +1,258 @@
+"""Batched speculative decoding: left-padded batches, ragged acceptance per row, rows finishing on their own.
+
+The oracle is plain `generate()` of the same padded batch, and of each row alone (float32, greedy); sampling is
+checked per row against the target's exact distribution.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+import eagle_hf
+from conftest import tiny_drafter, tiny_target
+from eagle_hf import speculation
+from eagle_hf.errors import EagleCompatibilityError
+from eagle_hf.hf import tree_loop
+from eagle_hf.tree import DraftTree
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LENGTHS = (3, 9, 5, 12, 7)
+NEW = 24
+
+
+def left_padded(lengths=LENGTHS, seed=0, vocab=96):
+    """Random prompts of the given lengths, left-padded with 0: (input_ids, attention_mask) [B, max length]."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        ids[b, width - n :] = torch.randint(1, vocab, (n,), generator=g)
+        mask[b, width - n :] = 1
+    return ids, mask
+
+
+def batch_oracle(truths: list[list[int]]):
+    """Patch draft_tree: for the row whose true continuation (prompt + greedy output) has the root at the
+    drafter's position, a chain that follows the truth with a wrong token at a depth that varies per row,
+    beside a wrong sibling; so rows accept different lengths every round."""
+
+    calls = []
+
+    def fake(drafter, state, root_token, logits, hidden, depth, top_k, total_tokens, *args, **kwargs):
+        pos = state.next_position  # the root's position: the drafter has read the real rows before it
+        row = next(b for b, t in enumerate(truths) if len(t) > pos and t[pos] == root_token)
+        cont = truths[row][pos + 1 : pos + 1 + depth]
+        calls.append(row)
+        wrong_at = 1 + (len(calls) + row) % 4  # which row accepts the most changes from round to round
+        if len(cont) > wrong_at:
+            cont = cont[:wrong_at] + [(cont[wrong_at] + 1) % 96] + cont[wrong_at + 1 :]
+        if not cont:
+            return DraftTree.root(root_token)
+        toks = [root_token, (cont[0] + 7) % 96] + cont
+        parents = [-1, 0, 0] + list(range(2, 2 + len(cont) - 1))
+        return DraftTree(torch.tensor(toks[:total_tokens]), torch.tensor(parents[:total_tokens]),
+                         torch.zeros(min(len(toks), total_tokens)))
+
+    return mock.patch.object(speculation, "draft_tree", fake)
+
+
+def truths_of(ids, mask, ref):
+    """Each row's real tokens (prompt without padding, then its greedy output) for the oracle."""
+    return [ids[b][mask[b].bool()].tolist() + ref[b, ids.shape[1] :].tolist() + [0] * 8 for b in range(len(ids))]
+
+
+MODES = {
+    "tree": dict(draft_mode="tree", tree_depth=4, tree_top_k=3, tree_total_tokens=10,
+                 num_assistant_tokens_schedule="constant"),
+    "tree adaptive": dict(draft_mode="tree", tree_depth=4, tree_top_k=2, tree_total_tokens=8),
+    "chain": dict(draft_mode="chain", num_assistant_tokens=4, num_assistant_tokens_schedule="constant"),
+    "eagle+copy": dict(draft_sources="eagle+copy", tree_depth=3, tree_top_k=2, tree_total_tokens=6),
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_batch_greedy_equals_the_plain_batch_and_each_row_alone(family):
+    target = tiny_target(family)
+    drafter = tiny_drafter(target)
+    ids, mask = left_padded()
+    plain = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    ref = target.generate(ids, **plain)
+    for name, kwargs in MODES.items():
+        out = target.generate(ids, assistant_model=drafter, **plain, **kwargs)
+        assert torch.equal(out, ref), name
+    with batch_oracle(truths_of(ids, mask, ref)):  # long, ragged accepted paths
+        out = target.generate(ids, assistant_model=drafter, **plain, **MODES["tree"])
+    assert torch.equal(out, ref)
+    stats = eagle_hf.last_stats()
+    assert stats.mean_acceptance_length > 2.0, stats.summary()
+    assert len(stats.per_row) == len(LENGTHS) and stats.cycles == sum(s.cycles for s in stats.per_row)
+    assert stats.new_tokens == len(LENGTHS) * NEW
+    for b in range(len(LENGTHS)):  # each row alone, unpadded
+        alone = target.generate(ids[b : b + 1][:, mask[b].bool()], max_new_tokens=NEW, do_sample=False)
+        assert alone[0, -NEW:].tolist() == ref[b, -NEW:].tolist(), b
+
+
+def test_rows_finish_on_their_own_at_eos_and_leave_the_batch():
+    """An EOS each row reaches at a different step; finished rows are padded, and the others go on."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids, mask = left_padded(seed=3)
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    for step in (0, 3, 11):  # the token row 1 emits at that step ends every row that emits it
+        eos = int(free[1, ids.shape[1] + step])
+        plain = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=eos, pad_token_id=0)
+        ref = target.generate(ids, **plain)
+        end = ids.shape[1] + free[1, ids.shape[1] :].tolist().index(eos)  # row 1 ends at its first EOS
+        assert (ref[1, end + 1 :] == 0).all()
+        for name in ("tree", "chain"):
+            out = target.generate(ids, assistant_model=drafter, **plain, **MODES[name])
+            assert torch.equal(out, ref), (step, name)
+        with batch_oracle(truths_of(ids, mask, free)):
+            out = target.generate(ids, assistant_model=drafter, **plain, **MODES["tree"])
+        assert torch.equal(out, ref), step
+
+
+def test_holes_are_compacted_without_changing_the_output(monkeypatch):
+    monkeypatch.setattr(tree_loop, "MIN_HOLES_TO_COMPACT", 2)
+    monkeypatch.setattr(tree_loop, "HOLE_FRACTION", 0.0)
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids, mask = left_padded(lengths=(6, 6, 6), seed=5)
+    plain = dict(attention_mask=mask, max_new_tokens=40, do_sample=False)
+    ref = target.generate(ids, **plain)
+    compactions = []
+    original = tree_loop.regather_cache
+    monkeypatch.setattr(tree_loop, "regather_cache", lambda c, i: (compactions.append(i.shape), original(c, i)))
+    with batch_oracle(truths_of(ids, mask, ref)):
+        out = target.generate(ids, assistant_model=drafter, **plain, **MODES["tree"])
+    assert torch.equal(out, ref)
+    assert compactions, "the ragged rounds should have left holes to compact"
+
+
+def test_copy_alone_and_stop_strings_per_row():
+    target = tiny_target("llama")
+    ids, mask = left_padded(lengths=(6, 6, 3), seed=7)
+    ids[0, :] = torch.tensor([5, 6, 7, 5, 6, 7])  # a repetitive prompt the copy source can follow
+    plain = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    ref = target.generate(ids, **plain)
+    out = target.generate(ids, draft_sources="copy", **plain)
+    assert torch.equal(out, ref)
+
+
+def test_stopping_criteria_cut_each_row_where_plain_decoding_stops():
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class EndsWith(StoppingCriteria):
+        def __init__(self, token):
+            self.token = token
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == self.token
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids, mask = left_padded(seed=11)
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    stop = int(free[2, ids.shape[1] + 4])
+    # plain generate() pads a stopped row only when an EOS is set (without one it keeps decoding it); we always pad
+    plain = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=95)
+    ref = target.generate(ids, stopping_criteria=StoppingCriteriaList([EndsWith(stop)]), **plain)
+    with batch_oracle(truths_of(ids, mask, free)):
+        out = target.generate(ids, assistant_model=drafter, stopping_criteria=StoppingCriteriaList([EndsWith(stop)]),
+                              **plain, **MODES["tree"])
+    assert torch.equal(out, ref)
+
+
+def test_num_return_sequences_runs_as_a_batch_and_listeners_get_the_row():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids, mask = left_padded(lengths=(4, 7), seed=2)
+    rows_seen = set()
+    sample = dict(do_sample=True, top_k=1)  # num_return_sequences needs sampling; top-k 1 makes it greedy
+
+    def listener(drafts, accepted, last_token, row):
+        rows_seen.add(row)
+
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=8, num_return_sequences=3, **sample,
+                          assistant_model=drafter, draft_listeners=[listener], return_dict_in_generate=True,
+                          output_scores=True)
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=8, num_return_sequences=3, **sample)
+    assert torch.equal(out.sequences, ref)
+    assert rows_seen == set(range(6))
+    assert len(out.scores) == 8 and out.scores[0].shape == (6, 96)
+    assert len(eagle_hf.last_stats().per_row) == 6
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+VOCAB = 12
+ALPHA = 1e-3
+
+
+def test_batch_sampling_is_lossless_per_row():
+    """Two prompts of different lengths (one left-padded), 400 samples each of the first two new tokens, drawn
+    as rows of batches; each row's pairs fit the target's exact distribution for its prompt."""
+    from test_sampling import chi_square, exact_distribution
+
+    target = tiny_target("llama", vocab=VOCAB)
+    with torch.no_grad():
+        target.model.norm.weight.mul_(6.0)
+    drafter = tiny_drafter(target)
+    ids = torch.tensor([[0, 0, 3, 7], [4, 1, 9, 2]])
+    mask = (torch.arange(4) >= torch.tensor([[2], [0]])).long()
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.9), TopKLogitsWarper(6)])
+    torch.manual_seed(99)
+    rows = {0: [], 1: []}
+    for _ in range(8):  # 8 calls x 2 prompts x 50 sequences
+        out = target.generate(ids, attention_mask=mask, do_sample=True, temperature=0.9, top_k=6, max_new_tokens=3,
+                              num_return_sequences=50, assistant_model=drafter, draft_mode="tree", tree_depth=2,
+                              tree_top_k=2, tree_total_tokens=5, num_assistant_tokens_schedule="constant")
+        for r in range(out.shape[0]):
+            rows[r // 50].append(tuple(out[r, 4:].tolist()))
+    for b in (0, 1):
+        prompt = ids[b : b + 1][:, mask[b].bool()]
+        dist = exact_distribution(target, processors, 2, prompt=prompt)
+        assert chi_square(rows[b], dist, (0, 1)) > ALPHA, b
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_target("llama")
+    return target, tiny_drafter(target)
+
+
+def test_right_padding_is_refused_with_the_fix(pair):
+    target, drafter = pair
+    ids, mask = left_padded(lengths=(3, 5))
+    right = torch.stack([torch.roll(m, -int((m == 0).sum())) for m in mask])
+    with pytest.raises(EagleCompatibilityError, match="right-padded.*padding_side='left'"):
+        target.generate(ids, attention_mask=right, assistant_model=drafter, max_new_tokens=4)
+
+
+def test_padding_without_attention_mask_is_refused(pair):
+    target, drafter = pair
+    ids, _ = left_padded(lengths=(3, 5))
+    with pytest.raises(EagleCompatibilityError, match="no attention_mask"):
+        target.generate(ids, assistant_model=drafter, max_new_tokens=4, pad_token_id=0)
+
+
+def test_a_list_of_prompts_is_refused_with_the_fix(pair):
+    target, drafter = pair
+    with pytest.raises(EagleCompatibilityError, match="left-padded tensor"):
+        target.generate([[1, 2, 3], [4, 5]], assistant_model=drafter, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("option", ["output_hidden_states", "streamer"])
+def test_batch_options_without_a_per_row_meaning_are_refused(pair, option):
+    target, drafter = pair
+    ids, mask = left_padded(lengths=(3, 5))
+    value = True if option == "output_hidden_states" else object()
+    kwargs = dict(return_dict_in_generate=True) if option == "output_hidden_states" else {}
+    with pytest.raises(EagleCompatibilityError, match="once per prompt"):
+        target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4, **{option: value}, **kwargs)
