@@ -71,8 +71,9 @@ class Speculator:
 
     # ------------------------------------------------------------------ the steps of a round
     def begin_round(self) -> None:
-        """Start timing a round; a plain round that just ended teaches the controller the loop's own cost."""
-        if self.controller is None:
+        """Start timing a round; a plain round that just ended teaches the controller the loop's own cost (a
+        batch's loop times its whole rounds itself: one row's round is not the row's cost)."""
+        if self.controller is None or self.row is not None:
             return
         now = self.clock()
         if self.round == "fallback" and self._round_start is not None:
@@ -93,12 +94,15 @@ class Speculator:
         if self.copy is not None:
             self.copy.index.extend(tokens)
 
-    def choose_depth(self, room: int) -> int:
+    def choose_depth(self, room: int, planned: int | None = None) -> int:
         """This round's drafter depth (returned; 0: the drafter rests) and copy branches; the round is a plain
-        step when neither drafts. `room`: drafts that still fit before the length limit."""
+        step when neither drafts. `room`: drafts that still fit before the length limit; `planned`: the depth
+        the controller chose for a whole batch this round (once per round, not once per row)."""
         wanted = self.depth
         if not self.settings.uses_eagle:
             wanted = 0
+        elif planned is not None:
+            wanted = planned
         elif self.controller is not None:
             wanted = self.controller.choose()
         depth = max(min(wanted, room), 0)
@@ -196,11 +200,13 @@ class Speculator:
         return gain > c.cycle_cost(depth) - c.verify_cost(1)
 
     def _marginal_cost(self, verified: int) -> float:
-        """Extra cost of verifying one more token on top of `verified`, in one-token target forwards."""
+        """Extra cost of verifying one more token on top of `verified`, in tokens a plain step yields for the
+        same cost. In a batch a longer tree pads every row's to its size: the whole batch pays for it."""
         if self.controller is None:
             return DEFAULT_MARGINAL_COST
         c = self.controller  # a secant over 8 tokens: single-token steps of measured times are noisy
-        return max((c.verify_cost(verified + 8) - c.verify_cost(verified)) / 8, 0.0)
+        step = max((c.verify_cost(verified + 8) - c.verify_cost(verified)) / 8, 0.0)
+        return step * c.rows / c.verify_cost(1)
 
     # ------------------------------------------------------------------ helpers
     def _catch_up(self) -> tuple[torch.Tensor, torch.Tensor]:

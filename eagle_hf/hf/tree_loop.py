@@ -90,11 +90,16 @@ class TreeLoop:
         active = [r for r in rows if not r.done]
         if len(active) < len(rows):
             self.retire(rows)
+        clock = self.speculators[0].clock
         while active:
+            start = clock()
             if self.controller is not None:
                 self.controller.rows = len(active)
-            trees = [self.plan(row) for row in active]
+            planned = self.controller.choose() if self.controller is not None and len(rows) > 1 else None
+            trees = [self.plan(row, planned) for row in active]
             self.verify_and_commit(active, trees)
+            if self.controller is not None and len(rows) > 1 and all(t.size == 1 for t in trees):
+                self.controller.observe_plain_round(clock() - start)  # a plain round teaches the loop's own cost
             if any(r.done for r in active):
                 active = self.retire(active)
             else:
@@ -127,11 +132,12 @@ class TreeLoop:
             self.keep_outputs(row, scores, raw[b : b + 1], out.hidden_states, b, None)
             self.append(row, self.cut(row, [token]))
 
-    def plan(self, row: Row) -> DraftTree:
-        """The row's round: its drafter's and copy source's tree, or the root alone for a plain step."""
+    def plan(self, row: Row, planned: int | None = None) -> DraftTree:
+        """The row's round: its drafter's and copy source's tree, or the root alone for a plain step. `planned`:
+        the drafter depth the shared controller chose for the batch's round."""
         row.sp.begin_round()
         room = self.max_length - row.seq.shape[1] - 1
-        depth = row.sp.choose_depth(room)
+        depth = row.sp.choose_depth(room, planned)
         if row.sp.round == "draft":
             tree = row.sp.draft(row.token, depth, min(self.total_tokens, room + 1))
             if tree.num_drafts > 0:  # else fully pruned: the target decodes the root alone
