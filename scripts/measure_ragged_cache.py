@@ -8,10 +8,10 @@ rows accepting different lengths leave in the cache (docs/concepts.md, "Batches"
 * never: keep the holes masked until the end
 
 Runs are interleaved (every policy on a batch before the next batch, order alternating), after a warm-up;
-medians of the seconds per batch, and the mean share of holes in the cache per round. The outputs of all
-policies are compared (they must be equal).
+medians of the seconds per batch, and the mean share of holes in the cache per round. The outputs of the
+policies are compared: equal in float32 (tests/test_batch.py); in bf16 another slot order can flip a near-tie.
 
-    .venv/bin/python scripts/measure_ragged_cache.py --batch-size 8 --batches 3 --max-new-tokens 128
+    .venv/bin/python scripts/measure_ragged_cache.py --batch-size 4 --batches 3 --max-new-tokens 128 --prompts code_edit
 """
 
 from __future__ import annotations
@@ -42,13 +42,14 @@ def main() -> None:
     p.add_argument("--prompts", default="mt_bench")
     args = p.parse_args()
     target, tok = load_target("default")
-    drafter = load_drafter("default", target)
+    drafter, _ = load_drafter("default", target)
     prompts = load_prompt_set(args.prompts, limit=args.batch_size * args.batches)
     batches = [[t for _, t in prompts[i : i + args.batch_size]] for i in range(0, len(prompts), args.batch_size)]
     holes: dict[str, list[float]] = {name: [] for name in POLICIES}
     seconds: dict[str, list[float]] = {name: [] for name in POLICIES}
     original = tree_loop.TreeLoop.compact_holes
     current = [""]
+    differing = 0
 
     def spying(self):
         holes[current[0]].append(1.0 - float(self.valid.float().mean()))
@@ -68,7 +69,7 @@ def main() -> None:
             if i > 0:
                 seconds[name].append(time.perf_counter() - start)
         first = next(iter(outputs.values()))
-        assert all(torch.equal(o, first) for o in outputs.values()), "the policies' outputs differ"
+        differing += not all(torch.equal(o, first) for o in outputs.values())
     print(f"batch {args.batch_size}, {args.batches} batches of {args.prompts}, {args.max_new_tokens} new tokens, "
           f"{torch.get_num_threads()} threads, {target.dtype}")
     print("| policy | seconds per batch (median) | holes in the cache per round (mean) |")
@@ -76,6 +77,7 @@ def main() -> None:
     for name in POLICIES:
         share = statistics.mean(holes[name]) if holes[name] else 0.0
         print(f"| {name} | {statistics.median(seconds[name]):.2f} | {share:.0%} |")
+    print(f"batches whose outputs differ between policies: {differing} of {len(batches) + 1} ({target.dtype})")
 
 
 if __name__ == "__main__":
