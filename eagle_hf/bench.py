@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .evaluation import batch_chat_inputs, chat_inputs, load_prompt_set
+from .hf.stopping import eos_ids
 from .stats import last_stats, merge_stats
 
 logger = logging.getLogger(__name__)
@@ -85,11 +86,6 @@ def generated_tokens(new: torch.Tensor, eos: set[int]) -> int:
     return total
 
 
-def _eos_ids(target) -> set[int]:
-    eos = target.generation_config.eos_token_id
-    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
-
-
 def run_benchmark(
     target,
     tokenizer,
@@ -107,7 +103,7 @@ def run_benchmark(
     results = {"settings": dict(max_new_tokens=max_new_tokens, limit=limit, temperature=temperature, repeats=repeats,
                                 prompt_sets=prompt_sets, modes=[m.name for m in modes], batch_size=batch_size),
                "machine": machine_info(target), "sets": {}}
-    eos = _eos_ids(target)
+    eos = eos_ids(target.generation_config)
     warm = chat_inputs(tokenizer, "Hello!", target.device)
     for mode in modes:  # warm-up: first-call allocations, lazy inits
         _generate(target, warm, mode, 16, temperature, seed)

@@ -121,7 +121,7 @@ def _run(self, kwargs: dict, call: EagleCall):
         set_active_call(None)
         call.stats.total_time = time.perf_counter() - start
     prompt_len = prompt_length(kwargs)
-    if not call.stats.per_row:  # a batch was cut per row in eagle_hf's loop, and counted there
+    if batch_rows(kwargs) == 1:  # a batch was cut per row in eagle_hf's loop, and counted there
         out = trim_at_stopping_criteria(out, prompt_len, kwargs)
         sequences = getattr(out, "sequences", out)
         if prompt_len is not None:

@@ -51,7 +51,6 @@ class Row:
     sp: Speculator
     position: int = 0  # position of the next token to enter the cache: the row's count of real tokens
     token: int = -1  # the last emitted token (the next tree's root)
-    new_tokens: int = 0
     done: bool = False
     emitted: Emitted = field(default_factory=Emitted)
 
@@ -87,9 +86,7 @@ class TreeLoop:
         mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(device).bool()
         rows = [Row(ids[b : b + 1], sp) for b, sp in enumerate(self.speculators)]
         self.prefill(rows, ids, mask)
-        active = [r for r in rows if not r.done]
-        if len(active) < len(rows):
-            self.retire(rows)
+        active = self.retire(rows) if any(r.done for r in rows) else rows
         clock = self.speculators[0].clock
         while active:
             start = clock()
@@ -241,7 +238,6 @@ class TreeLoop:
             self.streamer.put(torch.tensor(new))
         row.seq = torch.cat([row.seq, torch.tensor([new], device=row.seq.device, dtype=row.seq.dtype)], 1)
         row.token = new[-1]
-        row.new_tokens += len(new)
 
     def sequences(self, rows: list[Row]) -> torch.Tensor:
         """[B, T'] the rows, finished ones padded with the pad token after their end (as plain generate())."""
@@ -273,7 +269,7 @@ def tree_custom_generate(model, input_ids, logits_processor, stopping_criteria, 
     loop = TreeLoop(model, speculators, call.aux_ids, cache, logits_processor, stopping_criteria, generation_config,
                     call.streamer)
     seq, rows = loop.run(input_ids, model_kwargs.get("attention_mask"))
-    finish_rows(call, speculators, [r.new_tokens for r in rows])
+    finish_rows(call, speculators, [r.seq.shape[1] - input_ids.shape[1] for r in rows])
     emitted = [r.emitted for r in rows]
     if not generation_config.return_dict_in_generate:
         return seq
