@@ -19,10 +19,14 @@ if [[ -f runs/capture.pid ]] && kill -0 "$(cat runs/capture.pid)" 2>/dev/null; t
   echo "waiting for the capture of runs/data/shared (pid $(cat runs/capture.pid)) to finish..."
   while kill -0 "$(cat runs/capture.pid)" 2>/dev/null; do sleep 60; done
 fi
+# the shared answers: captured already on this machine (runs/data/shared), or captured now from ../shared (a new
+# machine; resumable per shard under runs/data). runs/ is not committed: a new machine starts from step 0.
+SHARED_ARGS=(--data-dir runs/data/shared)
+if [[ ! -d runs/data/shared ]]; then SHARED_ARGS=(--responses ../shared/data/smollm2_sharegpt_responses.jsonl); fi
 ORIGINAL_ARGS=()
 if [[ -n "${ORIGINAL:-}" ]]; then ORIGINAL_ARGS=(--responses "sharegpt-original:${ORIGINAL}"); fi
 exec .venv/bin/eagle-hf -v train --target default --init-from default \
-  --data-dir runs/data/shared --responses 'data/regenerated/sharegpt_first_turns_*' ${ORIGINAL_ARGS[@]+"${ORIGINAL_ARGS[@]}"} \
+  "${SHARED_ARGS[@]}" --responses 'data/regenerated/sharegpt_first_turns_*' ${ORIGINAL_ARGS[@]+"${ORIGINAL_ARGS[@]}"} \
   --data-root runs/data --out "$OUT" \
   --ttt-steps 5 --tokens-per-batch 1024 --lr "${LR:-1e-4}" --warmup-ratio 0.03 --max-steps "${MAX_STEPS:-3000}" \
   --eval-every 200 --eval-tokens 10000 --save-every 50 --threads "${THREADS:-1}" --seed 0 "$@"
