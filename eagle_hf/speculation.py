@@ -21,7 +21,7 @@ import torch
 
 from .adaptive import DraftLengthController
 from .copying import CopySource
-from .drafting import Chooser, DraftState, draft_tree
+from .drafting import Chooser, DraftState, draft_trees
 from .settings import MAX_DEPTH, DraftSettings
 from .stats import SpecDecodeStats
 from .timing import Clock
@@ -53,12 +53,16 @@ class Speculator:
         listeners: Sequence[DraftListener] = (),
         clock: Clock | None = None,
         row: int | None = None,
+        state: DraftState | None = None,
     ):
         self.drafter, self.settings, self.stats, self.controller = drafter, settings, stats, controller
         self.row = row  # the batch row this speculator drafts for (None: batch size 1)
         self.listeners = [(f, _keywords(f)) for f in listeners]
         self.clock = clock or Clock(drafter.fc.weight.device if drafter is not None else "cpu")
-        self.state = DraftState()
+        # the drafter's cache, shared by a batch's rows (one row: its own); this row is `slot` in it
+        self.state = state or DraftState()
+        self.slot = 0 if row is None else row
+        self._started = False  # whether a real row was committed yet
         self.copy = CopySource(settings.copy_ngram, settings.copy_length, settings.copy_branches,
                                self._marginal_cost, settings.probe_every) if settings.uses_copy else None
         self.depth = settings.depth  # the fixed (or heuristic) schedule's depth
@@ -85,8 +89,8 @@ class Speculator:
         token after each ``[1, n]``. They are read at the next draft (plain steps pile up; nothing runs now)."""
         if not self.settings.uses_eagle:
             return
-        if self.state.length == 0 and not self._pending:
-            self.state.start = position
+        if not self._started:  # the first real row: where the drafter's positions start
+            self.state.positions[self.slot], self._started = position, True
         self._pending.append((aux, next_tokens))
 
     def extend_context(self, tokens: Sequence[int]) -> None:
@@ -118,29 +122,17 @@ class Speculator:
 
     def draft(self, root_token: int, depth: int, total_tokens: int, choose: Chooser | None = None) -> DraftTree:
         """Catch up on the committed rows, grow this round's draft tree (a chain when top_k is 1), then graft
-        the copy branches onto it."""
-        start = self.clock()
-        self.eagle_depth = depth
-        tree = DraftTree.root(root_token)
-        if depth > 0:
-            logits, hidden = self._catch_up()
-            caught_up = self.clock()
-            s = self.settings
-            tree = draft_tree(self.drafter, self.state, root_token, logits, hidden, depth, s.branching, total_tokens,
-                              s.confidence_threshold, choose=choose, prune=s.mode == "tree")
-            end = self.clock()
-            self.stats.drafter_time += end - start
-            if self.controller is not None and self._after_cycle:  # a backlog after plain steps is not a round's cost
-                self.controller.observe_drafter(caught_up - start, end - caught_up, depth)
-        if self.copy is not None and self.copy.branches:
-            a = self.copy.acceptance
-            tree = tree.graft([b.tokens for b in self.copy.branches],
-                              [[math.log(max(a.first[b.match - 1] if i == 0 else a.later, 1e-6))
-                                for i in range(len(b.tokens))] for b in self.copy.branches])
-        self.tree = tree
-        if tree.num_drafts == 0:  # every branch was below the confidence threshold: a plain step
-            self.round = "fallback"
-        return tree
+        the copy branches onto it (`draft_round` for a single row)."""
+        return draft_round([self], [root_token], [depth], [total_tokens], [choose])[0]
+
+    def graft_copy(self, tree: DraftTree) -> DraftTree:
+        """This round's tree with the copy branches grafted on (each scored by the copy's acceptance estimate)."""
+        if self.copy is None or not self.copy.branches:
+            return tree
+        a = self.copy.acceptance
+        return tree.graft([b.tokens for b in self.copy.branches],
+                          [[math.log(max(a.first[b.match - 1] if i == 0 else a.later, 1e-6))
+                            for i in range(len(b.tokens))] for b in self.copy.branches])
 
     def record(self, accepted: int, last_token: int, path: list[int] | None = None, cut: bool = False) -> None:
         """After the target verified (or decoded plainly): stats, schedule, listeners.
@@ -209,13 +201,59 @@ class Speculator:
         return step * c.rows / c.verify_cost(1)
 
     # ------------------------------------------------------------------ helpers
-    def _catch_up(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the pending real rows through the drafter: its last row's logits [1, Vd] and hidden [1, 1, H]."""
-        w = self.drafter.fc.weight
-        aux = torch.cat([a for a, _ in self._pending], 1).to(w.device, w.dtype)  # [1, n, A*H_t]
-        tokens = torch.cat([t for _, t in self._pending], 1).to(w.device)  # [1, n]
-        self._pending.clear()
-        return self.state.extend(self.drafter, aux, tokens)
+
+
+def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: list[int], total_tokens: list[int],
+                choosers: list[Chooser | None] | None = None) -> list[DraftTree]:
+    """Step "draft" of one round for the rows of a batch that share a drafter cache, in its row order (a single
+    row: `Speculator.draft`). Every row with committed rows catches them up in one drafter forward; the rows with
+    a depth grow their trees together, one drafter forward per level; then each row grafts its copy branches.
+    A row not in a drafting round (`round` is not ``"draft"``) keeps the root alone."""
+    first = speculators[0]
+    state, clock, s = first.state, first.clock, first.settings
+    drafting = [i for i, sp in enumerate(speculators) if sp.round == "draft" and depths[i] > 0]
+    trees = [DraftTree.root(r) for r in roots]
+    if drafting:
+        start = clock()
+        logits, hidden = _catch_up(speculators)  # [B, Vd], [B, 1, H]
+        caught_up = clock()
+        slots = [speculators[i].slot for i in drafting]
+        grown = draft_trees(first.drafter, state, [roots[i] for i in drafting], logits[slots], hidden[slots],
+                            [depths[i] for i in drafting], s.branching, [total_tokens[i] for i in drafting],
+                            s.confidence_threshold, [choosers[i] for i in drafting] if choosers else None,
+                            prune=s.mode == "tree", rows=slots)
+        end = clock()
+        for i, tree in zip(drafting, grown):
+            trees[i] = tree
+            speculators[i].stats.drafter_time += (end - start) / len(drafting)
+        c = first.controller  # each row's share; a backlog after plain steps is not a round's cost
+        if c is not None and all(speculators[i]._after_cycle for i in drafting):
+            share = len(drafting)
+            c.observe_drafter((caught_up - start) / share, (end - caught_up) / share, max(depths[i] for i in drafting))
+    for i, sp in enumerate(speculators):
+        sp.eagle_depth = depths[i] if i in drafting else 0
+        if sp.round != "draft":
+            continue
+        sp.tree = trees[i] = sp.graft_copy(trees[i])
+        if sp.tree.num_drafts == 0:  # every branch was below the confidence threshold: a plain step
+            sp.round = "fallback"
+    return trees
+
+
+def _catch_up(speculators: Sequence[Speculator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' pending real rows through the drafter in one forward (padded to the longest): each row's last
+    row's draft logits [B, Vd] and fed-back hidden state [B, 1, H]."""
+    w = speculators[0].drafter.fc.weight
+    counts = [sum(t.shape[1] for _, t in sp._pending) for sp in speculators]
+    width = max(counts)
+    aux = w.new_zeros(len(speculators), width, speculators[0].drafter.fc.weight.shape[1])  # [B, n, A*H_t]
+    tokens = torch.zeros(len(speculators), width, dtype=torch.long, device=w.device)  # [B, n]
+    for b, sp in enumerate(speculators):
+        if sp._pending:
+            aux[b, : counts[b]] = torch.cat([a for a, _ in sp._pending], 1)[0].to(w.device, w.dtype)
+            tokens[b, : counts[b]] = torch.cat([t for _, t in sp._pending], 1)[0].to(w.device)
+            sp._pending.clear()
+    return speculators[0].state.extend(speculators[0].drafter, aux, tokens, counts)
 
 
 def shown_nodes(tree: DraftTree, path: list[int]) -> list[int]:

@@ -26,11 +26,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle_hf import load_drafter, load_target  # noqa: E402
-from eagle_hf.evaluation import batch_chat_inputs, load_prompt_set  # noqa: E402
-from eagle_hf.hf import tree_loop  # noqa: E402
+from eagle_hf import (
+    load_drafter,
+    load_target,
+    ragged,
+)
+from eagle_hf.evaluation import batch_chat_inputs, load_prompt_set
+from eagle_hf.hf import tree_loop
 
-POLICIES = {"every round": (0, 0.0), "lazy (default)": (tree_loop.MIN_HOLES_TO_COMPACT, tree_loop.HOLE_FRACTION),
+POLICIES = {"every round": (0, 0.0), "lazy (default)": (ragged.MIN_HOLES_TO_COMPACT, ragged.HOLE_FRACTION),
             "never": (10**9, 1.0)}
 
 
@@ -61,7 +65,7 @@ def main() -> None:
         names = list(POLICIES) if i % 2 == 0 else list(reversed(POLICIES))
         outputs = {}
         for name in names:
-            tree_loop.MIN_HOLES_TO_COMPACT, tree_loop.HOLE_FRACTION = POLICIES[name]
+            ragged.MIN_HOLES_TO_COMPACT, ragged.HOLE_FRACTION = POLICIES[name]
             current[0] = name
             start = time.perf_counter()
             outputs[name] = target.generate(**enc, assistant_model=drafter, max_new_tokens=args.max_new_tokens,

@@ -79,3 +79,18 @@ def one_thread():
 @pytest.fixture
 def llama_target():
     return tiny_target("llama")
+
+
+def patch_drafts(fake):
+    """Patch the drafter's tree growth with ``fake(position, root_token, depth, total_tokens) -> DraftTree`` per
+    drafting row; `position` is the root's (the drafter has read the real rows before it)."""
+    from unittest import mock
+
+    from eagle_hf import speculation
+
+    def draft_trees(drafter, state, roots, logits, hidden, depths, top_k, total_tokens, *args, rows=None, **kwargs):
+        rows = list(range(state.rows)) if rows is None else rows
+        return [fake(state.positions[b], root, depth, total)
+                for b, root, depth, total in zip(rows, roots, depths, total_tokens)]
+
+    return mock.patch.object(speculation, "draft_trees", draft_trees)

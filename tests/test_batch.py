@@ -6,15 +6,13 @@ checked per row against the target's exact distribution.
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
+from conftest import patch_drafts, tiny_drafter, tiny_target
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 import eagle_hf
-from conftest import tiny_drafter, tiny_target
-from eagle_hf import speculation
+from eagle_hf import ragged
 from eagle_hf.errors import EagleCompatibilityError
 from eagle_hf.hf import tree_loop
 from eagle_hf.tree import DraftTree
@@ -44,8 +42,7 @@ def batch_oracle(truths: list[list[int]]):
 
     calls = []
 
-    def fake(drafter, state, root_token, logits, hidden, depth, top_k, total_tokens, *args, **kwargs):
-        pos = state.next_position  # the root's position: the drafter has read the real rows before it
+    def fake(pos, root_token, depth, total_tokens):
         row = next(b for b, t in enumerate(truths) if len(t) > pos and t[pos] == root_token)
         cont = truths[row][pos + 1 : pos + 1 + depth]
         calls.append(row)
@@ -59,7 +56,7 @@ def batch_oracle(truths: list[list[int]]):
         return DraftTree(torch.tensor(toks[:total_tokens]), torch.tensor(parents[:total_tokens]),
                          torch.zeros(min(len(toks), total_tokens)))
 
-    return mock.patch.object(speculation, "draft_tree", fake)
+    return patch_drafts(fake)
 
 
 def truths_of(ids, mask, ref):
@@ -119,8 +116,8 @@ def test_rows_finish_on_their_own_at_eos_and_leave_the_batch():
 
 
 def test_holes_are_compacted_without_changing_the_output(monkeypatch):
-    monkeypatch.setattr(tree_loop, "MIN_HOLES_TO_COMPACT", 2)
-    monkeypatch.setattr(tree_loop, "HOLE_FRACTION", 0.0)
+    monkeypatch.setattr(ragged, "MIN_HOLES_TO_COMPACT", 2)
+    monkeypatch.setattr(ragged, "HOLE_FRACTION", 0.0)
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     ids, mask = left_padded(lengths=(6, 6, 6), seed=5)
@@ -256,3 +253,72 @@ def test_batch_options_without_a_per_row_meaning_are_refused(pair, option):
     kwargs = dict(return_dict_in_generate=True) if option == "output_hidden_states" else {}
     with pytest.raises(EagleCompatibilityError, match="once per prompt"):
         target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4, **{option: value}, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ batched drafter
+def _taps(target, drafter, lengths, seed):
+    """Each row's target taps [1, n, A] and the token after each [1, n], for rows of the given lengths."""
+    from eagle_hf.capture import gather_aux
+    from eagle_hf.hf import check_compatible
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for n in lengths:
+        ids = torch.randint(1, 96, (1, n + 1), generator=g)
+        out = target(ids, output_hidden_states=True)
+        rows.append((gather_aux(out.hidden_states, check_compatible(target, drafter))[:, :-1], ids[:, 1:]))
+    return rows
+
+
+def _padded(rows):
+    width = max(t.shape[1] for _, t in rows)
+    aux = torch.zeros(len(rows), width, rows[0][0].shape[-1])
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, (a, t) in enumerate(rows):
+        aux[b, : t.shape[1]], tokens[b, : t.shape[1]] = a[0], t[0]
+    return aux, tokens, [t.shape[1] for _, t in rows]
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_batched_drafting_grows_each_rows_tree_as_drafted_alone(top_k):
+    """Rows of different lengths catch up in one padded drafter forward and grow their trees together (holes in
+    the drafter's cache, padded frontiers): every tree equals the row's drafted alone, over two rounds."""
+    from eagle_hf.drafting import DraftState, draft_tree, draft_trees
+
+    target, drafter = tiny_target("llama"), None
+    drafter = tiny_drafter(target, seed=3)
+    drafter.bind_target_embedding(target.get_input_embeddings())
+    with torch.no_grad():
+        drafter.lm_head.weight.mul_(30.0)  # peaky: confident drafts, so trees reach their depth
+    rounds = [_taps(target, drafter, [9, 4, 6], seed=1), _taps(target, drafter, [1, 3, 2], seed=2)]
+    alone = [DraftState() for _ in range(3)]
+    batch = DraftState(positions=[0, 0, 0])
+    for taps in rounds:
+        roots = [int(t[0, -1]) for _, t in taps]
+        logits, hidden = batch.extend(drafter, *_padded(taps))
+        trees = draft_trees(drafter, batch, roots, logits, hidden, [4, 4, 3], top_k, [8, 8, 8])
+        for b, (a, t) in enumerate(taps):
+            own_logits, own_hidden = alone[b].extend(drafter, a, t)
+            torch.testing.assert_close(logits[b : b + 1], own_logits, rtol=1e-4, atol=1e-4)
+            mine = draft_tree(drafter, alone[b], roots[b], own_logits, own_hidden, [4, 4, 3][b], top_k, 8)
+            assert trees[b].tokens.tolist() == mine.tokens.tolist()
+            assert trees[b].parents.tolist() == mine.parents.tolist()
+            torch.testing.assert_close(trees[b].scores, mine.scores, rtol=1e-4, atol=1e-4)
+    assert batch.valid is not None and batch.positions == [a.positions[0] for a in alone]
+
+
+def test_the_batch_drafts_with_one_drafter_forward_per_level(monkeypatch):
+    """A batch of 4 rows: one catch-up forward and one forward per level in each drafting round, not one per row."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    calls = []
+    original = type(drafter).step
+    monkeypatch.setattr(type(drafter), "step", lambda self, hidden, *a, **k: (calls.append(hidden.shape[0]),
+                                                                             original(self, hidden, *a, **k))[1])
+    ids, mask = left_padded([5, 9, 3, 7], seed=4)
+    target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=12,
+                    draft_mode="tree", tree_depth=3, tree_top_k=2, tree_total_tokens=6,
+                    num_assistant_tokens_schedule="constant")
+    rounds = max(r.cycles + r.fallback_steps + r.final_steps for r in eagle_hf.last_stats().per_row)
+    assert calls[:3] == [4, 4, 4]  # the first round: the prompts' catch-up, then 2 levels, for all 4 rows
+    assert len(calls) <= 3 * rounds  # not 3 per row

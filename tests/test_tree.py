@@ -4,10 +4,9 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import tiny_drafter, tiny_target
+from conftest import patch_drafts, tiny_drafter, tiny_target
 
 import eagle_hf
-from eagle_hf import speculation
 from eagle_hf.hf.cache import tree_attention_mask
 from eagle_hf.tree import DraftTree
 from eagle_hf.verification import accept_greedy, accept_sampling
@@ -89,8 +88,8 @@ def oracle_tree(truth: list[int]):
     """Patch draft_tree: one branch follows the true greedy continuation (with a wrong token at depth 3),
     a sibling branch is wrong from the start."""
 
-    def fake(drafter, state, root_token, logits, hidden, depth, top_k, total_tokens, *args, **kwargs):
-        seq_len = state.length + 1  # real drafter rows pair features t with token t+1
+    def fake(position, root_token, depth, total_tokens):
+        seq_len = position + 1  # real drafter rows pair features t with token t+1: the root is token `position`
         assert truth[seq_len - 1] == root_token
         cont = truth[seq_len : seq_len + depth]
         if len(cont) >= 3:
@@ -102,7 +101,7 @@ def oracle_tree(truth: list[int]):
         toks, parents = toks[:total_tokens], parents[:total_tokens]
         return DraftTree(torch.tensor(toks), torch.tensor(parents), torch.zeros(len(toks)))
 
-    return mock.patch.object(speculation, "draft_tree", fake)
+    return patch_drafts(fake)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "qwen2"])
@@ -218,8 +217,7 @@ def test_confidence_threshold_prunes_tree_branches():
 def test_pruned_tree_is_the_full_tree_above_the_threshold():
     import math
 
-    from eagle_hf.drafting import DraftState
-    from eagle_hf.drafting import draft_tree
+    from eagle_hf.drafting import DraftState, draft_tree
 
     target = tiny_target("llama")
     drafter = tiny_drafter(target, seed=3)
@@ -250,7 +248,6 @@ def test_drafter_catches_up_after_plain_steps(sources):
     """With plain steps between cycles (a scripted adaptive schedule), the drafter's rows stay aligned with the
     sequence: the oracle tree asserts that its root is the token after the drafter's last real row. With copy
     drafting, rounds of copy branches alone (the drafter resting) come between them too."""
-    from unittest import mock
 
     target = tiny_target("llama")
     drafter = tiny_drafter(target)

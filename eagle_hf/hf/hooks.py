@@ -20,6 +20,7 @@ from .costs import controller_for, measure_costs
 from ..errors import EagleCompatibilityError
 from ..modeling import EagleDrafter
 from ..settings import CALL_KEYWORDS, OWN_KEYWORDS, DraftSettings
+from ..drafting import DraftState
 from ..speculation import Speculator
 from ..stats import SpecDecodeStats, _set_last, merge_stats
 from ..timing import Clock
@@ -136,8 +137,9 @@ def speculators_for(target, rows: int = 1) -> tuple[EagleCall, list[Speculator]]
     into stats of their own (merged by `finish_rows`) and share the call's controller."""
     call = active_call()
     stats = [call.stats] if rows == 1 else [SpecDecodeStats() for _ in range(rows)]
+    state = DraftState(positions=[0] * rows)  # the drafter's cache: one for the batch, drafted together
     return call, [Speculator(call.drafter, call.settings, s, call.controller, call.listeners, clock=Clock(target.device),
-                             row=None if rows == 1 else b) for b, s in enumerate(stats)]
+                             row=None if rows == 1 else b, state=state) for b, s in enumerate(stats)]
 
 
 def finish_rows(call: EagleCall, speculators: list[Speculator], new_tokens: list[int]) -> None:

@@ -21,18 +21,14 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..capture import gather_aux, hidden_state_request
-from ..speculation import Speculator
+from ..ragged import packed_index, worth_compacting
+from ..speculation import Speculator, draft_round
 from ..tree import DraftTree
 from ..verification import process_logits, verify
 from .cache import check_tree_cache, commit_paths, regather_cache, select_cache, tree_attention_mask
 from .stopping import eos_ids
 
 logger = logging.getLogger(__name__)
-
-#: holes are compacted when every row has at least this many, and this fraction of the cache
-MIN_HOLES_TO_COMPACT = 32
-HOLE_FRACTION = 0.25
-
 
 @dataclass
 class Emitted:
@@ -93,7 +89,7 @@ class TreeLoop:
             if self.controller is not None:
                 self.controller.rows = len(active)
             planned = self.controller.choose() if self.controller is not None and len(rows) > 1 else None
-            trees = [self.plan(row, planned) for row in active]
+            trees = self.plan(active, planned)
             self.verify_and_commit(active, trees)
             if self.controller is not None and len(rows) > 1 and all(t.size == 1 for t in trees):
                 self.controller.observe_plain_round(clock() - start)  # a plain round teaches the loop's own cost
@@ -129,17 +125,17 @@ class TreeLoop:
             self.keep_outputs(row, scores, raw[b : b + 1], out.hidden_states, b, None)
             self.append(row, self.cut(row, [token]))
 
-    def plan(self, row: Row, planned: int | None = None) -> DraftTree:
-        """The row's round: its drafter's and copy source's tree, or the root alone for a plain step. `planned`:
-        the drafter depth the shared controller chose for the batch's round."""
-        row.sp.begin_round()
-        room = self.max_length - row.seq.shape[1] - 1
-        depth = row.sp.choose_depth(room, planned)
-        if row.sp.round == "draft":
-            tree = row.sp.draft(row.token, depth, min(self.total_tokens, room + 1))
-            if tree.num_drafts > 0:  # else fully pruned: the target decodes the root alone
-                return tree
-        return DraftTree.root(row.token)
+    def plan(self, active: list[Row], planned: int | None = None) -> list[DraftTree]:
+        """Each row's tree this round: its drafter's and copy source's, or the root alone for a plain step (or a
+        fully pruned tree). The rows draft together: one drafter forward per level. `planned`: the drafter depth
+        the shared controller chose for the batch's round."""
+        depths, sizes = [], []
+        for row in active:
+            row.sp.begin_round()
+            room = self.max_length - row.seq.shape[1] - 1
+            depths.append(row.sp.choose_depth(room, planned))
+            sizes.append(min(self.total_tokens, room + 1))
+        return draft_round([r.sp for r in active], [r.token for r in active], depths, sizes)
 
     def verify_and_commit(self, active: list[Row], trees: list[DraftTree]) -> None:
         """One target forward over every row's tree; each row accepts a path, keeps its KV, commits its rows."""
@@ -149,8 +145,10 @@ class TreeLoop:
         tokens = torch.stack([_pad(t.tokens, width, int(t.tokens[0])) for t in trees]).to(device)  # [B, N]
         positions = torch.stack([_pad(r.position + t.depths(), width, r.position) for r, t in zip(active, trees)])
         mask = None
-        if width > 1 or not bool(self.valid.all()):
+        if width > 1:
             mask = tree_attention_mask(trees, self.valid, self.target.dtype)  # [B, 1, N, L + N]
+        elif not bool(self.valid.all()):  # plain steps with holes: a 2D mask, as plain generate() passes padding
+            mask = torch.cat([self.valid, self.valid.new_ones(len(trees), 1)], 1).long()  # [B, L + 1]
         out = self.forward(tokens, attention_mask=mask, position_ids=positions.to(device), all_rows=width > 1)
         raw = out.logits.float()  # [B, N, V] (N = 1 for plain steps)
         rounds = []
@@ -183,24 +181,17 @@ class TreeLoop:
         select_cache(self.cache, rows=index, slots=slots)
         if slots is not None:
             self.valid = self.valid[:, read]
+        rows[0].sp.state.select(stay)  # the drafter's cache, shared by the rows
+        for slot, b in enumerate(stay):
+            rows[b].sp.slot = slot
         return [rows[i] for i in stay]
 
     def compact_holes(self) -> None:
         """Move each row's valid slots to the end of a shorter cache once every row has many holes."""
-        length = self.valid.shape[1]
-        counts = self.valid.sum(1)  # [B] real tokens per row
-        holes = length - int(counts.max())
-        if holes < max(MIN_HOLES_TO_COMPACT, HOLE_FRACTION * length):
+        if not worth_compacting(self.valid):
             return
-        width = length - holes
-        index = torch.zeros(self.valid.shape[0], width, dtype=torch.long, device=self.valid.device)
-        valid = torch.zeros_like(index, dtype=torch.bool)
-        for b in range(self.valid.shape[0]):
-            mine = self.valid[b].nonzero()[:, 0]
-            index[b, width - mine.numel() :] = mine  # left slots of a shorter row: masked copies of slot 0
-            valid[b, width - mine.numel() :] = True
+        index, self.valid = packed_index(self.valid)
         regather_cache(self.cache, index)
-        self.valid = valid
 
     # ------------------------------------------------------------------ helpers
     def forward(self, ids: torch.Tensor, all_rows: bool = False, **kwargs):
