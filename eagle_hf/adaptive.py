@@ -27,11 +27,14 @@ class CostModel:
     base_seconds: float = 0.0  # the one-token target forward all costs are relative to (0: unknown)
 
     def forward(self, n: int) -> float:
-        """Target forward over n tokens; extrapolated linearly past the measured range."""
-        if n <= len(self.verify):
+        """Target forward over n tokens; extrapolated linearly past the measured range, along the secant of its
+        upper half (single steps of measured times are noisy, and flat where they were made monotone)."""
+        m = len(self.verify)
+        if n <= m:
             return self.verify[n - 1]
-        slope = self.verify[-1] - self.verify[-2] if len(self.verify) > 1 else 1.0
-        return self.verify[-1] + (n - len(self.verify)) * slope
+        half = m // 2
+        slope = (self.verify[-1] - self.verify[half - 1]) / (m - half) if half else 1.0
+        return self.verify[-1] + (n - m) * slope
 
 
 @dataclass
@@ -55,6 +58,8 @@ class DraftLengthController:
     loop_overhead: float = 0.1  # cost of every round outside the target forward and the drafter (the decoding
     # loop itself: logits processing, stopping criteria, cache bookkeeping); re-measured on plain rounds
     rows: int = 1  # rows verified together (a batch): each row's share of a forward over rows * n tokens
+    verify_scale: float = 1.0  # measured / modelled verify forwards of drafting rounds (a batch's rows each read
+    # their own context, which the one-row measurement does not see)
     _seen: list[int] = field(default_factory=list)
     _drafting: bool = True
     _plain_steps: int = 0
@@ -87,7 +92,7 @@ class DraftLengthController:
         """One row's share of the target forward when each of the batch's rows verifies n tokens: a forward over
         rows * n tokens costs about what one row's over as many tokens does, so a batch that already fills the
         device gains less from drafting (1 for a single row's plain step)."""
-        return self.cost.forward(self.rows * n) / self.rows
+        return self.verify_scale * self.cost.forward(self.rows * n) / self.rows
 
     def best(self) -> tuple[int, float]:
         """(k, expected speedup over plain decoding) of the best draft length.
@@ -119,6 +124,12 @@ class DraftLengthController:
             return
         self.round_overhead = _ema(self.round_overhead, overhead_seconds / self.cost.base_seconds)
         self.draft_step = _ema(self.draft_step, step_seconds / steps / self.cost.base_seconds)
+
+    def observe_verify(self, width: int, seconds: float) -> None:
+        """Measured target forward of a drafting round: every row verified `width` tokens."""
+        if self.cost.base_seconds > 0 and width > 1:
+            modelled = self.cost.forward(self.rows * width) * self.cost.base_seconds
+            self.verify_scale = _ema(self.verify_scale, seconds / modelled)
 
     def observe_plain_round(self, seconds: float) -> None:
         """Measured wall time of a whole plain round (target forward plus the decoding loop's own work)."""

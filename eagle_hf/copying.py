@@ -127,8 +127,10 @@ class CopySource:
             n = 0
             while n < len(tokens) and self.acceptance.reach(match, n) > self.marginal_cost(verified):
                 n, verified = n + 1, verified + 1
-            if n == 0 and not self.branches and self._skipped >= self._wait:
-                n, probing = min(2, len(tokens)), True  # refresh the estimates of a source that was dropped
+            if n == 0 and not self.branches and self._skipped >= self._wait and self.marginal_cost(verified) < 1:
+                # refresh the estimates of a source that was dropped; never where even a sure hit costs more than
+                # it yields (a large batch: every row pays for one row's longer tree)
+                n, probing = min(2, len(tokens)), True
             if n:
                 self.branches.append(Branch(tokens[:n], match))
         if matches and not self.branches:

@@ -149,7 +149,11 @@ class TreeLoop:
             mask = tree_attention_mask(trees, self.valid, self.target.dtype)  # [B, 1, N, L + N]
         elif not bool(self.valid.all()):  # plain steps with holes: a 2D mask, as plain generate() passes padding
             mask = torch.cat([self.valid, self.valid.new_ones(len(trees), 1)], 1).long()  # [B, L + 1]
+        clock = self.speculators[0].clock
+        start = clock()
         out = self.forward(tokens, attention_mask=mask, position_ids=positions.to(device), all_rows=width > 1)
+        if self.controller is not None:
+            self.controller.observe_verify(width, clock() - start)
         raw = out.logits.float()  # [B, N, V] (N = 1 for plain steps)
         rounds = []
         for b, (row, tree) in enumerate(zip(active, trees)):
