@@ -58,6 +58,8 @@ class DraftLengthController:
     loop_overhead: float = 0.1  # cost of every round outside the target forward and the drafter (the decoding
     # loop itself: logits processing, stopping criteria, cache bookkeeping); re-measured on plain rounds
     rows: int = 1  # rows verified together (a batch): each row's share of a forward over rows * n tokens
+    cycle_overhead: float = 0.0  # what a drafting round of the tree loop costs beyond the modelled parts (its
+    # per-node verification, tree masks, the cache's commit), measured on whole drafting rounds
     verify_scale: float = 1.0  # measured / modelled verify forwards of drafting rounds (a batch's rows each read
     # their own context, which the one-row measurement does not see)
     _seen: list[int] = field(default_factory=list)
@@ -86,7 +88,7 @@ class DraftLengthController:
         else:  # draft_tree: top_k candidates at depth 1, top_k * top_k at each further depth, best total_tokens kept
             top_k, total_tokens = self.tree
             verified = min(total_tokens, 1 + top_k + (k - 1) * top_k * top_k)
-        return self.verify_cost(verified) + k * self.draft_step + self.round_overhead
+        return self.verify_cost(verified) + k * self.draft_step + self.round_overhead + self.cycle_overhead
 
     def verify_cost(self, n: int) -> float:
         """One row's share of the target forward when each of the batch's rows verifies n tokens: a forward over
@@ -104,6 +106,10 @@ class DraftLengthController:
                  for k in range(1, self.max_draft + 1)]
         return max(gains, key=lambda x: x[1])
 
+    def relative_cost(self, k: int) -> float:
+        """A drafting round of depth k, in plain rounds."""
+        return (self.cycle_cost(k) + self.loop_overhead) / (self.verify_cost(1) + self.loop_overhead)
+
     def choose(self) -> int:
         k, gain = self.best()
         keep = self.keep_gain if self._seen[0] >= self.warmup else self.min_gain
@@ -111,7 +117,8 @@ class DraftLengthController:
             self._drafting, self._plain_steps, self._wait = True, 0, self.probe_every
             return k
         self._drafting = False
-        if self._plain_steps >= self._wait:  # probe: draft once to refresh the estimates
+        if self._plain_steps >= self._wait * self.relative_cost(k):  # probe: draft once to refresh the estimates
+            # (waiting longer the more a probe costs: in a big batch it pads every row's round)
             self._plain_steps, self._wait = 0, min(2 * self._wait, self.max_probe_every)
             return k
         self._plain_steps += 1
@@ -130,6 +137,14 @@ class DraftLengthController:
         if self.cost.base_seconds > 0 and width > 1:
             modelled = self.cost.forward(self.rows * width) * self.cost.base_seconds
             self.verify_scale = _ema(self.verify_scale, seconds / modelled)
+
+    def observe_cycle_round(self, seconds: float, width: int, steps: int) -> None:
+        """Measured wall time of a whole drafting round of the tree loop: every row verified `width` tokens after
+        `steps` drafter levels. What the parts modelled above do not explain becomes `cycle_overhead`."""
+        if self.cost.base_seconds > 0:
+            share = seconds / self.cost.base_seconds / self.rows
+            modelled = self.verify_cost(width) + steps * self.draft_step + self.round_overhead + self.loop_overhead
+            self.cycle_overhead = _ema(self.cycle_overhead, max(share - modelled, 0.0))
 
     def observe_plain_round(self, seconds: float) -> None:
         """Measured wall time of a whole plain round (target forward plus the decoding loop's own work)."""

@@ -125,6 +125,11 @@ class Speculator:
         the copy branches onto it (`draft_round` for a single row)."""
         return draft_round([self], [root_token], [depth], [total_tokens], [choose])[0]
 
+    @property
+    def backlog(self) -> bool:
+        """Whether this round's drafter caught up on plain steps' rows (not a regular round's cost)."""
+        return self.eagle_depth > 0 and not self._after_cycle
+
     def graft_copy(self, tree: DraftTree) -> DraftTree:
         """This round's tree with the copy branches grafted on (each scored by the copy's acceptance estimate)."""
         if self.copy is None or not self.copy.branches:
@@ -227,7 +232,7 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
             trees[i] = tree
             speculators[i].stats.drafter_time += (end - start) / len(drafting)
         c = first.controller  # each row's share; a backlog after plain steps is not a round's cost
-        if c is not None and all(speculators[i]._after_cycle for i in drafting):
+        if c is not None and not any(speculators[i].backlog for i in drafting):
             share = len(drafting)
             c.observe_drafter((caught_up - start) / share, (end - caught_up) / share, max(depths[i] for i in drafting))
     for i, sp in enumerate(speculators):

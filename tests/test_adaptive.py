@@ -1,5 +1,7 @@
 """Adaptive speculation: decisions on synthetic costs/acceptance; exactness and stats with adaptation on."""
 
+import math
+
 import pytest
 import torch
 from conftest import tiny_drafter, tiny_target
@@ -40,12 +42,28 @@ def test_failed_probes_back_off_and_a_good_probe_resets_the_wait():
         else:
             plain += 1
     probes = [w for w in waits if w > 0]
-    assert probes[:4] == [4, 8, 16, 16], waits  # 4, then doubling, capped
+    relative = c.relative_cost(1)  # a probe (depth 1 here) costs a bit more than a plain round: it waits longer
+    assert 1 < relative < 1.2
+    assert probes[:4] == [math.ceil(w * relative) for w in (4, 8, 16, 16)], waits  # 4, then doubling, capped
     for _ in range(200):  # the drafter becomes right: drafting resumes and the wait is back to probe_every
         k = c.choose()
         if k:
             c.update(k, k)
     assert c.choose() > 0 and c._wait == 4
+
+
+def test_a_batch_probes_less_often_as_its_probes_pad_every_row():
+    """In a batch of 16 a depth-1 probe verifies 16 x 2 tokens: it costs more plain rounds, and comes rarer."""
+    one, batch = (DraftLengthController(CPU_LIKE, max_draft=8, rows=rows) for rows in (1, 16))
+    assert batch.relative_cost(1) > one.relative_cost(1) + 0.3
+    plain_rounds = []
+    for c in (one, batch):
+        c.update(8, 0)  # acceptance observed low: the controller backs off
+        n = 0
+        while c.choose() == 0:
+            n += 1
+        plain_rounds.append(n)
+    assert plain_rounds[1] > 1.3 * plain_rounds[0]
 
 
 def test_first_cycles_move_the_estimate_fast():
