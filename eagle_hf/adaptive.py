@@ -60,6 +60,8 @@ class DraftLengthController:
     rows: int = 1  # rows verified together (a batch): each row's share of a forward over rows * n tokens
     cycle_overhead: float = 0.0  # what a drafting round of the tree loop costs beyond the modelled parts (its
     # per-node verification, tree masks, the cache's commit), measured on whole drafting rounds
+    cycle_rate: float = 0.0  # measured tokens per second of a row in drafting rounds (0: none timed yet)
+    plain_seconds: float = 0.0  # measured seconds of a plain round (0: none timed yet)
     verify_scale: float = 1.0  # measured / modelled verify forwards of drafting rounds (a batch's rows each read
     # their own context, which the one-row measurement does not see)
     _seen: list[int] = field(default_factory=list)
@@ -110,8 +112,26 @@ class DraftLengthController:
         """A drafting round of depth k, in plain rounds."""
         return (self.cycle_cost(k) + self.loop_overhead) / (self.verify_cost(1) + self.loop_overhead)
 
+    def measured_gain(self) -> float | None:
+        """Tokens per second of the drafting rounds timed so far over those of plain rounds (measured, or modelled
+        while none was timed); None before a drafting round was timed. The model picks the depth, the
+        measurement has the last word on whether drafting pays at all."""
+        if self.cycle_rate <= 0 or self.cost.base_seconds <= 0:
+            return None
+        plain = self.plain_seconds or (self.verify_cost(1) + self.loop_overhead) * self.cost.base_seconds * self.rows
+        return self.cycle_rate * plain
+
+    def drafting_pays(self) -> bool:
+        """Whether the timed drafting rounds beat plain ones (True before any was timed): when they do not, copy
+        branches wait for their probes too."""
+        measured = self.measured_gain()
+        return measured is None or measured >= self.keep_gain
+
     def choose(self) -> int:
         k, gain = self.best()
+        measured = self.measured_gain()
+        if measured is not None:
+            gain = min(gain, measured)
         keep = self.keep_gain if self._seen[0] >= self.warmup else self.min_gain
         if gain > (keep if self._drafting else self.min_gain):
             self._drafting, self._plain_steps, self._wait = True, 0, self.probe_every
@@ -138,9 +158,12 @@ class DraftLengthController:
             modelled = self.cost.forward(self.rows * width) * self.cost.base_seconds
             self.verify_scale = _ema(self.verify_scale, seconds / modelled)
 
-    def observe_cycle_round(self, seconds: float, width: int, steps: int) -> None:
+    def observe_cycle_round(self, seconds: float, width: int, steps: int, tokens: float) -> None:
         """Measured wall time of a whole drafting round of the tree loop: every row verified `width` tokens after
-        `steps` drafter levels. What the parts modelled above do not explain becomes `cycle_overhead`."""
+        `steps` drafter levels and emitted `tokens` on average. What the parts modelled above do not explain
+        becomes `cycle_overhead`."""
+        rate = tokens / max(seconds, 1e-9)
+        self.cycle_rate = _ema(self.cycle_rate, rate) if self.cycle_rate else rate
         if self.cost.base_seconds > 0:
             share = seconds / self.cost.base_seconds / self.rows
             modelled = self.verify_cost(width) + steps * self.draft_step + self.round_overhead + self.loop_overhead
@@ -148,6 +171,7 @@ class DraftLengthController:
 
     def observe_plain_round(self, seconds: float) -> None:
         """Measured wall time of a whole plain round (target forward plus the decoding loop's own work)."""
+        self.plain_seconds = _ema(self.plain_seconds, seconds) if self.plain_seconds else seconds
         if self.cost.base_seconds > 0:  # a batch's round: each row's share
             share = seconds / self.cost.base_seconds / self.rows
             self.loop_overhead = _ema(self.loop_overhead, max(share - self.verify_cost(1), 0.0))

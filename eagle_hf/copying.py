@@ -116,8 +116,9 @@ class CopySource:
         self._wait, self._skipped = probe_every, 0
         self.branches: list[Branch] = []  # this round's proposal
 
-    def propose(self, room: int, verified: int) -> list[Branch]:
-        """This round's branches (at most `room` tokens each) on top of a tree of `verified` tokens."""
+    def propose(self, room: int, verified: int, probe_only: bool = False) -> list[Branch]:
+        """This round's branches (at most `room` tokens each) on top of a tree of `verified` tokens; with
+        `probe_only` (drafting rounds were measured not to pay) only a probe."""
         self.branches = []
         if room <= 0:
             return self.branches
@@ -125,7 +126,7 @@ class CopySource:
         probing = False
         for tokens, match in matches:
             n = 0
-            while n < len(tokens) and self.acceptance.reach(match, n) > self.marginal_cost(verified):
+            while not probe_only and n < len(tokens) and self.acceptance.reach(match, n) > self.marginal_cost(verified):
                 n, verified = n + 1, verified + 1
             if n == 0 and not self.branches and self._skipped >= self._wait and self.marginal_cost(verified) < 1:
                 # refresh the estimates of a source that was dropped; never where even a sure hit costs more than

@@ -114,7 +114,8 @@ class Speculator:
         if self.copy is not None:
             s = self.settings
             eagle_size = 0 if depth == 0 else (depth + 1 if s.branching == 1 else s.total_tokens)
-            branches = self.copy.propose(room, max(eagle_size, 1))
+            paying = self.controller is None or self.controller.drafting_pays()
+            branches = self.copy.propose(room, max(eagle_size, 1), probe_only=not paying)
             if depth > 0 and branches and not self._drafter_pays_beside_copy(depth):
                 depth = 0
         self.round = "draft" if depth > 0 or branches else ("fallback" if wanted <= 0 else "final")

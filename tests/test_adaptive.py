@@ -66,6 +66,21 @@ def test_a_batch_probes_less_often_as_its_probes_pad_every_row():
     assert plain_rounds[1] > 1.3 * plain_rounds[0]
 
 
+def test_measured_rounds_overrule_a_model_that_says_drafting_pays():
+    """The model expects a gain (accurate drafts, cheap verification), but timed rounds say otherwise: drafting
+    rounds emit 2 tokens a row in 0.3 s where plain rounds emit 1 in 0.1 s. The controller falls back, and copy
+    branches are told that drafting does not pay."""
+    c = DraftLengthController(CostModel(verify=[1.0] * 9, draft_step=0.01, base_seconds=0.1), max_draft=4)
+    for _ in range(20):
+        c.update(4, 4)
+    assert c.choose() > 0 and c.drafting_pays()
+    for _ in range(5):
+        c.observe_plain_round(0.1)
+        c.observe_cycle_round(0.3, width=5, steps=4, tokens=2.0)
+    assert c.measured_gain() == pytest.approx(2.0 / 0.3 * 0.1)
+    assert not c.drafting_pays() and c.choose() == 0
+
+
 def test_first_cycles_move_the_estimate_fast():
     c = DraftLengthController(CPU_LIKE, max_draft=8)
     c.update(4, 0)

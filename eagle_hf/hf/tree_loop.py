@@ -91,11 +91,13 @@ class TreeLoop:
             planned = self.controller.choose() if self.controller is not None and len(rows) > 1 else None
             trees = self.plan(active, planned)
             steps, backlog = max(r.sp.eagle_depth for r in active), any(r.sp.backlog for r in active)
+            before = sum(r.seq.shape[1] for r in active)
             self.verify_and_commit(active, trees)
             if self.controller is not None:  # whole rounds teach the loop's own costs
                 width = max(t.size for t in trees)
                 if width > 1 and not backlog:
-                    self.controller.observe_cycle_round(clock() - start, width, steps)
+                    tokens = (sum(r.seq.shape[1] for r in active) - before) / len(active)
+                    self.controller.observe_cycle_round(clock() - start, width, steps, tokens)
                 elif len(rows) > 1:  # (one row's plain rounds are timed by its speculator)
                     self.controller.observe_plain_round(clock() - start)
             if any(r.done for r in active):
