@@ -42,9 +42,7 @@ class DraftState:
 
     @property
     def next_position(self) -> int:
-        """A single row's next position."""
-        if self.rows != 1:
-            raise ValueError("next_position is a single row's: read `positions` for a batch.")
+        """A single row's next position (a batch's rows: `positions`)."""
         return self.positions[0]
 
     def slots(self, rows: list[int] | None = None) -> tuple[KV | None, torch.Tensor | None]:

