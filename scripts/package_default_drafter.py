@@ -52,7 +52,8 @@ def main():
     if run.get("init_from"):
         data = (f"* Warm start from the previous shipped drafter (`{run['init_from']}`: 3,264 ShareGPT conversations answered "
                 f"by {DEFAULT_TARGET_NAME}, 1,615 steps), continued on answers {DEFAULT_TARGET_NAME} wrote to further "
-                f"ShareGPT first turns (`{run.get('data_dir')}`, `{run.get('responses')}`): see `train_run.json`.")
+                f"ShareGPT first turns: the shared answers (`../shared/data/smollm2_sharegpt_responses.jsonl`, captured in "
+                f"`{run.get('data_dir')}`) and ours (`{run.get('responses')}`); see `train_run.json` and data/README.md.")
         how = (f"* Training: `scripts/train_warm_start.sh` (exact command, resumable), "
                f"{best['step'] if best else last['step']} optimizer steps kept "
                f"(the best held-out τ of the run, {best['eval_tau']:.3f}; the log runs to step {last['step']}, "
@@ -75,8 +76,10 @@ Licence: SmolLM2-135M-Instruct is Apache-2.0; the ShareGPT prompts come from use
 """
     config = EagleDrafter.from_pretrained(dst).config
     result = {"step": last["step"], "eval_step_accuracy": evals[-1]["eval_step_accuracy"], "config": run.get("train", {})}
+    if best:  # the kept checkpoint's figures
+        result.update(step=best["step"], eval_step_accuracy=best["eval_step_accuracy"], best=best)
     acceptance = "## Acceptance (`scripts/evaluate_drafter.py`, target in bf16, CPU)\n\n" + "\n".join(table)
-    write_model_card(dst, DEFAULT_TARGET_NAME, config, result, config.draft_vocab_coverage, acceptance, notes)
+    write_model_card(dst, DEFAULT_TARGET_NAME, config, result, cfg.get("draft_vocab_coverage", 0.0), acceptance, notes)
     size = (dst / "model.safetensors").stat().st_size / 2**20
     print(f"packaged {dst} ({size:.1f} MiB weights)")
 
