@@ -113,11 +113,12 @@ class DraftLengthController:
         return (self.cycle_cost(k) + self.loop_overhead) / (self.verify_cost(1) + self.loop_overhead)
 
     def measured_gain(self) -> float | None:
-        """Tokens per second of the drafting rounds timed so far over those of plain rounds (measured, or modelled
-        while none was timed); None before a drafting round was timed. The model picks the depth, the
-        measurement has the last word on whether drafting pays at all."""
-        if self.cycle_rate <= 0 or self.cost.base_seconds <= 0:
-            return None
+        """Tokens per second of a batch's drafting rounds timed so far over those of plain rounds (measured, or
+        modelled while none was timed); None before a drafting round was timed, and for a single row. The model
+        picks the depth, the measurement has the last word on whether drafting pays at all."""
+        if self.rows == 1 or self.cycle_rate <= 0 or self.cost.base_seconds <= 0:
+            return None  # one row: its costs were measured on one row, and its tokens per round vary too much
+            # (a copy round yields 1 token or 12) for a running rate to judge drafting as a whole
         plain = self.plain_seconds or (self.verify_cost(1) + self.loop_overhead) * self.cost.base_seconds * self.rows
         return self.cycle_rate * plain
 

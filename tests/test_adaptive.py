@@ -67,10 +67,10 @@ def test_a_batch_probes_less_often_as_its_probes_pad_every_row():
 
 
 def test_measured_rounds_overrule_a_model_that_says_drafting_pays():
-    """The model expects a gain (accurate drafts, cheap verification), but timed rounds say otherwise: drafting
-    rounds emit 2 tokens a row in 0.3 s where plain rounds emit 1 in 0.1 s. The controller falls back, and copy
-    branches are told that drafting does not pay."""
-    c = DraftLengthController(CostModel(verify=[1.0] * 9, draft_step=0.01, base_seconds=0.1), max_draft=4)
+    """A batch of 2 rows: the model expects a gain (accurate drafts, cheap verification), but timed rounds say
+    otherwise: drafting rounds emit 2 tokens a row in 0.3 s where plain rounds emit 1 in 0.1 s. The controller falls
+    back, and copy branches are told that drafting does not pay."""
+    c = DraftLengthController(CostModel(verify=[1.0] * 33, draft_step=0.01, base_seconds=0.1), max_draft=4, rows=2)
     for _ in range(20):
         c.update(4, 4)
     assert c.choose() > 0 and c.drafting_pays()
