@@ -322,3 +322,33 @@ def test_the_batch_drafts_with_one_drafter_forward_per_level(monkeypatch):
     rounds = max(r.cycles + r.fallback_steps + r.final_steps for r in eagle_hf.last_stats().per_row)
     assert calls[:3] == [4, 4, 4]  # the first round: the prompts' catch-up, then 2 levels, for all 4 rows
     assert len(calls) <= 3 * rounds  # not 3 per row
+
+
+def test_rounds_that_catch_the_drafter_up_do_not_teach_the_controller(monkeypatch):
+    """The first drafting round reads the prompts, a probe after plain rounds reads their rows: neither is a regular
+    drafting round, and timing one as a plain round once made drafting look cheap next to plain decoding."""
+    from eagle_hf.adaptive import DraftLengthController
+
+    events = []
+    plan = tree_loop.TreeLoop.plan
+
+    def logged_plan(self, active, planned=None):
+        trees = plan(self, active, planned)
+        events.append("backlog" if any(r.sp.backlog for r in active) else "round")
+        return trees
+
+    monkeypatch.setattr(tree_loop.TreeLoop, "plan", logged_plan)
+    plan_of_rounds = iter([2, 2, 0, 0, 2, 2, 0, 2] * 4)  # drafting, plain rounds, then a probe after them
+    monkeypatch.setattr(DraftLengthController, "choose", lambda self: next(plan_of_rounds))
+    for name in ("observe_plain_round", "observe_cycle_round"):
+        original = getattr(DraftLengthController, name)
+        monkeypatch.setattr(DraftLengthController, name,
+                            lambda self, *a, _o=original, _n=name: (events.append(_n), _o(self, *a))[1])
+    target = tiny_target("llama")
+    ids, mask = left_padded([5, 9, 3, 7], seed=2)
+    target.generate(input_ids=ids, attention_mask=mask, assistant_model=tiny_drafter(target), max_new_tokens=12,
+                    do_sample=False, **MODES["tree adaptive"])
+    assert events[0] == "backlog"
+    assert events.count("backlog") >= 3  # the prompts, then two probes after plain rounds
+    assert all(not after.startswith("observe") for before, after in zip(events, events[1:]) if before == "backlog")
+    assert "observe_plain_round" in events and "observe_cycle_round" in events

@@ -93,9 +93,10 @@ class TreeLoop:
             steps, backlog = max(r.sp.eagle_depth for r in active), any(r.sp.backlog for r in active)
             before = sum(r.seq.shape[1] for r in active)
             self.verify_and_commit(active, trees)
-            if self.controller is not None:  # whole rounds teach the loop's own costs
+            if self.controller is not None and not backlog:  # whole rounds teach the loop's own costs (a
+                # drafter catching up on plain rounds' rows is neither a regular drafting round nor a plain one)
                 width = max(t.size for t in trees)
-                if width > 1 and not backlog:
+                if width > 1:
                     tokens = (sum(r.seq.shape[1] for r in active) - before) / len(active)
                     self.controller.observe_cycle_round(clock() - start, width, steps, tokens)
                 elif len(rows) > 1:  # (one row's plain rounds are timed by its speculator)
