@@ -101,10 +101,33 @@ def cmd_diagnose(args) -> int:
         torch.set_num_threads(args.threads)
     target, tok = _target(args)
     drafter, label = load_drafter(args.drafter, target)
-    report = diagnose(target, tok, drafter, settings, drafter_label=label)
-    out = report.save(args.out)
-    print(report.markdown())
-    print(f"[drafter: {label}] {report.meta['wall_s']:.0f} s; written to {out}/drift.json, drift.md and one PNG per quantity")
+    if not args.compare:
+        report = diagnose(target, tok, drafter, settings, drafter_label=label)
+        out = report.save(args.out)
+        print(report.markdown())
+        print(f"[drafter: {label}] {report.meta['wall_s']:.0f} s; written to {out}/drift.json, drift.md and one PNG "
+              "per quantity")
+        return 0
+    from .diagnose import diagnose_drafters
+    from .drift_comparison import compare_markdown, save_comparison
+
+    drafters = {label: drafter}
+    for name in args.compare:
+        other, other_label = load_drafter(name, target)
+        while other_label in drafters:
+            other_label += "'"
+        drafters[other_label] = other
+    reports = diagnose_drafters(target, tok, drafters, settings)
+    for i, (name, report) in enumerate(reports.items()):
+        report.save(Path(args.out) / f"drafter_{i}")
+        print(f"drafter_{i}: {name}")
+        print(report.markdown())
+    datas = {name: r.to_dict() for name, r in reports.items()}
+    out = save_comparison(datas, args.out)
+    print(compare_markdown(datas))
+    wall = next(iter(reports.values())).meta["wall_s"]
+    print(f"{wall:.0f} s; written to {out}: compare.md, compare.json, comparison.png, and each drafter's report in "
+          "drafter_<i>/")
     return 0
 
 
@@ -181,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--dtype", default="bfloat16", choices=dtypes, help="the target's dtype")
     x.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (0: torch's default); 1 is much faster on a CPU shared with other jobs")
+    x.add_argument("--compare", action="append", default=[], metavar="DRAFTER",
+                   help="another drafter (repeatable) replayed over the same target paths: a paired comparison with "
+                        "--drafter (e.g. a matched EAGLE-3 drafter), written as compare.md and comparison.png")
     x.add_argument("--out", default="drift_results", help="folder for drift.json, drift.md and the PNGs")
     x.set_defaults(func=cmd_diagnose)
 

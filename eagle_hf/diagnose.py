@@ -512,8 +512,27 @@ def diagnose(target, tokenizer, drafter: EagleDrafter, settings: DiagnoseSetting
     Everything is checked before any model compute: the settings, the drafter against the target, the chat
     template and every run's length against the target's context window.
     """
+    label = drafter_label or drafter.config.name_or_path or "drafter"
+    return diagnose_drafters(target, tokenizer, {label: drafter}, settings, progress=progress, **overrides)[label]
+
+
+def diagnose_drafters(target, tokenizer, drafters: dict[str, EagleDrafter], settings: DiagnoseSettings | None = None,
+                      *, progress: bool = True, **overrides) -> dict[str, DriftReport]:
+    """`diagnose` for several drafters of one target (label -> drafter), replayed over the same target paths:
+    the target decodes each run once, so the drafters are compared on identical rounds' contexts (a paired
+    comparison: `compare_markdown`, `plot_comparison`)."""
     settings = DiagnoseSettings(**{**(asdict(settings) if settings else {}), **overrides}).validate()
-    aux_ids = check_compatible(target, drafter)
+    if not drafters:
+        raise DiagnoseError("No drafter given: pass at least one (label -> EagleDrafter).")
+    aux_ids = None
+    for label, drafter in drafters.items():
+        ids = check_compatible(target, drafter)
+        if aux_ids is not None and ids != aux_ids:
+            raise DiagnoseError(
+                f"Drafter {label!r} reads target layers {ids}, the first one {aux_ids}: drafters compared over the "
+                "same target paths must read the same layers. Diagnose them one at a time instead."
+            )
+        aux_ids = ids
     prompts = ([(str(i), t) for i, t in enumerate(settings.prompts)] if isinstance(settings.prompts, list)
                else load_prompt_set(settings.prompts))
     prompts = prompts[: settings.limit] if settings.limit else prompts
@@ -528,38 +547,49 @@ def diagnose(target, tokenizer, drafter: EagleDrafter, settings: DiagnoseSetting
             f"The longest run has {longest} prompt tokens; with max_new_tokens={settings.max_new_tokens} it exceeds "
             f"the target's context window of {window}. Lower long_context_tokens or max_new_tokens."
         )
-    prepare_drafter(target, drafter)
+    for drafter in drafters.values():
+        prepare_drafter(target, drafter)
     eos = target.generation_config.eos_token_id
     eos_ids = set([eos] if isinstance(eos, int) else list(eos or []))
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
-    results = {c: _new_condition(drafter, settings.depth) for c in settings.conditions}
-    records, stores = [], {c: PrefixStore() for c in settings.conditions}
+    results = {label: {c: _new_condition(d, settings.depth) for c in settings.conditions} for label, d in drafters.items()}
+    records: dict[str, list[dict]] = {label: [] for label in drafters}
+    stores = {c: PrefixStore() for c in settings.conditions}
     start = time.perf_counter()
     for run in tqdm(runs, desc="diagnose (prompts x conditions)", disable=not progress):
         tokens, aux = greedy_path(target, run.input_ids, aux_ids, settings.max_new_tokens, eos_ids, run.shared,
                                   stores[run.condition])
-        acc = results[run.condition]
-        n = replay_rounds(drafter, tokens, aux, run.input_ids.shape[1], acc, settings.depth, settings.sink_tokens)
         generated = tokens.shape[1] - run.input_ids.shape[1]
-        acc.runs += 1
-        acc.context_tokens.append(run.input_ids.shape[1])
-        acc.generated_tokens += generated
-        records.append({"prompt_id": run.prompt_id, "condition": run.condition, "variant": run.variant,
-                        "context_tokens": run.input_ids.shape[1], "generated_tokens": generated, "rounds": n})
-        logger.info("%s / %s (%s): %d context tokens, %d generated, %d rounds", run.prompt_id, run.condition,
-                    run.variant, run.input_ids.shape[1], generated, n)
+        for label, drafter in drafters.items():
+            acc = results[label][run.condition]
+            accepted_before = sum(acc.accepted)
+            n = replay_rounds(drafter, tokens, aux, run.input_ids.shape[1], acc, settings.depth, settings.sink_tokens)
+            acc.runs += 1
+            acc.context_tokens.append(run.input_ids.shape[1])
+            acc.generated_tokens += generated
+            records[label].append({"prompt_id": run.prompt_id, "condition": run.condition, "variant": run.variant,
+                                   "context_tokens": run.input_ids.shape[1], "generated_tokens": generated,
+                                   "rounds": n, "accepted": sum(acc.accepted) - accepted_before})
+            logger.info("%s: %s / %s (%s): %d context tokens, %d generated, %d rounds", label, run.prompt_id,
+                        run.condition, run.variant, run.input_ids.shape[1], generated, n)
     wall = time.perf_counter() - start
-    meta = {
-        "target": getattr(target, "name_or_path", None) or "target",
-        "drafter": drafter_label or drafter.config.name_or_path or "drafter",
-        "eagle31": {"fc_norm": bool(drafter.config.fc_norm), "norm_output": bool(drafter.config.norm_output)},
-        "aux_layer_ids": aux_ids,
-        "prompts": len(prompts),
-        "prompt_ids": [pid for pid, _ in prompts],
-        "system_prompts": SYSTEM_PROMPTS if "system" in settings.conditions else None,
-        "dtype": str(target.dtype),
-        "wall_s": wall,
-        "machine": {"torch": torch.__version__, "platform": platform.platform(), "threads": torch.get_num_threads()},
-    }
-    return DriftReport(settings=asdict(settings), meta=meta, conditions=results, runs=records)
+    reports = {}
+    for label, drafter in drafters.items():
+        meta = {
+            "target": getattr(target, "name_or_path", None) or "target",
+            "drafter": label,
+            "eagle31": {"fc_norm": bool(drafter.config.fc_norm), "norm_output": bool(drafter.config.norm_output)},
+            "aux_layer_ids": aux_ids,
+            "prompts": len(prompts),
+            "prompt_ids": [pid for pid, _ in prompts],
+            "system_prompts": SYSTEM_PROMPTS if "system" in settings.conditions else None,
+            "dtype": str(target.dtype),
+            "wall_s": wall,
+            "drafters_in_run": list(drafters),
+            "machine": {"torch": torch.__version__, "platform": platform.platform(),
+                        "threads": torch.get_num_threads()},
+        }
+        reports[label] = DriftReport(settings=asdict(settings), meta=meta, conditions=results[label],
+                                     runs=records[label])
+    return reports

@@ -215,3 +215,66 @@ def test_shared_prefix_prefilled_once_gives_the_same_path(parts):
         assert plain[1].shape == reused[1].shape == (1, plain[0].shape[1] - 1, 3 * 64)
         torch.testing.assert_close(plain[1], reused[1], rtol=1e-4, atol=1e-4)
     assert store.ids.shape[1] == long[0].shared
+
+
+# ------------------------------------------------------------------------------------ drafters side by side
+def test_drafters_replayed_over_the_same_paths_pair_up(parts, tmp_path):
+    """Two drafters in one call: the target decodes each run once; a drafter equal to the reference differs by
+    exactly 0 in every pair, an EAGLE-3 drafter (flags off) gets its own measurements; files are written."""
+    from eagle_hf.diagnose import diagnose_drafters
+    from eagle_hf.drift_comparison import compare, compare_markdown, save_comparison
+
+    target, tok, drafter = parts
+    eagle3 = tiny_drafter(target, seed=3, fc_norm=False, norm_output=False)
+    reports = diagnose_drafters(target, tok, {"3.1": drafter, "same": drafter, "3": eagle3}, prompts=PROMPTS,
+                                max_new_tokens=14, depth=3, long_context_tokens=48, progress=False)
+    datas = {k: r.to_dict() for k, r in reports.items()}
+    alone = _run(parts).to_dict()
+    assert datas["3.1"]["conditions"] == alone["conditions"]  # the same numbers as the diagnostic of one drafter
+    for d in datas.values():
+        for cond, c in d["conditions"].items():
+            assert sum(r["accepted"] for r in d["runs"] if r["condition"] == cond) == sum(c["accepted"])
+    assert datas["3"]["meta"]["eagle31"] == {"fc_norm": False, "norm_output": False}
+    assert datas["3"]["conditions"]["clean"]["fused_inputs"]["tap_norm_after_fc_norm"] is None
+    result = compare(datas)
+    for cond, row in result["conditions"].items():
+        same = row["paired"]["same"]
+        assert same["runs"] == len(PROMPTS) and same["mean_difference"] == 0.0 and same["wins"] == same["losses"] == 0
+        assert row["paired"]["3"]["runs"] == len(PROMPTS)
+    table = compare_markdown(datas)
+    assert "τ 3.1 | τ same | τ 3" in table and table.count("\n") == 2 + len(CONDITIONS)
+    out = save_comparison(datas, tmp_path / "cmp")
+    assert json.loads((out / "compare.json").read_text()) == json.loads(json.dumps(result))
+    assert (out / "comparison.png").stat().st_size > 10_000
+
+
+def test_drafters_reading_other_layers_are_refused_before_compute(parts, monkeypatch):
+    from eagle_hf import diagnose as diag
+
+    target, tok, drafter = parts
+    other = tiny_drafter(target, seed=4)
+    other.config.aux_layer_ids = [0, 1, 2] if drafter.config.aux_layer_ids != [0, 1, 2] else [0, 1, 3]
+    monkeypatch.setattr(diag, "greedy_path", lambda *a, **k: (_ for _ in ()).throw(AssertionError("computed")))
+    with pytest.raises(DiagnoseError, match="must read the same layers"):
+        diag.diagnose_drafters(target, tok, {"a": drafter, "b": other}, prompts=PROMPTS, progress=False)
+
+
+def test_cli_compare_writes_both_reports_and_the_comparison(parts, tmp_path, monkeypatch, capsys):
+    from eagle_hf import default
+    from eagle_hf.cli import main
+
+    target, tok, drafter = parts
+    eagle3 = tiny_drafter(target, seed=3, fc_norm=False, norm_output=False)
+    monkeypatch.setattr(default, "load_target", lambda *a, **k: (target, tok))
+    monkeypatch.setattr(default, "load_drafter",
+                        lambda name, *a, **k: (eagle3, "tiny EAGLE-3") if name == "e3" else (drafter, "tiny EAGLE-3.1"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "turns": [t]}) + "\n" for i, t in enumerate(PROMPTS)))
+    out = tmp_path / "out"
+    rc = main(["diagnose", "--prompts", str(prompts), "--limit", "2", "--depth", "3", "--max-new-tokens", "12",
+               "--long-context-tokens", "40", "--compare", "e3", "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "τ tiny EAGLE-3.1 | τ tiny EAGLE-3 |" in printed
+    assert (out / "compare.md").is_file() and (out / "comparison.png").is_file()
+    assert json.loads((out / "drafter_1" / "drift.json").read_text())["meta"]["drafter"] == "tiny EAGLE-3"
