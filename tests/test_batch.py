@@ -352,3 +352,26 @@ def test_rounds_that_catch_the_drafter_up_do_not_teach_the_controller(monkeypatc
     assert events.count("backlog") >= 3  # the prompts, then two probes after plain rounds
     assert all(not after.startswith("observe") for before, after in zip(events, events[1:]) if before == "backlog")
     assert "observe_plain_round" in events and "observe_cycle_round" in events
+
+
+def test_the_head_computes_logits_only_for_real_tree_nodes(monkeypatch):
+    """Trees padded to the widest: the output head runs on the real nodes alone, the padded ones come out 0, and
+    the head is itself again afterwards."""
+    from eagle_hf.hf.models import head_on_positions
+
+    target = tiny_target("llama")
+    head = target.get_output_embeddings()
+    hidden = torch.randn(3, 5, target.config.hidden_size)
+    keep = torch.arange(5) < torch.tensor([5, 2, 1])[:, None]  # [3, 5]
+    seen, linear = [], torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *a: (seen.append(x.shape[:-1]), linear(x, *a))[1])
+    with head_on_positions(target, keep):
+        out = head(hidden)
+        other = head(hidden[:, :1])  # another shape: unchanged
+    monkeypatch.undo()
+    assert seen == [torch.Size([1, 8]), torch.Size([3, 1])]  # the matrix product ran on the 8 real nodes of 15
+    full = head(hidden)
+    torch.testing.assert_close(out[keep], full[keep])
+    assert bool((out[~keep] == 0).all())
+    torch.testing.assert_close(other, full[:, :1])
+    assert "forward" not in head.__dict__

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 
@@ -23,3 +26,35 @@ def rope_init(config) -> tuple[torch.Tensor, float]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     return ROPE_INIT_FUNCTIONS[config.rope_parameters["rope_type"]](config, None)
+
+
+@contextmanager
+def head_on_positions(target, keep: torch.Tensor | None) -> Iterator[None]:
+    """While active, the target's output head computes logits only at the positions `keep` ([B, N] bool) of its
+    [B, N, H] input; the others come out as 0. A batch's draft trees are padded to the widest, and the padded
+    nodes' logits are never read: on a small model the head is a fifth of a forward's compute. The head itself
+    runs (once, on the kept rows), so quantized or hooked heads work, and the model's elementwise steps after it
+    (soft-capping, scaling) still apply. Inputs of any other shape pass through unchanged."""
+    head = target.get_output_embeddings()
+    if keep is None or head is None or bool(keep.all()):
+        yield
+        return
+    own = head.__dict__.get("forward")  # an instance-level forward (e.g. accelerate's hooks) to restore
+    original = head.forward
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[:2] != keep.shape:
+            return original(hidden)
+        kept = original(hidden[keep][None])[0]  # [R, V] the real positions only
+        out = kept.new_zeros(*keep.shape, kept.shape[-1])  # [B, N, V]
+        out[keep] = kept
+        return out
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own

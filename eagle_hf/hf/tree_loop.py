@@ -26,6 +26,7 @@ from ..speculation import Speculator, draft_round
 from ..tree import DraftTree
 from ..verification import process_logits, verify
 from .cache import check_tree_cache, commit_paths, regather_cache, select_cache, tree_attention_mask
+from .models import head_on_positions
 from .stopping import eos_ids
 
 logger = logging.getLogger(__name__)
@@ -157,26 +158,28 @@ class TreeLoop:
             mask = tree_attention_mask(trees, self.valid, self.target.dtype)  # [B, 1, N, L + N]
         elif not bool(self.valid.all()):  # plain steps with holes: a 2D mask, as plain generate() passes padding
             mask = torch.cat([self.valid, self.valid.new_ones(len(trees), 1)], 1).long()  # [B, L + 1]
+        real = None if width == 1 else torch.arange(width) < torch.tensor([t.size for t in trees])[:, None]  # [B, N]
         clock = self.speculators[0].clock
         start = clock()
-        out = self.forward(tokens, attention_mask=mask, position_ids=positions.to(device), all_rows=width > 1)
+        with head_on_positions(self.target, None if real is None else real.to(device)):  # padding needs no logits
+            out = self.forward(tokens, attention_mask=mask, position_ids=positions.to(device), all_rows=width > 1)
         if self.controller is not None:
             self.controller.observe_verify(width, clock() - start)
-        raw = out.logits.float()  # [B, N, V] (N = 1 for plain steps)
         rounds = []
         for b, (row, tree) in enumerate(zip(active, trees)):
+            raw = out.logits[b, : tree.size].float()  # [n, V] (n = 1 for plain steps)
             paths = [tree.path_tokens(n) for n in range(tree.size)] if len(self.logits_processor) else []
-            node_logits = process_logits(self.logits_processor, row.seq, paths, raw[b, : tree.size])  # [n, V]
+            node_logits = process_logits(self.logits_processor, row.seq, paths, raw)  # [n, V]
             path, bonus = verify(tree, node_logits, self.do_sample)
             proposed = [int(tree.tokens[n]) for n in path[1:]] + [bonus]
             new = self.cut(row, proposed)  # cut at EOS, max_length and stopping criteria, as plain decoding stops
-            rounds.append((new, path[: len(new)], node_logits, len(new) < len(proposed)))
-        self.valid = torch.cat([self.valid, commit_paths(self.cache, past_len, [keep for _, keep, _, _ in rounds])], 1)
+            rounds.append((new, path[: len(new)], raw, node_logits, len(new) < len(proposed)))
+        self.valid = torch.cat([self.valid, commit_paths(self.cache, past_len, [r[1] for r in rounds])], 1)
         aux = gather_aux(out.hidden_states, self.aux_ids) if self.uses_eagle else None  # [B, N, A*H_t]
-        for b, (row, (new, keep, node_logits, cut)) in enumerate(zip(active, rounds)):
+        for b, (row, (new, keep, raw, node_logits, cut)) in enumerate(zip(active, rounds)):
             if aux is not None:  # the kept nodes' features, each with the token that follows it
                 row.sp.commit(aux[b : b + 1, keep], torch.tensor([new], device=device), position=row.position)
-            self.keep_outputs(row, node_logits[keep], raw[b, keep], out.hidden_states, b, keep)
+            self.keep_outputs(row, node_logits[keep], raw[keep], out.hidden_states, b, keep)
             row.position += len(new)
             self.append(row, new)
             row.sp.record(len(new) - 1, row.token, path=keep, cut=cut)
