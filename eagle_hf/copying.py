@@ -15,7 +15,7 @@ doubles with each failed probe.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 #: occurrences scanned per suffix length (the most recent first): bounds a lookup's cost at any context length
@@ -105,10 +105,13 @@ class Branch:
 class CopySource:
     """Proposes this round's copy branches, sized by expected gain, and learns from their outcomes.
 
-    `marginal_cost(n)`: the extra cost of verifying `n` more tokens, in one-token target forwards."""
+    `marginal_cost(n)`: the extra cost of verifying `n` more tokens, in one-token target forwards.
+    `stop_tokens`: a branch ends at the first of them (EOS: nothing after it is ever emitted; a copy of an earlier
+    turn would otherwise run on into the next turn's header)."""
 
     def __init__(self, max_ngram: int, length: int, num_branches: int, marginal_cost: Callable[[int], float],
-                 probe_every: int = 16, max_probe_every: int = 64):
+                 probe_every: int = 16, max_probe_every: int = 64, stop_tokens: Collection[int] = ()):
+        self.stop_tokens = frozenset(stop_tokens)
         self.index = CopyIndex(max_ngram)
         self.acceptance = CopyAcceptance(max_ngram)
         self.length, self.num_branches, self.marginal_cost = length, num_branches, marginal_cost
@@ -125,6 +128,7 @@ class CopySource:
         matches = self.index.matches(self.num_branches, min(self.length, room))
         probing = False
         for tokens, match in matches:
+            tokens = _through_stop(tokens, self.stop_tokens)
             n = 0
             while not probe_only and n < len(tokens) and self.acceptance.reach(match, n) > self.marginal_cost(verified):
                 n, verified = n + 1, verified + 1
@@ -147,3 +151,11 @@ class CopySource:
         if self.branches:
             hit = any(accepted)
             self._wait = self.probe_every if hit else min(2 * self._wait, self.max_probe_every)
+
+
+def _through_stop(tokens: list[int], stop_tokens: frozenset[int]) -> list[int]:
+    """`tokens` up to and including the first stop token."""
+    for i, t in enumerate(tokens):
+        if t in stop_tokens:
+            return tokens[: i + 1]
+    return tokens

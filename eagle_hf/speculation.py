@@ -54,6 +54,7 @@ class Speculator:
         clock: Clock | None = None,
         row: int | None = None,
         state: DraftState | None = None,
+        stop_tokens: Sequence[int] = (),
     ):
         self.drafter, self.settings, self.stats, self.controller = drafter, settings, stats, controller
         self.row = row  # the batch row this speculator drafts for (None: batch size 1)
@@ -64,7 +65,8 @@ class Speculator:
         self.slot = 0 if row is None else row
         self._started = False  # whether a real row was committed yet
         self.copy = CopySource(settings.copy_ngram, settings.copy_length, settings.copy_branches,
-                               self._marginal_cost, settings.probe_every) if settings.uses_copy else None
+                               self._marginal_cost, settings.probe_every,
+                               stop_tokens=stop_tokens) if settings.uses_copy else None
         self.depth = settings.depth  # the fixed (or heuristic) schedule's depth
         self.round = "prefill"
         self.eagle_depth = 0  # the drafter's depth this round (0: only copy branches, or a plain step)

@@ -63,6 +63,14 @@ def test_a_reliable_source_earns_long_branches_and_a_failing_one_is_dropped_then
     assert 0 < sum(rounds) < 10  # mostly dropped, probed now and then
 
 
+def test_a_branch_ends_at_an_eos_token():
+    """Nothing after an EOS is ever emitted: a copy of an earlier turn stops at its end instead of running on into
+    the next turn's header."""
+    src = CopySource(max_ngram=3, length=12, num_branches=1, marginal_cost=lambda n: 0.0, stop_tokens={99})
+    src.index.extend([5, 6, 7, 8, 99, 1, 2, 3, 5, 6])  # (5, 6) continues with 7, 8, then EOS, then the next turn
+    assert src.propose(room=50, verified=1)[0].tokens == [7, 8, 99]
+
+
 def test_graft_shares_prefixes_and_marks_sources():
     tree = DraftTree(torch.tensor([5, 8, 9, 4]), torch.tensor([-1, 0, 0, 1]), torch.tensor([0.0, -0.1, -2.0, -0.5]))
     grafted = tree.graft([[8, 6, 7], [3]], [[-0.2] * 3, [-0.3]])
@@ -91,6 +99,20 @@ def test_copy_drafting_is_exact_greedy(mode, sources):
     if sources == "copy":  # (with both, a random drafter mostly rests beside a reliable copy: not asserted)
         assert "eagle" not in s.drafted_by_source and s.drafter_time == 0
     assert s.accepted == sum(s.accepted_per_position)
+
+
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_generate_hands_the_eos_ids_to_the_copy_source(monkeypatch, mode):
+    from eagle_hf import copying
+
+    seen = []
+    init = copying.CopySource.__init__
+    monkeypatch.setattr(copying.CopySource, "__init__",
+                        lambda self, *a, **k: (seen.append(set(k.get("stop_tokens", ()))), init(self, *a, **k))[1])
+    target = tiny_target("llama")
+    target.generate(REPEAT, max_new_tokens=4, do_sample=False, eos_token_id=[7, 11], draft_mode=mode,
+                    draft_sources="copy")
+    assert seen == [{7, 11}]
 
 
 def test_copy_alone_needs_no_drafter():

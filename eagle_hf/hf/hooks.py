@@ -30,7 +30,7 @@ from .call import (
 )
 from .cache import tree_unsupported_reason
 from .candidate import EagleCandidateGenerator
-from .stopping import trim_at_stopping_criteria
+from .stopping import eos_ids, trim_at_stopping_criteria
 from .tree_loop import tree_custom_generate
 from .version import check_transformers_version
 
@@ -132,14 +132,16 @@ def _run(self, kwargs: dict, call: EagleCall):
     return out
 
 
-def speculators_for(target, rows: int = 1) -> tuple[EagleCall, list[Speculator]]:
+def speculators_for(target, rows: int = 1, stop_tokens=()) -> tuple[EagleCall, list[Speculator]]:
     """The active call and a fresh speculator per batch row (one set per decoding loop); a batch's rows record
-    into stats of their own (merged by `finish_rows`) and share the call's controller."""
+    into stats of their own (merged by `finish_rows`) and share the call's controller. `stop_tokens`: the EOS
+    ids, where copy branches end."""
     call = active_call()
     stats = [call.stats] if rows == 1 else [SpecDecodeStats() for _ in range(rows)]
     state = DraftState(positions=[0] * rows)  # the drafter's cache: one for the batch, drafted together
     return call, [Speculator(call.drafter, call.settings, s, call.controller, call.listeners, clock=Clock(target.device),
-                             row=None if rows == 1 else b, state=state) for b, s in enumerate(stats)]
+                             row=None if rows == 1 else b, state=state, stop_tokens=stop_tokens)
+                             for b, s in enumerate(stats)]
 
 
 def finish_rows(call: EagleCall, speculators: list[Speculator], new_tokens: list[int]) -> None:
@@ -175,7 +177,7 @@ def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, 
                              assistant_model=None, **kwargs):
     call = active_call()
     if isinstance(assistant_model, EagleDrafter) and call is not None:
-        _, (speculator,) = speculators_for(self)
+        _, (speculator,) = speculators_for(self, stop_tokens=eos_ids(generation_config))
         return EagleCandidateGenerator(generation_config, logits_processor, call, speculator)
     return _original_get_candidate_generator(
         self, generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,

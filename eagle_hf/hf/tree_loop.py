@@ -271,7 +271,7 @@ def tree_custom_generate(model, input_ids, logits_processor, stopping_criteria, 
     from .hooks import finish_rows, speculators_for
 
     cache = model_kwargs.get("past_key_values")
-    call, speculators = speculators_for(model, input_ids.shape[0])
+    call, speculators = speculators_for(model, input_ids.shape[0], eos_ids(generation_config))
     loop = TreeLoop(model, speculators, call.aux_ids, cache, logits_processor, stopping_criteria, generation_config,
                     call.streamer)
     seq, rows = loop.run(input_ids, model_kwargs.get("attention_mask"))
