@@ -275,11 +275,6 @@ def shown_nodes(tree: DraftTree, path: list[int]) -> list[int]:
     return nodes
 
 
-def shown_drafts(tree: DraftTree, path: list[int]) -> list[int]:
-    """The tokens of `shown_nodes`."""
-    return [int(tree.tokens[n]) for n in shown_nodes(tree, path)]
-
-
 def _per_source(tree: DraftTree, depths: torch.Tensor, path: list[int]) -> dict[str, tuple[int, list[int], list[int]]]:
     """Per source: (nodes drafted, depths it drafted at, depths of accepted nodes it proposed); depths from 1."""
     out = {}
