@@ -45,9 +45,10 @@ def head_on_positions(target, keep: torch.Tensor | None) -> Iterator[None]:
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[:2] != keep.shape:
             return original(hidden)
-        kept = original(hidden[keep][None])[0]  # [R, V] the real positions only
+        where = keep.to(hidden.device)  # (a target split over devices has its head on the last one)
+        kept = original(hidden[where][None])[0]  # [R, V] the real positions only
         out = kept.new_zeros(*keep.shape, kept.shape[-1])  # [B, N, V]
-        out[keep] = kept
+        out[where] = kept
         return out
 
     head.forward = forward
