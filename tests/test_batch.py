@@ -375,3 +375,19 @@ def test_the_head_computes_logits_only_for_real_tree_nodes(monkeypatch):
     assert bool((out[~keep] == 0).all())
     torch.testing.assert_close(other, full[:, :1])
     assert "forward" not in head.__dict__
+
+
+def test_per_step_outputs_are_kept_only_when_asked_for(monkeypatch):
+    """Every step's [1, V] float scores, kept for a return nobody asked for, add up (49k floats per token)."""
+    kept = []
+    run = tree_loop.TreeLoop.run
+    monkeypatch.setattr(tree_loop.TreeLoop, "run", lambda self, *a: (out := run(self, *a), kept.append(out[1]))[0])
+    target = tiny_target("llama")
+    ids, mask = left_padded([5, 9], seed=1)
+    for scores in (False, True):
+        out = target.generate(input_ids=ids, attention_mask=mask, assistant_model=tiny_drafter(target),
+                              max_new_tokens=6, do_sample=False, output_scores=scores, return_dict_in_generate=True,
+                              **MODES["tree"])
+        assert (out.scores is not None) == scores
+    assert all(not r.emitted.scores and not r.emitted.logits for r in kept[0])
+    assert all(len(r.emitted.scores) == 6 for r in kept[1])

@@ -68,6 +68,7 @@ class TreeLoop:
         self.pad = int(pad) if pad is not None else (min(self.eos) if self.eos else 0)
         self.keep_hidden = bool(generation_config.output_hidden_states)
         self.keep_logits = bool(generation_config.output_logits)
+        self.keep_scores = bool(generation_config.output_scores and generation_config.return_dict_in_generate)
         settings = speculators[0].settings
         self.uses_eagle = settings.uses_eagle  # copy drafting alone needs no target features
         self.request = True if self.keep_hidden else (hidden_state_request(self.aux_ids) if self.uses_eagle else None)
@@ -179,7 +180,7 @@ class TreeLoop:
         for b, (row, (new, keep, raw, node_logits, cut)) in enumerate(zip(active, rounds)):
             if aux is not None:  # the kept nodes' features, each with the token that follows it
                 row.sp.commit(aux[b : b + 1, keep], torch.tensor([new], device=device), position=row.position)
-            self.keep_outputs(row, node_logits[keep], raw[keep], out.hidden_states, b, keep)
+            self.keep_outputs(row, node_logits, raw, out.hidden_states, b, keep)
             row.position += len(new)
             self.append(row, new)
             row.sp.record(len(new) - 1, row.token, path=keep, cut=cut)
@@ -229,14 +230,19 @@ class TreeLoop:
         ids = torch.cat([seq, torch.tensor([new], device=seq.device, dtype=seq.dtype)], 1)
         return any(bool(torch.as_tensor(c(ids, None)).all()) for c in self.criteria)
 
-    def keep_outputs(self, row: Row, scores, raw, hidden_states, b: int, nodes) -> None:
-        for i in range(scores.shape[0]):
-            row.emitted.scores.append(scores[i : i + 1])
+    def keep_outputs(self, row: Row, scores, raw, hidden_states, b: int, nodes: list[int] | None) -> None:
+        """What generate() returns per step, only where asked for (every step's [1, V] float logits add up).
+        scores, raw: [n, V] per tree node (nodes: the emitted ones) or [1, V] for the prefill (nodes None)."""
+        if not (self.keep_scores or self.keep_logits or self.keep_hidden):
+            return
+        for n in nodes if nodes is not None else range(scores.shape[0]):
+            if self.keep_scores:
+                row.emitted.scores.append(scores[n : n + 1])
             if self.keep_logits:
-                row.emitted.logits.append(raw[i : i + 1])
+                row.emitted.logits.append(raw[n : n + 1])
             if self.keep_hidden:
                 row.emitted.hidden_states.append(
-                    tuple(h[b : b + 1] if nodes is None else h[b : b + 1, nodes[i] : nodes[i] + 1] for h in hidden_states))
+                    tuple(h[b : b + 1] if nodes is None else h[b : b + 1, n : n + 1] for h in hidden_states))
 
     def append(self, row: Row, new: list[int]) -> None:
         row.sp.extend_context(new)
