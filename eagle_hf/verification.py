@@ -88,5 +88,6 @@ def verify(tree: DraftTree, node_logits: torch.Tensor, do_sample: bool) -> tuple
     """Accept from processed target logits [N+1, V]: (accepted node path, root first; the token that follows)."""
     if do_sample:
         return accept_sampling(tree, torch.softmax(node_logits.float(), -1))
-    path = accept_greedy(tree, node_logits.argmax(-1))
-    return path, int(node_logits[path[-1]].argmax())
+    target_tokens = node_logits.argmax(-1)  # [N+1]
+    path = accept_greedy(tree, target_tokens)
+    return path, int(target_tokens[path[-1]])
