@@ -455,7 +455,7 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
 def load_everything(target_name: str, drafter_name: str, drafter_eagle3: str | None, dtype: str):
     target, tok = eagle_hf.load_target(target_name, dtype=getattr(torch, dtype))
     drafter, label = eagle_hf.load_drafter(drafter_name, target)
-    version = "EAGLE-3.1" if drafter.config.fc_norm and drafter.config.norm_output else "EAGLE-3"
+    version = drafter.config.version
     drafters = {f"{version} ({label})": drafter}
     if drafter_eagle3:
         d3, label3 = eagle_hf.load_drafter(drafter_eagle3, target)

@@ -111,9 +111,10 @@ def cmd_diagnose(args) -> int:
     from .diagnose import diagnose_drafters
     from .drift_comparison import compare_markdown, save_comparison
 
-    drafters = {label: drafter}
+    drafters = {f"{drafter.config.version} ({label})": drafter}
     for name in args.compare:
         other, other_label = load_drafter(name, target)
+        other_label = f"{other.config.version} ({other_label})"
         while other_label in drafters:
             other_label += "'"
         drafters[other_label] = other

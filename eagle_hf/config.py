@@ -127,6 +127,13 @@ class EagleConfig(PretrainedConfig):
     def is_eagle31(self) -> bool:
         return self.fc_norm and self.norm_output
 
+    @property
+    def version(self) -> str:
+        """"EAGLE-3.1" (both flags), "EAGLE-3" (neither), or EAGLE-3 with the one flag it has."""
+        if self.is_eagle31 or not (self.fc_norm or self.norm_output):
+            return "EAGLE-3.1" if self.is_eagle31 else "EAGLE-3"
+        return f"EAGLE-3 + {'fc_norm' if self.fc_norm else 'norm_output'}"
+
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
         # vLLM / SGLang read the aux ids from `eagle_config`; omit them when they are the default triple,

@@ -275,6 +275,6 @@ def test_cli_compare_writes_both_reports_and_the_comparison(parts, tmp_path, mon
                "--long-context-tokens", "40", "--compare", "e3", "--out", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "τ tiny EAGLE-3.1 | τ tiny EAGLE-3 |" in printed
+    assert "τ EAGLE-3.1 (tiny EAGLE-3.1) | τ EAGLE-3 (tiny EAGLE-3) |" in printed
     assert (out / "compare.md").is_file() and (out / "comparison.png").is_file()
-    assert json.loads((out / "drafter_1" / "drift.json").read_text())["meta"]["drafter"] == "tiny EAGLE-3"
+    assert json.loads((out / "drafter_1" / "drift.json").read_text())["meta"]["drafter"] == "EAGLE-3 (tiny EAGLE-3)"

@@ -72,6 +72,6 @@ def cmd_train(args) -> int:
     init = validate_run(run)  # bad files, folders or flags fail here, before the target is loaded
     target, tok = load_target(args.target, dtype=getattr(torch, args.dtype))
     drafter = run_training(target, tok, args.out, run, init=init)
-    version = "EAGLE-3.1" if drafter.config.fc_norm and drafter.config.norm_output else "EAGLE-3"
+    version = drafter.config.version
     print(f"Saved {version} drafter to {args.out}")
     return 0

@@ -64,7 +64,7 @@ def plot_curve(out: Path, name: str = "training_curve.png") -> Path | None:
 def write_model_card(out: Path, target_name: str, config, result: dict, coverage: float,
                      acceptance_table: str | None = None, notes: str = "") -> Path:
     """README.md with Hub metadata: what the drafter is, how to load it, its training and acceptance."""
-    version = "EAGLE-3.1" if config.fc_norm and config.norm_output else "EAGLE-3"
+    version = config.version
     evals = result.get("eval_step_accuracy") or []
     acc = ", ".join(f"{a:.2f}" for a in evals)
     best = result.get("best") or {}
@@ -75,7 +75,7 @@ library_name: eagle-hf
 tags:
 - eagle3
 - speculative-decoding
-- {version.lower()}
+- {'eagle-3.1' if config.is_eagle31 else 'eagle-3'}
 datasets:
 - anon8231489123/ShareGPT_Vicuna_unfiltered
 pipeline_tag: text-generation
