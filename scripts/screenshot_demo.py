@@ -8,6 +8,9 @@ per-source statistics.
 
     python scripts/screenshot_demo.py                       # writes docs/demo.png
     python scripts/screenshot_demo.py --prompt-id 3 --max-new-tokens 256 --out /tmp/demo.png
+    # the EAGLE-3 / EAGLE-3.1 switch with the matched pair (scripts/train_matched_pair.sh), EAGLE-3 selected
+    python scripts/screenshot_demo.py --drafter runs/pair_eagle31/best --drafter-eagle3 runs/pair_eagle3/best \
+        --pick 1 --prompt-set mt_bench --out /tmp/demo_pair.png
 
 Needs gradio, playwright and a Chromium (Debian's `chromium`, or `--chromium PATH`).
 """
@@ -42,6 +45,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="default", help="'default' (the embedded SmolLM2) or a Hub id / folder")
     p.add_argument("--drafter", default="default", help="'default' (the shipped drafter), a folder or a Hub id")
+    p.add_argument("--drafter-eagle3", default=None,
+                   help="an EAGLE-3 drafter for the demo's drafter switch (e.g. runs/pair_eagle3/best)")
+    p.add_argument("--pick", type=int, default=0, help="which drafter the switch selects (0: --drafter, 1: --drafter-eagle3)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--prompt-set", default="code_edit", help="a shipped prompt set or a JSONL file")
     p.add_argument("--prompt-id", type=int, default=0, help="index of the prompt in the set")
@@ -60,7 +66,8 @@ def main(argv=None) -> int:
 
     from playwright.sync_api import sync_playwright
 
-    target, tok, drafters = app.load_everything(args.target, args.drafter, None, args.dtype)
+    target, tok, drafters = app.load_everything(args.target, args.drafter, args.drafter_eagle3, args.dtype)
+    picked = list(drafters)[args.pick]
     prompts = load_prompt_set(args.prompt_set)
     text = prompts[args.prompt_id][1]
     if not isinstance(text, str):
@@ -69,7 +76,7 @@ def main(argv=None) -> int:
     enc = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)
     start = time.perf_counter()
-    target.generate(**enc, assistant_model=next(iter(drafters.values())), max_new_tokens=16, do_sample=False)
+    target.generate(**enc, assistant_model=drafters[picked], max_new_tokens=16, do_sample=False)
     logger.info("warm-up call: %.1f s", time.perf_counter() - start)
 
     demo = app.build_demo(target, tok, drafters)
@@ -87,6 +94,8 @@ def main(argv=None) -> int:
             box.press("Enter")
             page.get_by_label(args.mode, exact=True).check()
             page.get_by_label(args.sources, exact=True).check()
+            if len(drafters) > 1:
+                page.get_by_label(picked, exact=True).check()
             page.locator("#prompt textarea").fill(text)
             page.locator("#send").click()
             page.wait_for_function(JS_DONE, timeout=30 * 60_000, polling=500)
