@@ -155,6 +155,7 @@ def summarize(per_mode: dict, n_prompts: int) -> dict:
             "tok_s_iqr": [q[0], q[2]],
             "speedup_median": statistics.median(ratios),
             "speedup_total": (rec["tokens"] / rec["time"]) / (per_mode["plain"]["tokens"] / per_mode["plain"]["time"]),
+            "speedups": ratios,  # per prompt (or batch), in prompt order: runs compare prompt by prompt
             "mismatches": rec["mismatches"],
         }
         if rec["stats"]:

@@ -26,7 +26,7 @@ def test_bench_results_have_every_field(tmp_path):
     entry = data["sets"][prompts]
     assert set(entry) == {m.name for m in modes}
     for name, e in entry.items():
-        assert {"tok_s_median", "tok_s_iqr", "speedup_median", "speedup_total", "mismatches", "prompts"} <= set(e)
+        assert {"tok_s_median", "tok_s_iqr", "speedup_median", "speedup_total", "speedups", "mismatches", "prompts"} <= set(e)
         assert e["mismatches"] == []  # greedy: every mode reproduces plain generate()
         if name.startswith("eagle"):
             assert {"mean_acceptance_length", "acceptance_per_position", "drafter_share"} <= set(e)
