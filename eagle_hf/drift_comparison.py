@@ -50,9 +50,8 @@ def compare(datas: dict[str, dict]) -> dict:
         for label in labels[1:]:
             keys = [k for k in taus[ref] if k[0] == cond and k in taus[label]]
             diffs = [taus[label][k] - taus[ref][k] for k in keys]
-            se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
             row["paired"][label] = {"runs": len(diffs), "mean_difference": statistics.fmean(diffs) if diffs else None,
-                                    "standard_error": se,
+                                    "standard_error": _standard_error(diffs),
                                     "wins": sum(d > 0 for d in diffs), "losses": sum(d < 0 for d in diffs)}
         out["conditions"][cond] = row
     return out
@@ -102,7 +101,7 @@ def plot_comparison(datas: dict[str, dict], path: str | Path) -> Path:
         for cond in conditions:
             heights.append(datas[label]["conditions"][cond]["tau"] or float("nan"))
             values = [t for k, t in taus[label].items() if k[0] == cond]
-            errors.append(1.96 * statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0)
+            errors.append(1.96 * (_standard_error(values) or 0.0))
         ax.bar([i + j * width for i in range(len(conditions))], heights, width, yerr=errors, capsize=3,
                label=label, hatch=["", "//", "..", "xx"][j % 4], color=[colours[c] for c in conditions],
                edgecolor="black", alpha=0.85)
@@ -145,6 +144,11 @@ def save_comparison(datas: dict[str, dict], out_dir: str | Path) -> Path:
     (out / "compare.md").write_text(compare_markdown(datas))
     plot_comparison(datas, out / "comparison.png")
     return out
+
+
+def _standard_error(values: list[float]) -> float | None:
+    """Standard error of the mean (None below two values)."""
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
 
 
 def _fmt(x, digits: int, signed: bool = False) -> str:
