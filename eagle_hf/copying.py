@@ -6,6 +6,10 @@ before in the prompt or the output, what followed them then is a strong guess fo
 in O(max_ngram) per appended token; a lookup tries the longest suffix first and reads the continuations of its
 most recent occurrences (a bounded scan, independent of the context length).
 
+Beside the EAGLE drafter, a copied span often starts where the suffix has no earlier match yet: the drafter's
+first draft (the *anchor*) extends the suffix, and the copy source continues what followed suffix + anchor before,
+as a branch below the anchor's node. The drafter guesses where a copy starts, the copy source copies it.
+
 The `CopySource` turns matches into branches for the round's draft tree and decides their lengths from running
 acceptance: a copy token is drafted while the probability that it is reached and accepted exceeds the extra
 verify cost it adds (both in units of one-token target forwards, whose value is one token), so a long, reliable
@@ -15,9 +19,11 @@ doubles with each failed probe.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
+#: the drafter's best first drafts (by its score) that a copy branch may continue, each round
+ANCHORS = 2
 #: occurrences scanned per suffix length (the most recent first): bounds a lookup's cost at any context length
 MAX_OCCURRENCES = 8
 
@@ -38,14 +44,16 @@ class CopyIndex:
             for n in range(1, min(self.max_ngram, end) + 1):
                 self.ends.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
 
-    def matches(self, num_branches: int, length: int) -> list[tuple[list[int], int]]:
+    def matches(self, num_branches: int, length: int, after: Sequence[int] = ()) -> list[tuple[list[int], int]]:
         """Up to `num_branches` distinct continuations (at most `length` tokens) of the current suffix, as
-        ``(tokens, match length)``: longest match first, then the most recent occurrence."""
+        ``(tokens, match length)``: longest match first, then the most recent occurrence. `after`: tokens
+        assumed to follow the text (a draft), looked up as part of its suffix."""
         out: list[tuple[list[int], int]] = []
         seen: set[tuple[int, ...]] = set()
+        suffix = self.tokens[-self.max_ngram :] + list(after)
         end = len(self.tokens)
-        for n in range(min(self.max_ngram, end - 1), 0, -1):
-            positions = self.ends.get(tuple(self.tokens[end - n :]), ())
+        for n in range(min(self.max_ngram, len(suffix), end + len(after) - 1), 0, -1):  # (the whole text: no match)
+            positions = self.ends.get(tuple(suffix[len(suffix) - n :]), ())
             scanned = 0
             for e in reversed(positions):
                 if e >= end:
@@ -100,6 +108,7 @@ class CopyAcceptance:
 class Branch:
     tokens: list[int]  # the copied continuation (target ids)
     match: int  # length of the matched suffix
+    anchor: int | None = None  # the drafter's depth-1 draft the branch continues (None: it starts at the root)
 
 
 class CopySource:
@@ -118,6 +127,8 @@ class CopySource:
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self._wait, self._skipped = probe_every, 0
         self.branches: list[Branch] = []  # this round's proposal
+        self.anchor_yield = 0.5  # running mean of copy tokens accepted after the drafter's first draft, per round
+        # the drafter drafted (what copying adds to the drafter's value)
 
     def propose(self, room: int, verified: int, probe_only: bool = False) -> list[Branch]:
         """This round's branches (at most `room` tokens each) on top of a tree of `verified` tokens; with
@@ -144,13 +155,50 @@ class CopySource:
             self._skipped = 0
         return self.branches
 
-    def update(self, accepted: list[int]) -> None:
-        """Outcome of this round's branches: accepted[b] = leading tokens of branch b that were accepted."""
-        for branch, n in zip(self.branches, accepted):
+    def propose_after(self, anchor: int, reach: float, room: int, verified: int) -> Branch | None:
+        """A branch continuing the drafter's draft `anchor` (reached with probability `reach`): what followed the
+        text's suffix plus `anchor` before. The drafter guesses the token that starts a copied span, the copy
+        source the span; sized like the root's branches, with every token's probability times `reach`."""
+        matches = self.index.matches(1, min(self.length, room - 1), after=[anchor])
+        if not matches:
+            return None
+        tokens, match = matches[0]
+        tokens = _through_stop(tokens, self.stop_tokens)
+        n = 0
+        while n < len(tokens) and reach * self.acceptance.reach(match, n) > self.marginal_cost(verified):
+            n, verified = n + 1, verified + 1
+        if n == 0:
+            return None
+        branch = Branch(tokens[:n], match, anchor)
+        self.branches.append(branch)
+        return branch
+
+    def update(self, taken: list[int], drafter_ran: bool = False) -> None:
+        """Outcome of this round's branches given the accepted draft tokens `taken` (root excluded). A branch
+        after an anchor teaches only when its anchor was accepted (its acceptance is conditional on it);
+        `drafter_ran`: the drafter drafted this round, so branches after its drafts could have been tried."""
+        hit, after_anchor = False, 0
+        for branch in self.branches:
+            if branch.anchor is None:
+                n = _common_prefix(branch.tokens, taken)
+                hit = hit or n > 0
+            elif taken[:1] == [branch.anchor]:
+                n = _common_prefix(branch.tokens, taken[1:])
+                after_anchor += n
+            else:
+                continue
             self.acceptance.update(branch.match, len(branch.tokens), n)
-        if self.branches:
-            hit = any(accepted)
+        if drafter_ran:
+            self.anchor_yield += 0.1 * (after_anchor - self.anchor_yield)
+        if any(b.anchor is None for b in self.branches):
             self._wait = self.probe_every if hit else min(2 * self._wait, self.max_probe_every)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _through_stop(tokens: list[int], stop_tokens: frozenset[int]) -> list[int]:

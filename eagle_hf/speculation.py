@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .adaptive import DraftLengthController
-from .copying import CopySource
+from .copying import ANCHORS, CopySource
 from .drafting import Chooser, DraftState, draft_trees
 from .settings import MAX_DEPTH, DraftSettings
 from .stats import SpecDecodeStats
@@ -67,6 +67,7 @@ class Speculator:
         self.copy = CopySource(settings.copy_ngram, settings.copy_length, settings.copy_branches,
                                self._marginal_cost, settings.probe_every,
                                stop_tokens=stop_tokens) if settings.uses_copy else None
+        self._room, self._copy_paying = 0, False  # this round's room for drafts; whether copy branches may grow
         self.depth = settings.depth  # the fixed (or heuristic) schedule's depth
         self.round = "prefill"
         self.eagle_depth = 0  # the drafter's depth this round (0: only copy branches, or a plain step)
@@ -118,6 +119,7 @@ class Speculator:
             eagle_size = 0 if depth == 0 else (depth + 1 if s.branching == 1 else s.total_tokens)
             paying = self.controller is None or self.controller.drafting_pays()
             branches = self.copy.propose(room, max(eagle_size, 1), probe_only=not paying)
+            self._room, self._copy_paying = room, paying
             if depth > 0 and branches and not self._drafter_pays_beside_copy(depth):
                 depth = 0
         self.round = "draft" if depth > 0 or branches else ("fallback" if wanted <= 0 else "final")
@@ -134,13 +136,27 @@ class Speculator:
         return self.eagle_depth > 0 and not self._after_cycle
 
     def graft_copy(self, tree: DraftTree) -> DraftTree:
-        """This round's tree with the copy branches grafted on (each scored by the copy's acceptance estimate)."""
-        if self.copy is None or not self.copy.branches:
+        """This round's tree with the copy branches grafted on: those from the root, then those continuing the
+        drafter's best first drafts (the drafter guesses the token that starts a copied span, the copy source
+        copies the span). Each copy token is scored by the copy's acceptance estimate."""
+        if self.copy is None or not (self.copy.branches or self._copy_paying):
+            return tree
+        tree = self._graft(tree, self.copy.branches)
+        drafts = [n for n in tree.children(0) if tree.source(n) & EAGLE] if self._copy_paying else []
+        for anchor in sorted(drafts, key=lambda n: -float(tree.scores[n]))[:ANCHORS]:
+            branch = self.copy.propose_after(int(tree.tokens[anchor]), math.exp(float(tree.scores[anchor])),
+                                             self._room, tree.size)
+            if branch is not None:
+                tree = self._graft(tree, [branch], at=anchor)
+        return tree
+
+    def _graft(self, tree: DraftTree, branches: list, at: int = 0) -> DraftTree:
+        if not branches:
             return tree
         a = self.copy.acceptance
-        return tree.graft([b.tokens for b in self.copy.branches],
+        return tree.graft([b.tokens for b in branches],
                           [[math.log(max(a.first[b.match - 1] if i == 0 else a.later, 1e-6))
-                            for i in range(len(b.tokens))] for b in self.copy.branches])
+                            for i in range(len(b.tokens))] for b in branches], at=[at] * len(branches))
 
     def record(self, accepted: int, last_token: int, path: list[int] | None = None, cut: bool = False) -> None:
         """After the target verified (or decoded plainly): stats, schedule, listeners.
@@ -159,9 +175,8 @@ class Speculator:
             self.stats.record_sources(_per_source(tree, depths, path))
             if self.eagle_depth > 0:
                 self._record_eagle(tree, depths, path, accepted)
-            if self.copy is not None and self.copy.branches:
-                taken = [int(tree.tokens[n]) for n in path[1:]]
-                self.copy.update([_common_prefix(b.tokens, taken) for b in self.copy.branches])
+            if self.copy is not None and (self.copy.branches or self.eagle_depth > 0):
+                self.copy.update([int(tree.tokens[n]) for n in path[1:]], drafter_ran=self.eagle_depth > 0)
             if self.listeners:  # only displays need the rejected continuation
                 nodes = shown_nodes(tree, path)
                 nodes = nodes[:accepted] if cut else nodes
@@ -190,13 +205,14 @@ class Speculator:
             self.depth = min(self.depth + 2, MAX_DEPTH) if mine == drafted else max(1, self.depth - 1)
 
     def _drafter_pays_beside_copy(self, depth: int) -> bool:
-        """Whether the drafter's tree is worth its cost next to this round's copy branches: it only adds tokens
-        when the copy's first token is rejected (tokens and costs in one-token target forwards)."""
+        """Whether the drafter's tree is worth its cost next to this round's copy branches: its own drafts add
+        tokens when the copy's first token is rejected, and copying after its first draft adds what it has
+        been adding (tokens and costs in one-token target forwards)."""
         c = self.controller
         if c is None:
             return True
         copy_first = max(self.copy.acceptance.first[b.match - 1] for b in self.copy.branches)
-        gain = (1.0 - copy_first) * (c.expected_tokens(depth) - 1.0)
+        gain = (1.0 - copy_first) * (c.expected_tokens(depth) - 1.0) + self.copy.anchor_yield
         return gain > c.cycle_cost(depth) - c.verify_cost(1)
 
     def _marginal_cost(self, verified: int) -> float:
@@ -288,13 +304,6 @@ def _per_source(tree: DraftTree, depths: torch.Tensor, path: list[int]) -> dict[
 
 def _source_name(bits: int) -> str:
     return "+".join(name for bit, name in SOURCE_NAMES.items() if bits & bit)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def _keywords(listener) -> set[str]:

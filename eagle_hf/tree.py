@@ -35,15 +35,16 @@ class DraftTree:
     def source(self, node: int) -> int:
         return EAGLE if self.sources is None else int(self.sources[node])
 
-    def graft(self, branches: list[list[int]], logp: list[list[float]]) -> DraftTree:
-        """This tree plus deterministic COPY branches below the root; a branch token that is already a child is
-        shared (and marked as proposed by both). logp: each branch token's assumed log-probability."""
+    def graft(self, branches: list[list[int]], logp: list[list[float]], at: list[int] | None = None) -> DraftTree:
+        """This tree plus deterministic COPY branches below the root (or below node ``at[b]`` for branch b); a
+        branch token that is already a child is shared (and marked as proposed by both). logp: each branch
+        token's assumed log-probability (added to its parent's score)."""
         tokens, parents = self.tokens.tolist(), self.parents.tolist()
         scores, sources = self.scores.tolist(), [self.source(i) for i in range(self.size)]
         q_rows = list(self.q_logits) if self.q_logits is not None else None
         child = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
-        for branch, branch_logp in zip(branches, logp):
-            node = 0
+        for b, (branch, branch_logp) in enumerate(zip(branches, logp)):
+            node = 0 if at is None else at[b]
             for tok, lp in zip(branch, branch_logp):
                 if (node, tok) in child:
                     node = child[(node, tok)]
