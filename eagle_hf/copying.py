@@ -8,7 +8,8 @@ most recent occurrences (a bounded scan, independent of the context length).
 
 Beside the EAGLE drafter, a copied span often starts where the suffix has no earlier match yet: the drafter's
 first draft (the *anchor*) extends the suffix, and the copy source continues what followed suffix + anchor before,
-as a branch below the anchor's node. The drafter guesses where a copy starts, the copy source copies it.
+as a branch below the anchor's node. The drafter guesses where a copy starts, the copy source copies it. Those
+branches keep acceptance estimates of their own, learnt when their anchor was accepted.
 
 The `CopySource` turns matches into branches for the round's draft tree and decides their lengths from running
 acceptance: a copy token is drafted while the probability that it is reached and accepted exceeds the extra
@@ -123,12 +124,14 @@ class CopySource:
         self.stop_tokens = frozenset(stop_tokens)
         self.index = CopyIndex(max_ngram)
         self.acceptance = CopyAcceptance(max_ngram)
+        self.acceptance_after = CopyAcceptance(max_ngram)  # of branches below a draft, given it was accepted
         self.length, self.num_branches, self.marginal_cost = length, num_branches, marginal_cost
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self._wait, self._skipped = probe_every, 0
         self.branches: list[Branch] = []  # this round's proposal
-        self.anchor_yield = 0.5  # running mean of copy tokens accepted after the drafter's first draft, per round
-        # the drafter drafted (what copying adds to the drafter's value)
+        # what copying adds to the drafter's value: running mean, over the rounds the drafter drafted, of the copy
+        # tokens accepted below its first draft
+        self.anchor_yield = 0.5 if ANCHORS else 0.0
 
     def propose(self, room: int, verified: int, probe_only: bool = False) -> list[Branch]:
         """This round's branches (at most `room` tokens each) on top of a tree of `verified` tokens; with
@@ -165,7 +168,7 @@ class CopySource:
         tokens, match = matches[0]
         tokens = _through_stop(tokens, self.stop_tokens)
         n = 0
-        while n < len(tokens) and reach * self.acceptance.reach(match, n) > self.marginal_cost(verified):
+        while n < len(tokens) and reach * self.acceptance_after.reach(match, n) > self.marginal_cost(verified):
             n, verified = n + 1, verified + 1
         if n == 0:
             return None
@@ -181,13 +184,12 @@ class CopySource:
         for branch in self.branches:
             if branch.anchor is None:
                 n = _common_prefix(branch.tokens, taken)
+                self.acceptance.update(branch.match, len(branch.tokens), n)
                 hit = hit or n > 0
             elif taken[:1] == [branch.anchor]:
                 n = _common_prefix(branch.tokens, taken[1:])
+                self.acceptance_after.update(branch.match, len(branch.tokens), n)
                 after_anchor += n
-            else:
-                continue
-            self.acceptance.update(branch.match, len(branch.tokens), n)
         if drafter_ran:
             self.anchor_yield += 0.1 * (after_anchor - self.anchor_yield)
         if any(b.anchor is None for b in self.branches):

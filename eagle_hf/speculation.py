@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .adaptive import DraftLengthController
-from .copying import ANCHORS, CopySource
+from . import copying
+from .copying import CopySource
 from .drafting import Chooser, DraftState, draft_trees
 from .settings import MAX_DEPTH, DraftSettings
 from .stats import SpecDecodeStats
@@ -143,7 +144,7 @@ class Speculator:
             return tree
         tree = self._graft(tree, self.copy.branches)
         drafts = [n for n in tree.children(0) if tree.source(n) & EAGLE] if self._copy_paying else []
-        for anchor in sorted(drafts, key=lambda n: -float(tree.scores[n]))[:ANCHORS]:
+        for anchor in sorted(drafts, key=lambda n: -float(tree.scores[n]))[: copying.ANCHORS]:
             branch = self.copy.propose_after(int(tree.tokens[anchor]), math.exp(float(tree.scores[anchor])),
                                              self._room, tree.size)
             if branch is not None:
@@ -153,7 +154,7 @@ class Speculator:
     def _graft(self, tree: DraftTree, branches: list, at: int = 0) -> DraftTree:
         if not branches:
             return tree
-        a = self.copy.acceptance
+        a = self.copy.acceptance if at == 0 else self.copy.acceptance_after
         return tree.graft([b.tokens for b in branches],
                           [[math.log(max(a.first[b.match - 1] if i == 0 else a.later, 1e-6))
                             for i in range(len(b.tokens))] for b in branches], at=[at] * len(branches))

@@ -242,11 +242,12 @@ def test_a_branch_after_the_drafters_draft_learns_only_when_the_draft_was_accept
     assert branch.tokens == [8, 9, 1, 2] and branch.anchor == 7 and src.branches[-1] is branch
     assert src.propose_after(7, reach=0.01, room=10, verified=3) is None  # an unlikely draft: not worth copying
     src.branches = [branch]
-    first = list(src.acceptance.first)
+    first = list(src.acceptance_after.first)
     src.update([6, 8], drafter_ran=True)  # another first token was accepted: nothing learnt about the branch
-    assert src.acceptance.first == first and src.anchor_yield < 0.5
+    assert src.acceptance_after.first == first and src.anchor_yield < 0.5
     src.update([7, 8, 9], drafter_ran=True)  # its draft and two copy tokens accepted
-    assert src.acceptance.first[1] > first[1] and src.anchor_yield > 0.4
+    assert src.acceptance_after.first[1] > first[1] and src.anchor_yield > 0.4
+    assert src.acceptance.first == CopySource(3, 4, 1, lambda n: 0.0).acceptance.first  # root branches' own
 
 
 def test_the_drafters_draft_starts_a_copied_span_exactly():
