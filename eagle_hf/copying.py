@@ -129,8 +129,8 @@ class CopySource:
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self._wait, self._skipped = probe_every, 0
         self.branches: list[Branch] = []  # this round's proposal
-        # what copying adds to the drafter's value: running mean, over the rounds the drafter drafted, of the copy
-        # tokens accepted below its first draft
+        # what copying adds to the drafter's value: running mean, over the rounds the drafter drafted, of the
+        # tokens accepted below its first draft beyond what the root's copies and the draft alone reached
         self.anchor_yield = 0.5 if ANCHORS else 0.0
 
     def propose(self, room: int, verified: int, probe_only: bool = False) -> list[Branch]:
@@ -178,22 +178,22 @@ class CopySource:
 
     def update(self, taken: list[int], drafter_ran: bool = False) -> None:
         """Outcome of this round's branches given the accepted draft tokens `taken` (root excluded). A branch
-        after an anchor teaches only when its anchor was accepted (its acceptance is conditional on it);
-        `drafter_ran`: the drafter drafted this round, so branches after its drafts could have been tried."""
-        hit, after_anchor = False, 0
+        below a draft teaches only when its draft was accepted (its acceptance is conditional on it);
+        `drafter_ran`: the drafter drafted this round, so branches below its drafts could have been tried."""
+        from_root, below = 0, 0  # tokens the root's branches reached; the draft + copy tokens below it reached
         for branch in self.branches:
             if branch.anchor is None:
                 n = _common_prefix(branch.tokens, taken)
                 self.acceptance.update(branch.match, len(branch.tokens), n)
-                hit = hit or n > 0
+                from_root = max(from_root, n)
             elif taken[:1] == [branch.anchor]:
                 n = _common_prefix(branch.tokens, taken[1:])
                 self.acceptance_after.update(branch.match, len(branch.tokens), n)
-                after_anchor += n
-        if drafter_ran:
-            self.anchor_yield += 0.1 * (after_anchor - self.anchor_yield)
+                below = max(below, 1 + n)
+        if drafter_ran:  # what the branches below the drafts added: beyond the root's copies and the draft itself
+            self.anchor_yield += 0.1 * (max(below - max(from_root, 1), 0) - self.anchor_yield)
         if any(b.anchor is None for b in self.branches):
-            self._wait = self.probe_every if hit else min(2 * self._wait, self.max_probe_every)
+            self._wait = self.probe_every if from_root else min(2 * self._wait, self.max_probe_every)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
