@@ -23,8 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-#: the drafter's best first drafts (by its score) that a copy branch may continue, each round
-ANCHORS = 2
+#: the drafter's best first drafts (by its score) that a copy branch may continue, each round. Off (0): with the
+#: shipped drafter it adds 0.5-2.4% tokens per forward but cost time in the default mode (docs/usage.md)
+ANCHORS = 0
 #: occurrences scanned per suffix length (the most recent first): bounds a lookup's cost at any context length
 MAX_OCCURRENCES = 8
 

@@ -138,8 +138,9 @@ class Speculator:
 
     def graft_copy(self, tree: DraftTree) -> DraftTree:
         """This round's tree with the copy branches grafted on: those from the root, then those continuing the
-        drafter's best first drafts (the drafter guesses the token that starts a copied span, the copy source
-        copies the span). Each copy token is scored by the copy's acceptance estimate."""
+        drafter's best first drafts (`copying.ANCHORS` of them, none by default: the drafter guesses the token
+        that starts a copied span, the copy source copies the span). Each copy token is scored by the copy's
+        acceptance estimate."""
         if self.copy is None or not (self.copy.branches or self._copy_paying):
             return tree
         tree = self._graft(tree, self.copy.branches)
