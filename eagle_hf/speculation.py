@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .adaptive import DraftLengthController
 from . import copying
+from .adaptive import DraftLengthController
 from .copying import CopySource
 from .drafting import Chooser, DraftState, draft_trees
 from .settings import MAX_DEPTH, DraftSettings
@@ -144,7 +144,8 @@ class Speculator:
         if self.copy is None or not (self.copy.branches or self._copy_paying):
             return tree
         tree = self._graft(tree, self.copy.branches)
-        drafts = [n for n in tree.children(0) if tree.source(n) & EAGLE] if self._copy_paying else []
+        paying = copying.ANCHORS and self._copy_paying
+        drafts = [n for n in tree.children(0) if tree.source(n) & EAGLE] if paying else []
         for anchor in sorted(drafts, key=lambda n: -float(tree.scores[n]))[: copying.ANCHORS]:
             branch = self.copy.propose_after(int(tree.tokens[anchor]), math.exp(float(tree.scores[anchor])),
                                              self._room, tree.size)

@@ -5,6 +5,7 @@
 
 import argparse
 import json
+import os
 import time
 
 import eagle_hf
@@ -20,8 +21,10 @@ def main():
     p.add_argument("--limit-others", type=int, default=None, help="prompts per set other than mt_bench")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--num-draft-tokens", type=int, default=5)
-    p.add_argument("--out", default="acceptance.json")
+    p.add_argument("--out", default="acceptance.json", help="the JSON file to write (a file, not a folder)")
     args = p.parse_args()
+    if os.path.isdir(args.out):  # found out after all the compute otherwise
+        p.error(f"--out {args.out} is a folder: pass a file path, e.g. {os.path.join(args.out, 'acceptance.json')}")
     target, tok = eagle_hf.load_default_target()
     drafter = EagleDrafter.from_pretrained(args.drafter)
     results = {"drafter": args.drafter, "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,

@@ -25,7 +25,8 @@ def measure_costs(target, drafter=None, max_tokens: int = 9, context: int = 128,
     """Time target forwards over 1..max_tokens new tokens (on a `context`-token cache) and one drafter step
     (none without a drafter).
 
-    Cached per (target, drafter width, device, dtype): about a second once per process on a CPU.
+    Cached per (target, drafter width, device, dtype), once per process: on this project's 2-core CPU about a
+    second for the 9 sizes of chain drafting, about 20 s for the 64 of copy branches (SmolLM2-135M, bf16).
     """
     key = (id(target), drafter.config.hidden_size if drafter is not None else 0, str(target.device), str(target.dtype))
     if key in _COST_CACHE and len(_COST_CACHE[key].verify) >= max_tokens:
