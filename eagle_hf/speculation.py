@@ -141,11 +141,11 @@ class Speculator:
         drafter's best first drafts (`copying.ANCHORS` of them, none by default: the drafter guesses the token
         that starts a copied span, the copy source copies the span). Each copy token is scored by the copy's
         acceptance estimate."""
-        if self.copy is None or not (self.copy.branches or self._copy_paying):
+        below_drafts = self.copy is not None and copying.ANCHORS > 0 and self._copy_paying
+        if not below_drafts and (self.copy is None or not self.copy.branches):
             return tree
         tree = self._graft(tree, self.copy.branches)
-        paying = copying.ANCHORS and self._copy_paying
-        drafts = [n for n in tree.children(0) if tree.source(n) & EAGLE] if paying else []
+        drafts = [n for n in tree.children(0) if tree.source(n) & EAGLE] if below_drafts else []
         for anchor in sorted(drafts, key=lambda n: -float(tree.scores[n]))[: copying.ANCHORS]:
             branch = self.copy.propose_after(int(tree.tokens[anchor]), math.exp(float(tree.scores[anchor])),
                                              self._room, tree.size)
@@ -178,8 +178,9 @@ class Speculator:
             self.stats.record_sources(_per_source(tree, depths, path))
             if self.eagle_depth > 0:
                 self._record_eagle(tree, depths, path, accepted)
-            if self.copy is not None and (self.copy.branches or self.eagle_depth > 0):
-                self.copy.update([int(tree.tokens[n]) for n in path[1:]], drafter_ran=self.eagle_depth > 0)
+            drafter_ran = self.eagle_depth > 0 and copying.ANCHORS > 0  # (what copying below drafts adds)
+            if self.copy is not None and (self.copy.branches or drafter_ran):
+                self.copy.update([int(tree.tokens[n]) for n in path[1:]], drafter_ran=drafter_ran)
             if self.listeners:  # only displays need the rejected continuation
                 nodes = shown_nodes(tree, path)
                 nodes = nodes[:accepted] if cut else nodes
