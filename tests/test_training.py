@@ -176,6 +176,21 @@ def test_fast_ttt_loss_equals_the_reference():
         assert torch.allclose(ref_g[name], new_g[name], atol=1e-5, rtol=1e-4), name
 
 
+def test_feature_noise_is_relative_to_each_captured_state():
+    """Half-width `scale` x the RMS of each captured layer's state, per token: a state 1000x larger gets 1000x the
+    noise; scale 0 leaves the states alone (the `--feature-noise` default)."""
+    from eagle_hf.training.ttt import add_feature_noise
+
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(2, 5, 3, 64, generator=g) * torch.tensor([1.0, 10.0, 1000.0])[:, None]  # [B, T, A, H]
+    aux = states.reshape(2, 5, 192)
+    noisy = add_feature_noise(aux, 0.1, 3, generator=g).view(2, 5, 3, 64)
+    rms = states.pow(2).mean(-1, keepdim=True).sqrt()
+    rel = (noisy - states).abs() / rms  # [B, T, A, H], uniform on [0, 0.1]
+    assert rel.max() <= 0.1 + 1e-5 and rel.mean() == pytest.approx(0.05, abs=0.01)
+    assert torch.equal(add_feature_noise(aux, 0.0, 3), aux)
+
+
 # ------------------------------------------------------------------------------------------ end to end
 def peaky_target():
     """A tiny target with confident next-token distributions (random init is near uniform: nothing to learn)."""
@@ -476,6 +491,7 @@ def test_bad_sources_and_conflicting_warm_start_fail_before_compute(tmp_path):
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"prompt": "w1", "response": "w2"}\nnot json\n')
     cases.append((dict(responses=str(bad_json)), "bad.jsonl:2 is not JSON"))
+    cases.append((dict(responses=str(good), train=TrainConfig(feature_noise=-0.1)), "--feature-noise -0.1: must be between"))
     for kw, msg in cases:
         kw = {"draft_vocab_size": 48, **kw} if "init_from" not in kw else kw
         run = RunConfig(data_root=str(tmp_path / "cap"), **kw)

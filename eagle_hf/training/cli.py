@@ -41,6 +41,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--eval-tokens", type=int, default=20000, help="held-out answer tokens read by each evaluation")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--compile", action="store_true", help="torch.compile the drafter's decoder layer (about 1.3x on this CPU after a minute or two of compiling; needs a C++ compiler)")
+    p.add_argument("--feature-noise", type=float, default=0.0, metavar="SCALE",
+                   help="uniform noise on the captured target states while training, half-width SCALE x each state's RMS "
+                        "(EAGLE's feature augmentation; 0 = off, e.g. 0.1)")
     p.add_argument("--seed", type=int, default=0, help="random seed (prompt order, init, batches)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the target's dtype (regeneration and capture)")
     p.set_defaults(func=cmd_train)
@@ -60,6 +63,7 @@ def cmd_train(args) -> int:
         warmup_ratio=args.warmup_ratio, tokens_per_batch=args.tokens_per_batch, seed=args.seed,
         max_minutes=args.max_minutes, eval_every=args.eval_every, save_every=args.save_every,
         eval_fraction=args.eval_fraction, eval_tokens=args.eval_tokens, compile=args.compile,
+        feature_noise=args.feature_noise,
     )
     data_dir = args.data_dir[0] if args.data_dir and len(args.data_dir) == 1 else args.data_dir
     responses = args.responses[0] if args.responses and len(args.responses) == 1 else args.responses

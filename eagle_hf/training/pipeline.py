@@ -132,9 +132,18 @@ def resolve_run(run: RunConfig, init: EagleDrafter | None = None, num_layers: in
     return replace(run, draft_vocab_size=cfg.draft_vocab_size, eagle31=None if mixed else init31)
 
 
+def check_settings(run: RunConfig) -> None:
+    """Training settings out of range (before any compute)."""
+    noise = run.train.feature_noise
+    if not 0 <= noise <= 1:  # also refuses NaN
+        raise ValueError(f"--feature-noise {noise}: must be between 0 (off) and 1 (noise as large as the state); "
+                         "EAGLE's feature augmentation is about 0.1.")
+
+
 def validate_run(run: RunConfig) -> EagleDrafter | None:
     """Checks that need no target (files, globs, folders, the init drafter and conflicting flags), to run before
     loading the target; returns the init drafter (pass it to `run_training`)."""
+    check_settings(run)
     init = load_init_drafter(run.init_from) if run.init_from else None
     resolve_run(run, init)
     parse_answer_specs(run.responses, limit=run.num_prompts)
@@ -167,6 +176,7 @@ def run_training(target, tokenizer, out_dir: str | Path, run: RunConfig, prompts
     text_cfg = target.config.get_text_config()
     if run.init_from and init is None:
         init = load_init_drafter(run.init_from)
+    check_settings(run)
     run = resolve_run(run, init, n_layers)
     check_output_dir(out, run)
     if not 0 < run.draft_vocab_size <= text_cfg.vocab_size:

@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..modeling import EagleDrafter
-from .ttt import ttt_evaluate, ttt_loss
+from .ttt import add_feature_noise, ttt_evaluate, ttt_loss
 from .vocab import DraftVocab
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class TrainConfig:
     bf16: bool = True
     max_minutes: float | None = None  # stop (after a checkpoint) when the wall-clock budget is spent
     compile: bool = False  # torch.compile the decoder layer (dynamic shapes; needs a C++ compiler on CPU)
+    feature_noise: float = 0.0  # uniform noise on the captured states, half-width x their RMS (0: off; training only)
     extra: dict = field(default_factory=dict)
 
 
@@ -343,6 +344,8 @@ def train(
             if step >= total:
                 break
             ids, aux, final, mask, in_vocab = collate(samples, [train_idx[i] for i in batch], cfg.max_seq_len, head_weight, vocab.t2d, device)
+            if cfg.feature_noise:
+                aux = add_feature_noise(aux, cfg.feature_noise, aux.shape[-1] // final.shape[-1])
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, total, cfg)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):

@@ -52,6 +52,18 @@ def ttt_unroll(drafter: EagleDrafter, aux: torch.Tensor, input_ids: torch.Tensor
         hidden = out.hidden
 
 
+def add_feature_noise(aux: torch.Tensor, scale: float, layers: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Uniform noise on the captured target states (EAGLE's feature augmentation, Li et al. 2024, sec. 4: U(-0.1, 0.1)
+    on the target's features so that the drafter learns to read states as imprecise as its own). Here the half-width
+    is `scale` times each state's RMS, per token and per captured layer, because the aux layers of one target differ
+    in scale by orders of magnitude."""
+    b, t, width = aux.shape
+    states = aux.float().view(b, t, layers, width // layers)  # [B, T, A, H]
+    rms = states.pow(2).mean(-1, keepdim=True).sqrt()  # [B, T, A, 1]
+    noise = torch.rand(states.shape, generator=generator, device=aux.device) * 2 - 1  # U(-1, 1)
+    return (states + scale * rms * noise).view(b, t, width).to(aux.dtype)
+
+
 @dataclass
 class SoftTargets:
     """The target's distribution over the draft vocabulary, once per batch, at every position whose next token is
