@@ -18,6 +18,12 @@ are trimmed). Every decoded token is an answer token. ``--mode baseline`` runs p
 Output records (identical to ``../shared/data/smollm2_sharegpt_responses.jsonl``): ``idx`` (index in
 ``load_prompts("sharegpt", seed=0, shuffle=True)``), ``prompt``, ``response`` (special tokens removed),
 ``finished`` (the answer ended with EOS within the limit).
+
+``--turn 2``: multi-turn contexts. The target answers the *second* user turn of the ShareGPT conversations whose
+first turn it already answered (``--first-turns``: the shared answers and ``sharegpt_first_turns_*``, finished
+answers only), after its own first answer: records gain ``context`` (the first user turn and the target's
+answer), ``prompt`` is the second user turn; chunks are ``sharegpt_second_turns_NNN``. ``eagle-hf train
+--responses 'data/regenerated/sharegpt_second_turns_*'`` trains on the second answers in that context.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "data" / "regenerated"
 DEFAULT_SKIP = REPO.parent / "shared" / "data" / "smollm2_sharegpt_responses.jsonl"
 CHUNK_PREFIX = "sharegpt_first_turns_"
-_CHUNK_RE = re.compile(re.escape(CHUNK_PREFIX) + r"(\d+)\.jsonl(\.gz|\.partial)$")
+CHUNK_PREFIXES = {1: CHUNK_PREFIX, 2: "sharegpt_second_turns_"}  # per --turn
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -272,9 +278,11 @@ def _read_jsonl_lines(lines: Iterable[str]) -> tuple[list[dict], int]:
 class ChunkStore:
     """`NNN.jsonl.gz` chunks of `chunk_size` answers plus one `.partial` JSONL being filled."""
 
-    def __init__(self, out_dir: str | Path, chunk_size: int = 500):
+    def __init__(self, out_dir: str | Path, chunk_size: int = 500, prefix: str = CHUNK_PREFIX):
         self.dir = Path(out_dir)
         self.chunk_size = int(chunk_size)
+        self.prefix = prefix
+        self._chunk_re = re.compile(re.escape(prefix) + r"(\d+)\.jsonl(\.gz|\.partial)$")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.done: set[int] = set()
         self.records = 0
@@ -284,12 +292,12 @@ class ChunkStore:
         self._recover()
 
     def _path(self, n: int, kind: str) -> Path:
-        return self.dir / f"{CHUNK_PREFIX}{n:03d}.jsonl{kind}"
+        return self.dir / f"{self.prefix}{n:03d}.jsonl{kind}"
 
     def _recover(self) -> None:
         gz, partial = {}, {}
         for path in self.dir.iterdir():
-            m = _CHUNK_RE.fullmatch(path.name)
+            m = self._chunk_re.fullmatch(path.name)
             if m:
                 (gz if m.group(2) == ".gz" else partial)[int(m.group(1))] = path
         for n in sorted(gz):
@@ -386,22 +394,52 @@ def read_skip_idx(path: str | Path) -> set[int]:
     return {int(r["idx"]) for r in recs}
 
 
-def eligible_prompts(prompts: list[str], render: Callable[[str], list[int]], start: int, done: set[int],
-                     max_prompt_tokens: int, limit: int | None = None) -> Iterator[tuple[int, list[int]]]:
-    """`(idx, prompt_ids)` in index order from `start`, skipping `done` and prompts over `max_prompt_tokens`."""
+def eligible_prompts(prompts: list[str] | dict[int, str], render: Callable[[int], list[int]], start: int,
+                     done: set[int], max_prompt_tokens: int, limit: int | None = None) -> Iterator[tuple[int, list[int]]]:
+    """`(idx, prompt_ids)` in index order from `start`, skipping `done` and prompts over `max_prompt_tokens`
+    (`prompts`: a list, or idx -> prompt; `render(idx)`: the prompt's chat-rendered ids)."""
     count = 0
-    for idx in range(start, len(prompts)):
+    indices = range(start, len(prompts)) if isinstance(prompts, list) else sorted(i for i in prompts if i >= start)
+    for idx in indices:
         if idx in done:
             continue
         if len(prompts[idx]) > 8 * max_prompt_tokens:  # certainly too long (tokens are >= 1 char mostly)
             continue
-        ids = render(prompts[idx])
+        ids = render(idx)
         if len(ids) > max_prompt_tokens:
             continue
         yield idx, ids
         count += 1
         if limit is not None and count >= limit:
             return
+
+
+def read_first_turns(paths: Iterable[str | Path]) -> dict[int, dict]:
+    """idx -> first-turn answer record, the finished ones (ended with EOS) of every file (JSONL, .gz, .partial)."""
+    from eagle_hf.training.sources import read_answer_file
+
+    answers = {}
+    for path in paths:
+        for rec in read_answer_file(Path(path)):
+            if rec.get("idx") is not None and rec.get("finished") is not False:
+                answers[int(rec["idx"])] = rec
+    return answers
+
+
+def second_turn_prompts(first: dict[int, dict], conversations: list[tuple[str, dict]], done: set[int]
+                        ) -> Iterator[tuple[int, list[dict], str]]:
+    """`(idx, context, second user turn)` for the conversations of `first` that go on, in index order."""
+    from eagle_hf.training.sources import second_user_turn
+
+    for idx in sorted(first):
+        if idx in done or idx >= len(conversations):
+            continue
+        text, record = conversations[idx]
+        if text != first[idx]["prompt"].strip():  # another ShareGPT file or order: never mix conversations
+            raise SystemExit(f"idx {idx}: the first-turn answer's prompt is not conversation {idx}'s first turn")
+        follow = second_user_turn(record)
+        if follow:
+            yield idx, [{"role": "user", "content": text}, {"role": "assistant", "content": first[idx]["response"]}], follow
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -418,7 +456,13 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=48)
     p.add_argument("--refill-min", type=int, default=4, help="prefill new prompts once this many slots are free")
     p.add_argument("--max-new-tokens", type=int, default=320)
-    p.add_argument("--max-prompt-tokens", type=int, default=384)
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest chat-rendered prompt, context included (default 384; 768 with --turn 2)")
+    p.add_argument("--turn", type=int, choices=[1, 2], default=1,
+                   help="1: first user turns; 2: second user turns after the target's own first answer")
+    p.add_argument("--first-turns", action="append", default=None,
+                   help="--turn 2: first-turn answer files/globs (default: the shared answers and "
+                        "data/regenerated/sharegpt_first_turns_*)")
     p.add_argument("--chunk-size", type=int, default=500)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=2)
@@ -437,14 +481,16 @@ def main(argv=None) -> int:
     from eagle_hf import load_target
     from eagle_hf.training.prompts import load_prompts, render_chat
 
-    skip_files = args.skip if args.skip is not None else [str(DEFAULT_SKIP)]
+    if args.max_prompt_tokens is None:
+        args.max_prompt_tokens = 384 if args.turn == 1 else 768
+    skip_files = args.skip if args.skip is not None else ([str(DEFAULT_SKIP)] if args.turn == 1 else [])
     done: set[int] = set()
     for path in skip_files:
         if not Path(path).is_file():
             p.error(f"--skip file {path} is missing; without it already-answered prompts would be answered again "
                     f"(pass --skip for each file of answered idx, or --skip /dev/null deliberately)")
         done |= read_skip_idx(path) if Path(path).stat().st_size else set()
-    store = None if args.dry_run else ChunkStore(args.out_dir, args.chunk_size)
+    store = None if args.dry_run else ChunkStore(args.out_dir, args.chunk_size, CHUNK_PREFIXES[args.turn])
     if store is not None:
         logger.info("Resuming: %d answers already in %s; %d idx skipped from %s", store.records, args.out_dir,
                     len(done), skip_files)
@@ -455,11 +501,28 @@ def main(argv=None) -> int:
     eos = model.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos)
     pad = model.generation_config.pad_token_id
-    prompts = load_prompts("sharegpt", seed=0, shuffle=True)
-    logger.info("%d ShareGPT prompts; starting at %d; %s, batch %d, mode %s", len(prompts), args.start,
-                args.dtype, args.batch_size, args.mode)
-    items = eligible_prompts(prompts, lambda s: render_chat(tokenizer, s), args.start, done,
-                             args.max_prompt_tokens, args.limit)
+    contexts: dict[int, list[dict]] = {}
+    if args.turn == 1:
+        prompts = load_prompts("sharegpt", seed=0, shuffle=True)
+        logger.info("%d ShareGPT prompts; starting at %d; %s, batch %d, mode %s", len(prompts), args.start,
+                    args.dtype, args.batch_size, args.mode)
+        items = eligible_prompts(prompts, lambda i: render_chat(tokenizer, prompts[i]), args.start, done,
+                                 args.max_prompt_tokens, args.limit)
+    else:
+        import glob
+
+        from eagle_hf.training.sources import sharegpt_records
+
+        patterns = args.first_turns or [str(DEFAULT_SKIP), str(Path(args.out_dir) / f"{CHUNK_PREFIX}*")]
+        first = read_first_turns(sorted(p for pattern in patterns for p in glob.glob(pattern)))
+        conversations = sharegpt_records("sharegpt", seed=0)
+        prompts = {}
+        for idx, context, follow in second_turn_prompts(first, conversations, done):
+            prompts[idx], contexts[idx] = follow, context
+        logger.info("%d finished first-turn answers, %d conversations with a second turn left; %s, batch %d",
+                    len(first), len(prompts), args.dtype, args.batch_size)
+        items = eligible_prompts(prompts, lambda i: render_chat(tokenizer, prompts[i], contexts[i]),
+                                 0, done, args.max_prompt_tokens, args.limit)
 
     if args.mode == "refill":
         decoder = RefillDecoder(model, args.batch_size, args.max_new_tokens, eos, refill_min=args.refill_min)
@@ -505,7 +568,8 @@ def main(argv=None) -> int:
             finished += int(fin)
             tokens += n_tok
             if store is not None:
-                store.add({"idx": idx, "prompt": prompts[idx],
+                context = {"context": contexts[idx]} if idx in contexts else {}
+                store.add({"idx": idx, **context, "prompt": prompts[idx],
                            "response": tokenizer.decode(gen, skip_special_tokens=True), "finished": bool(fin)})
     except KeyboardInterrupt:
         logger.info("Interrupted")

@@ -7,6 +7,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import tiny_target
@@ -63,7 +64,7 @@ def test_chunk_store_resume_skips_done(tmp_path):
     again = regenerate.ChunkStore(tmp_path, chunk_size=3)
     assert again.done == set(range(100, 107)) and again.records == 7
     prompts = [f"q{i}" for i in range(112)]
-    render = lambda s: [1, 2, 3, 4][: 4 if s == "q110" else 2]  # noqa: E731  (q110 is too long)
+    render = lambda i: [1, 2, 3, 4][: 4 if prompts[i] == "q110" else 2]  # noqa: E731  (q110 is too long)
     items = list(regenerate.eligible_prompts(prompts, render, 98, again.done | {111}, 3))
     assert [idx for idx, _ in items] == [98, 99, 107, 108, 109]
     again.add({"idx": 100, "prompt": "dup", "response": "dup", "finished": False})  # already done: ignored
@@ -74,3 +75,28 @@ def test_chunk_store_resume_skips_done(tmp_path):
     with gzip.open(tmp_path / "sharegpt_first_turns_002.jsonl.gz", "rt") as f:
         assert [json.loads(line)["idx"] for line in f] == [106, 107, 108]
     assert regenerate.ChunkStore(tmp_path, chunk_size=3).done == set(range(100, 109))
+
+
+def test_second_turns_follow_the_targets_own_first_answers(tmp_path):
+    """--turn 2: the conversations of finished first-turn answers that go on, with the first exchange as context
+    (the target's answer, not ShareGPT's), in their own chunks; a first-turn file of other conversations stops."""
+    first = tmp_path / "first.jsonl"
+    first.write_text("\n".join(json.dumps(r) for r in [
+        {"idx": 0, "prompt": "u0", "response": "ours0", "finished": True},
+        {"idx": 1, "prompt": "u1", "response": "ours1", "finished": False},  # cut: no context for a second turn
+        {"idx": 2, "prompt": "u2", "response": "ours2", "finished": True},  # its conversation ends after one exchange
+        {"idx": 3, "prompt": "u3", "response": "ours3", "finished": True}]) + "\n")
+    turns = lambda i, n: [{"from": ("human", "gpt")[k % 2], "value": f"{'ug'[k % 2]}{i}.{k}"} for k in range(n)]  # noqa: E731
+    conversations = [(f"u{i}", {"conversations": turns(i, 2 if i == 2 else 4)}) for i in range(4)]
+    for i in range(4):
+        conversations[i][1]["conversations"][0]["value"] = f"u{i}"
+    answers = regenerate.read_first_turns([first])
+    got = list(regenerate.second_turn_prompts(answers, conversations, done={3}))
+    assert got == [(0, [{"role": "user", "content": "u0"}, {"role": "assistant", "content": "ours0"}], "u0.2")]
+    store = regenerate.ChunkStore(tmp_path / "out", chunk_size=2, prefix=regenerate.CHUNK_PREFIXES[2])
+    store.add({"idx": 0, "context": got[0][1], "prompt": "u0.2", "response": "r", "finished": True})
+    store.close()
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["sharegpt_second_turns_000.jsonl.partial"]
+    conversations[3] = ("other", conversations[3][1])
+    with pytest.raises(SystemExit, match="idx 3: the first-turn answer's prompt is not conversation 3's"):
+        list(regenerate.second_turn_prompts(answers, conversations, done=set()))

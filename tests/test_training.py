@@ -409,6 +409,29 @@ def test_several_answer_sources_and_captured_folders(tmp_path):
     assert len(load_shards(folders["c_000"])) == 7
 
 
+def test_multi_turn_records_train_on_the_last_answer_after_their_context(tmp_path):
+    """A record with `context` (earlier turns: the target's own first answer, say) is captured as the whole chat,
+    the loss on the last answer only; a malformed context is refused before compute, naming the layout."""
+    from eagle_hf.training.data import capture_records
+    from eagle_hf.training.sources import DataSourceError, parse_answer_specs
+
+    target, tok = peaky_target(), tiny_tokenizer()
+    context = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4 w5"}]
+    path = tmp_path / "second_turns.jsonl"
+    path.write_text(json.dumps({"idx": 1, "context": context, "prompt": "w6", "response": "w7 w8", "finished": True}) + "\n")
+    (record,) = parse_answer_specs([str(path)])[0].records
+    capture_records(target, tok, [record], tmp_path / "cap", [2, 3, 4])
+    (s,) = load_shards(tmp_path / "cap")
+    prompt = render_chat(tok, "w6", context)
+    assert prompt[: len(render_chat(tok, "w1 w2"))] == render_chat(tok, "w1 w2")  # the first turn comes first
+    answer = tok("w7 w8", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert s["input_ids"].tolist() == prompt + answer
+    assert s["loss_mask"].tolist() == [0] * len(prompt) + [1] * len(answer)
+    path.write_text(json.dumps({"prompt": "w6", "response": "w7", "context": [{"role": "assistant", "content": "w1"}]}) + "\n")
+    with pytest.raises(DataSourceError, match="second_turns.jsonl:1: `context` must be a list of earlier turns"):
+        parse_answer_specs([str(path)])
+
+
 def test_sharegpt_original_answers_follow_the_prompt_order(tmp_path):
     from eagle_hf.training.sources import AnswerSource, original_exchanges, original_records, parse_answer_specs
 

@@ -208,15 +208,17 @@ def load_shards(data_dir: str | Path) -> list[dict[str, torch.Tensor]]:
 
 
 def _capture_sample(target, tokenizer, request, aux_ids, prompt: str, response: str, finished: bool | None,
-                    max_tokens: int, max_answer_tokens: int | None = None) -> dict[str, torch.Tensor]:
-    """One teacher-forced target forward over `prompt` (chat-rendered) + `response`; returns one sample.
+                    max_tokens: int, max_answer_tokens: int | None = None,
+                    context: list[dict] | None = None) -> dict[str, torch.Tensor]:
+    """One teacher-forced target forward over `prompt` (chat-rendered after the earlier turns of `context`, which
+    are not trained on) + `response`; returns one sample.
 
     EOS is appended unless `finished` is False (an answer cut at the generation limit did not end there) or the
     answer is cut to `max_answer_tokens`.
     """
     from .prompts import render_chat
 
-    p_ids = render_chat(tokenizer, prompt)
+    p_ids = render_chat(tokenizer, prompt, context)
     r_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
     if max_answer_tokens is not None and len(r_ids) >= max_answer_tokens:
         r_ids, finished = r_ids[:max_answer_tokens], False
@@ -279,7 +281,8 @@ def records_digest(records: Sequence[dict]) -> str:
     """Content hash of answer records (prompt, response, finished): what a capture shard was made from."""
     h = hashlib.sha256()
     for r in records:
-        h.update(json.dumps([r["prompt"], r["response"], r.get("finished")], ensure_ascii=False).encode())
+        fields = [r["prompt"], r["response"], r.get("finished")] + ([r["context"]] if r.get("context") else [])
+        h.update(json.dumps(fields, ensure_ascii=False).encode())
         h.update(b"\n")
     return h.hexdigest()[:16]
 
@@ -340,7 +343,7 @@ def capture_records(
         chunk = records[i * shard_size : (i + 1) * shard_size]
         samples = [
             _capture_sample(target, tokenizer, request, aux_ids, r["prompt"], r["response"], r.get("finished"),
-                            max_tokens, max_answer_tokens)
+                            max_tokens, max_answer_tokens, r.get("context"))
             for r in chunk
         ]
         _write_shard(out / name, samples)

@@ -129,15 +129,17 @@ def load_prompts(source, limit: int | None = None, seed: int = 0, shuffle: bool 
     return prompts
 
 
-def render_chat(tokenizer, prompt: str) -> list[int]:
-    """Token ids of `prompt` as a user turn, with the generation prompt of the target's chat template."""
+def render_chat(tokenizer, prompt: str, context: list[dict] | None = None) -> list[int]:
+    """Token ids of `prompt` as a user turn, with the generation prompt of the target's chat template; `context`:
+    earlier turns of the conversation (`{"role": "user" | "assistant", "content": str}`), rendered before it."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "The target tokenizer has no chat template; drafter training renders prompts as chat turns. "
             "Set `tokenizer.chat_template` (or use the instruct variant of the model)."
         )
     ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+        [*(context or []), {"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+        return_dict=False,
     )
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]

@@ -1,6 +1,7 @@
 """Training data sources of `eagle-hf train`: answer files, ShareGPT's original answers, captured folders.
 
-* ``--responses FILE|GLOB`` (repeatable): JSONL answer records (``prompt``/``response`` [+ ``finished``, ``idx``]
+* ``--responses FILE|GLOB`` (repeatable): JSONL answer records (``prompt``/``response`` [+ ``finished``, ``idx``,
+  and ``context``: the earlier turns of a multi-turn conversation, rendered before ``prompt`` and not trained on]
   or ``messages``/``conversations`` turns), plain, ``.jsonl.gz``, or a ``.partial`` chunk that
   ``scripts/regenerate.py`` is still appending to (only complete lines are read). Each file is captured into its
   own folder ``<data root>/<file stem>-<key>`` (the key hashes the first record and the capture settings), and
@@ -96,8 +97,22 @@ def normalize_record(rec, where: str) -> dict:
         if prompt is None or response is None:
             raise DataSourceError(f"{where}: expected prompt/response strings or a user and an assistant turn.")
     finished = rec.get("finished")
-    return {"prompt": prompt, "response": response, "finished": None if finished is None else bool(finished),
-            "idx": rec.get("idx")}
+    out = {"prompt": prompt, "response": response, "finished": None if finished is None else bool(finished),
+           "idx": rec.get("idx")}
+    if rec.get("context") is not None:  # earlier turns of a multi-turn conversation, before `prompt`
+        out["context"] = check_context(rec["context"], where)
+    return out
+
+
+def check_context(context, where: str) -> list[dict]:
+    """`context`: earlier turns, alternating user / assistant from a user turn, each `{"role", "content"}`."""
+    ok = isinstance(context, list) and len(context) % 2 == 0 and all(
+        isinstance(t, dict) and isinstance(t.get("content"), str) and t.get("role") == ("user", "assistant")[i % 2]
+        for i, t in enumerate(context))
+    if not ok:
+        raise DataSourceError(f"{where}: `context` must be a list of earlier turns, alternating "
+                              '{"role": "user", "content": ...} and {"role": "assistant", "content": ...}.')
+    return [{"role": t["role"], "content": t["content"]} for t in context]
 
 
 def first_exchange(turns) -> tuple[str | None, str | None]:
@@ -207,8 +222,8 @@ def _parse_original(spec: str) -> AnswerSource:
 
 
 # ------------------------------------------------------------------------------------------ ShareGPT originals
-def original_exchanges(source="sharegpt", seed: int = 0) -> list[tuple[str, str | None]]:
-    """`(prompt, original first answer or None)` in exactly the order of `load_prompts(source, seed=seed)`."""
+def sharegpt_records(source="sharegpt", seed: int = 0) -> list[tuple[str, dict]]:
+    """`(first user turn, record)` in exactly the order of `load_prompts(source, seed=seed)`."""
     from .prompts import _records_from_file, first_user_turn, sharegpt_path
 
     path = sharegpt_path() if source == "sharegpt" else Path(source)
@@ -218,11 +233,35 @@ def original_exchanges(source="sharegpt", seed: int = 0) -> list[tuple[str, str 
             continue
         text = first_user_turn(record)  # the same filter as load_prompts, so the indices agree
         if text and text.strip():
-            turns = record.get("conversations") or record.get("messages")
-            user, reply = first_exchange(turns) if isinstance(turns, list) else (text, record.get("response"))
-            pairs.append((text.strip(), reply if user is not None and user.strip() == text.strip() else None))
+            pairs.append((text.strip(), record))
     random.Random(seed).shuffle(pairs)  # the permutation depends only on the length: same as load_prompts
     return pairs
+
+
+def original_exchanges(source="sharegpt", seed: int = 0) -> list[tuple[str, str | None]]:
+    """`(prompt, original first answer or None)` in exactly the order of `load_prompts(source, seed=seed)`."""
+    pairs = []
+    for text, record in sharegpt_records(source, seed):
+        turns = record.get("conversations") or record.get("messages")
+        user, reply = first_exchange(turns) if isinstance(turns, list) else (text, record.get("response"))
+        pairs.append((text, reply if user is not None and user.strip() == text else None))
+    return pairs
+
+
+def second_user_turn(record: dict) -> str | None:
+    """The user turn right after the first exchange (first user turn, assistant reply), or None."""
+    turns = record.get("conversations") or record.get("messages")
+    if not isinstance(turns, list):
+        return None
+    roles = [(t.get("role", t.get("from")), t.get("content", t.get("value"))) if isinstance(t, dict) else (None, None)
+             for t in turns]
+    for i, (role, _) in enumerate(roles):
+        if role in _USER_ROLES:
+            if i + 2 < len(roles) and roles[i + 1][0] in _ASSISTANT_ROLES and roles[i + 2][0] in _USER_ROLES:
+                text = roles[i + 2][1]
+                return text.strip() if isinstance(text, str) and text.strip() else None
+            return None
+    return None
 
 
 def read_idx(path: Path) -> set[int]:
