@@ -522,7 +522,7 @@ def main(argv=None) -> int:
         logger.info("%d finished first-turn answers, %d conversations with a second turn left; %s, batch %d",
                     len(first), len(prompts), args.dtype, args.batch_size)
         items = eligible_prompts(prompts, lambda i: render_chat(tokenizer, prompts[i], contexts[i]),
-                                 0, done, args.max_prompt_tokens, args.limit)
+                                 args.start, done, args.max_prompt_tokens, args.limit)
 
     if args.mode == "refill":
         decoder = RefillDecoder(model, args.batch_size, args.max_new_tokens, eos, refill_min=args.refill_min)
