@@ -62,9 +62,13 @@ class DraftLengthController:
     # per-node verification, tree masks, the cache's commit), measured on whole drafting rounds
     cycle_rate: float = 0.0  # measured tokens per second of a row in drafting rounds (0: none timed yet)
     plain_seconds: float = 0.0  # measured seconds of a plain round (0: none timed yet)
+    memory: float = 0.9  # weight of the past in the batch's timed rounds: they judge over about ten rounds, as
+    # single rounds vary by a quarter on a shared machine
     verify_scale: float = 1.0  # measured / modelled verify forwards of drafting rounds (a batch's rows each read
     # their own context, which the one-row measurement does not see)
     _seen: list[int] = field(default_factory=list)
+    _cycle_tokens: float = 0.0  # decayed sums over the timed drafting rounds: tokens a row emitted ...
+    _cycle_seconds: float = 0.0  # ... and their seconds
     _drafting: bool = True
     _plain_steps: int = 0
     _wait: int = 0
@@ -163,8 +167,10 @@ class DraftLengthController:
         """Measured wall time of a whole drafting round of the tree loop: every row verified `width` tokens after
         `steps` drafter levels and emitted `tokens` on average. What the parts modelled above do not explain
         becomes `cycle_overhead`."""
-        rate = tokens / max(seconds, 1e-9)
-        self.cycle_rate = _ema(self.cycle_rate, rate) if self.cycle_rate else rate
+        self._cycle_tokens = self.memory * self._cycle_tokens + tokens
+        self._cycle_seconds = self.memory * self._cycle_seconds + seconds
+        self.cycle_rate = self._cycle_tokens / max(self._cycle_seconds, 1e-9)  # a ratio of sums: steadier than
+        # a running mean of single rounds' rates
         if self.cost.base_seconds > 0:
             share = seconds / self.cost.base_seconds / self.rows
             modelled = self.verify_cost(width) + steps * self.draft_step + self.round_overhead + self.loop_overhead
@@ -172,7 +178,7 @@ class DraftLengthController:
 
     def observe_plain_round(self, seconds: float) -> None:
         """Measured wall time of a whole plain round (target forward plus the decoding loop's own work)."""
-        self.plain_seconds = _ema(self.plain_seconds, seconds) if self.plain_seconds else seconds
+        self.plain_seconds = _ema(self.plain_seconds, seconds, 1 - self.memory) if self.plain_seconds else seconds
         if self.cost.base_seconds > 0:  # a batch's round: each row's share
             share = seconds / self.cost.base_seconds / self.rows
             self.loop_overhead = _ema(self.loop_overhead, max(share - self.verify_cost(1), 0.0))

@@ -134,9 +134,11 @@ class CopySource:
         # tokens accepted below its first draft beyond what the root's copies and the draft alone reached
         self.anchor_yield = 0.5 if ANCHORS else 0.0
 
-    def propose(self, room: int, verified: int, probe_only: bool = False) -> list[Branch]:
+    def propose(self, room: int, verified: int, probe_only: bool = False, probe: bool | None = None) -> list[Branch]:
         """This round's branches (at most `room` tokens each) on top of a tree of `verified` tokens; with
-        `probe_only` (drafting rounds were measured not to pay) only a probe."""
+        `probe_only` (drafting rounds were measured not to pay) only a probe. `probe`: whether this round may
+        probe, decided by the caller (a batch probes all its rows in the same rounds: every row pays for the
+        widest row's tree); None: the source's own wait decides."""
         self.branches = []
         if room <= 0:
             return self.branches
@@ -147,7 +149,8 @@ class CopySource:
             n = 0
             while not probe_only and n < len(tokens) and self.acceptance.reach(match, n) > self.marginal_cost(verified):
                 n, verified = n + 1, verified + 1
-            if n == 0 and not self.branches and self._skipped >= self._wait and self.marginal_cost(verified) < 1:
+            due = self._skipped >= self._wait if probe is None else probe
+            if n == 0 and not self.branches and due and self.marginal_cost(verified) < 1:
                 # refresh the estimates of a source that was dropped; never where even a sure hit costs more than
                 # it yields (a large batch: every row pays for one row's longer tree)
                 n, probing = min(2, len(tokens)), True

@@ -119,7 +119,10 @@ class Speculator:
             s = self.settings
             eagle_size = 0 if depth == 0 else (depth + 1 if s.branching == 1 else s.total_tokens)
             paying = self.controller is None or self.controller.drafting_pays()
-            branches = self.copy.propose(room, max(eagle_size, 1), probe_only=not paying)
+            # a batch where drafting does not pay probes its rows' copies together, in the controller's probe
+            # rounds: one row's probe widens every row's round
+            probe = None if paying or planned is None else planned > 0
+            branches = self.copy.propose(room, max(eagle_size, 1), probe_only=not paying, probe=probe)
             self._room, self._copy_paying = room, paying
             if depth > 0 and branches and not self._drafter_pays_beside_copy(depth):
                 depth = 0
