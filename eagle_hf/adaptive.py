@@ -62,8 +62,10 @@ class DraftLengthController:
     # per-node verification, tree masks, the cache's commit), measured on whole drafting rounds
     cycle_rate: float = 0.0  # measured tokens per second of a row in drafting rounds (0: none timed yet)
     plain_seconds: float = 0.0  # measured seconds of a plain round (0: none timed yet)
-    memory: float = 0.9  # weight of the past in the batch's timed rounds: they judge over about ten rounds, as
-    # single rounds vary by a quarter on a shared machine
+    plain_every: int = 16  # a batch's drafting rounds between two timed plain rounds: its verdict compares both
+    timing_plain: bool = False  # this round is plain so that the batch times one (copy branches rest too)
+    memory: float = 0.9  # weight of the past in the batch's timed drafting rounds: they judge over about ten
+    # rounds, as single rounds vary by a quarter on a shared machine
     verify_scale: float = 1.0  # measured / modelled verify forwards of drafting rounds (a batch's rows each read
     # their own context, which the one-row measurement does not see)
     _seen: list[int] = field(default_factory=list)
@@ -72,6 +74,7 @@ class DraftLengthController:
     _drafting: bool = True
     _plain_steps: int = 0
     _wait: int = 0
+    _since_plain: int = 0  # drafting rounds since the last plain one
 
     def __post_init__(self):
         if not self.acceptance:
@@ -138,8 +141,15 @@ class DraftLengthController:
         if measured is not None:
             gain = min(gain, measured)
         keep = self.keep_gain if self._seen[0] >= self.warmup else self.min_gain
+        self.timing_plain = False
         if gain > (keep if self._drafting else self.min_gain):
+            if self.rows > 1 and self._since_plain >= (self.plain_every if self.plain_seconds else 2):
+                # a batch times a plain round now and then: a plain round of many rows is not a one-row
+                # forward times the rows, and without one the measured verdict would rest on that model
+                self._since_plain, self.timing_plain = 0, True
+                return 0
             self._drafting, self._plain_steps, self._wait = True, 0, self.probe_every
+            self._since_plain += 1
             return k
         self._drafting = False
         if self._plain_steps >= self._wait * self.relative_cost(k):  # probe: draft once to refresh the estimates
@@ -147,6 +157,7 @@ class DraftLengthController:
             self._plain_steps, self._wait = 0, min(2 * self._wait, self.max_probe_every)
             return k
         self._plain_steps += 1
+        self._since_plain = 0
         return 0
 
     def observe_drafter(self, overhead_seconds: float, step_seconds: float, steps: int) -> None:
@@ -178,7 +189,7 @@ class DraftLengthController:
 
     def observe_plain_round(self, seconds: float) -> None:
         """Measured wall time of a whole plain round (target forward plus the decoding loop's own work)."""
-        self.plain_seconds = _ema(self.plain_seconds, seconds, 1 - self.memory) if self.plain_seconds else seconds
+        self.plain_seconds = _ema(self.plain_seconds, seconds) if self.plain_seconds else seconds
         if self.cost.base_seconds > 0:  # a batch's round: each row's share
             share = seconds / self.cost.base_seconds / self.rows
             self.loop_overhead = _ema(self.loop_overhead, max(share - self.verify_cost(1), 0.0))

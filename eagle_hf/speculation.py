@@ -115,7 +115,9 @@ class Speculator:
             wanted = self.controller.choose()
         depth = max(min(wanted, room), 0)
         branches = []
-        if self.copy is not None:
+        if planned == 0 and self.controller is not None and self.controller.timing_plain:
+            pass  # the batch times a plain round: no copy branches either
+        elif self.copy is not None:
             s = self.settings
             eagle_size = 0 if depth == 0 else (depth + 1 if s.branching == 1 else s.total_tokens)
             paying = self.controller is None or self.controller.drafting_pays()
@@ -124,7 +126,8 @@ class Speculator:
             probe = None if paying or planned is None else planned > 0
             branches = self.copy.propose(room, max(eagle_size, 1), probe_only=not paying, probe=probe)
             self._room, self._copy_paying = room, paying
-            if depth > 0 and branches and not self._drafter_pays_beside_copy(depth):
+            if depth > 0 and branches and probe is None and not self._drafter_pays_beside_copy(depth):  # (a
+                # batch's probe round probes the drafter too)
                 depth = 0
         self.round = "draft" if depth > 0 or branches else ("fallback" if wanted <= 0 else "final")
         return depth

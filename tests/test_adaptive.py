@@ -92,6 +92,32 @@ def test_a_batch_judges_its_drafting_rounds_on_their_total_time():
     assert not c.drafting_pays()
 
 
+def test_a_batch_times_plain_rounds_before_trusting_drafting():
+    """A batch of 8 whose model says drafting pays: without a timed plain round its verdict would rest on that model
+    (a plain round of 8 rows is not a one-row forward times 8). It plans a plain round early and then one every
+    `plain_every` drafting rounds; once timed, a plain round faster than the model thought ends the drafting."""
+    c = DraftLengthController(CostModel(verify=[1.0] * 33, draft_step=0.01, base_seconds=0.1), max_draft=4, rows=8,
+                              plain_every=6)
+    for _ in range(20):
+        c.update(4, 2)
+    plan = []
+    for _ in range(17):
+        k = c.choose()
+        plan.append(k)
+        if k:
+            c.observe_cycle_round(0.2, width=5, steps=4, tokens=2.0)
+        else:
+            assert c.timing_plain
+            c.observe_plain_round(0.2)  # as slow as a drafting round: drafting pays
+    assert [i for i, k in enumerate(plan) if k == 0] == [2, 9, 16]
+    for _ in range(40):  # plain rounds become much faster: the next timed one ends the drafting
+        if c.choose() == 0:
+            c.observe_plain_round(0.05)
+        else:
+            c.observe_cycle_round(0.2, width=5, steps=4, tokens=2.0)
+    assert not c.drafting_pays() and c.choose() == 0 and not c.timing_plain
+
+
 def test_first_cycles_move_the_estimate_fast():
     c = DraftLengthController(CPU_LIKE, max_draft=8)
     c.update(4, 0)

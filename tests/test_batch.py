@@ -115,6 +115,31 @@ def test_rows_finish_on_their_own_at_eos_and_leave_the_batch():
         assert torch.equal(out, ref), step
 
 
+@pytest.mark.parametrize("full_batch_cheaper", [True, False])
+def test_finished_rows_ride_along_where_the_full_batch_is_cheaper(monkeypatch, full_batch_cheaper):
+    """float32 on this project's CPU: a forward of 7 rows costs more than one of 8. A finished row leaves the batch
+    only where the smaller batch was measured cheaper; otherwise it rides along as a passenger. Outputs are the
+    same either way."""
+    monkeypatch.setattr(tree_loop, "row_costs",
+                        lambda target, sizes: {n: 1 / n if full_batch_cheaper else float(n) for n in sizes})
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids, mask = left_padded(seed=3)
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    eos = int(free[1, ids.shape[1] + 3])  # row 1 (at least) ends early
+    plain = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    ref = target.generate(ids, **plain)
+    assert (ref[:, -1] == 0).any() and (ref[:, -1] != 0).any()  # some rows finish early, some run to the end
+    rows = []
+    forward = target.forward
+    monkeypatch.setattr(target, "forward", lambda *a, **k: (rows.append(k["input_ids"].shape[0]), forward(*a, **k))[1])
+    for name in ("tree", "chain"):
+        rows.clear()
+        out = target.generate(ids, assistant_model=drafter, **plain, **MODES[name])
+        assert torch.equal(out, ref), name
+        assert (min(rows) == len(ids)) == full_batch_cheaper, rows
+
+
 def test_holes_are_compacted_without_changing_the_output(monkeypatch):
     monkeypatch.setattr(ragged, "MIN_HOLES_TO_COMPACT", 2)
     monkeypatch.setattr(ragged, "HOLE_FRACTION", 0.0)

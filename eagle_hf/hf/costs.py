@@ -76,6 +76,34 @@ def measure_costs(target, drafter=None, max_tokens: int = 9, context: int = 128,
     return model
 
 
+_ROW_COSTS: dict[tuple, dict[int, float]] = {}
+
+
+@torch.no_grad()
+def row_costs(target, sizes, context: int = 64, repeats: int = 5) -> dict[int, float]:
+    """Seconds of a one-token target forward for a batch of each of `sizes` rows (median of `repeats`, after one
+    untimed step), measured once per process and size.
+
+    A batch does not always get cheaper as its rows finish: on this project's CPU a float32 forward of 7 rows
+    costs about a fifth more than one of 8 (matrix kernels favour some row counts). The tree loop keeps finished
+    rows as passengers where that is cheaper than letting them leave (`TreeLoop.retire`)."""
+    key = (id(target), str(target.device), str(target.dtype))
+    known = _ROW_COSTS.setdefault(key, {})
+    vocab = target.config.get_text_config().vocab_size
+    clock = Clock(target.device)
+    for rows in sorted(set(sizes) - set(known)):
+        ids = torch.randint(0, vocab, (rows, context + repeats + 1), device=target.device)
+        cache = new_cache(target)
+        target(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        times = []
+        for i in range(repeats + 1):
+            start = clock()
+            target(ids[:, context + i : context + i + 1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            times.append(clock() - start)
+        known[rows] = statistics.median(times[1:])
+    return {rows: known[rows] for rows in sizes}
+
+
 def controller_for(target, drafter, settings: DraftSettings) -> DraftLengthController | None:
     """The per-call controller of the "adaptive" schedule (None for fixed schedules), chain or tree."""
     if not settings.adaptive:

@@ -8,7 +8,8 @@ The loop is prefill / draft / verify / commit for a batch of rows: each row draf
 Ragged rows: row b's cache slots are valid or holes (`valid` [B, L]); a round appends the longest accepted path's
 length to every row, a shorter path leaves holes its row's mask hides, and positions are counted per row. Holes
 are compacted away once they are a quarter of the cache (amortised O(1) per token); a finished row leaves the
-batch. Batch size 1 never has holes.
+batch, unless the batch with it is measured to be cheaper than without it: then it rides along as a *passenger*
+(its root token verified every round, its output ignored) until more rows finish. Batch size 1 never has holes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..speculation import Speculator, draft_round
 from ..tree import DraftTree
 from ..verification import process_logits, verify
 from .cache import check_tree_cache, commit_paths, regather_cache, select_cache, tree_attention_mask
+from .costs import row_costs
 from .models import head_on_positions
 from .stopping import eos_ids
 
@@ -86,7 +88,7 @@ class TreeLoop:
         self.prefill(rows, ids, mask)
         active = self.retire(rows) if any(r.done for r in rows) else rows
         clock = self.speculators[0].clock
-        while active:
+        while live := sum(not r.done for r in active):
             start = clock()
             if self.controller is not None:
                 self.controller.rows = len(active)
@@ -99,11 +101,11 @@ class TreeLoop:
                 # drafter catching up on plain rounds' rows is neither a regular drafting round nor a plain one)
                 width = max(t.size for t in trees)
                 if width > 1:
-                    tokens = (sum(r.seq.shape[1] for r in active) - before) / len(active)
+                    tokens = (sum(r.seq.shape[1] for r in active) - before) / live
                     self.controller.observe_cycle_round(clock() - start, width, steps, tokens)
                 elif len(rows) > 1:  # (one row's plain rounds are timed by its speculator)
                     self.controller.observe_plain_round(clock() - start)
-            if any(r.done for r in active):
+            if sum(not r.done for r in active) < live:
                 active = self.retire(active)
             else:
                 self.compact_holes()
@@ -141,6 +143,10 @@ class TreeLoop:
         the shared controller chose for the batch's round."""
         depths, sizes = [], []
         for row in active:
+            if row.done:  # a passenger: its root alone
+                depths.append(0)
+                sizes.append(1)
+                continue
             row.sp.begin_round()
             room = self.max_length - row.seq.shape[1] - 1
             depths.append(row.sp.choose_depth(room, planned))
@@ -168,6 +174,9 @@ class TreeLoop:
             self.controller.observe_verify(width, clock() - start)
         rounds = []
         for b, (row, tree) in enumerate(zip(active, trees)):
+            if row.done:  # a passenger: nothing to verify, its slot is never read again
+                rounds.append(([], [0], None, None, False))
+                continue
             raw = out.logits[b, : tree.size].float()  # [n, V] (n = 1 for plain steps)
             paths = [tree.path_tokens(n) for n in range(tree.size)] if len(self.logits_processor) else []
             node_logits = process_logits(self.logits_processor, row.seq, paths, raw)  # [n, V]
@@ -178,6 +187,8 @@ class TreeLoop:
         self.valid = torch.cat([self.valid, commit_paths(self.cache, past_len, [r[1] for r in rounds])], 1)
         aux = gather_aux(out.hidden_states, self.aux_ids) if self.uses_eagle else None  # [B, N, A*H_t]
         for b, (row, (new, keep, raw, node_logits, cut)) in enumerate(zip(active, rounds)):
+            if row.done and not new:  # a passenger
+                continue
             if aux is not None:  # the kept nodes' features, each with the token that follows it
                 row.sp.commit(aux[b : b + 1, keep], torch.tensor([new], device=device), position=row.position)
             self.keep_outputs(row, node_logits, raw, out.hidden_states, b, keep)
@@ -186,10 +197,19 @@ class TreeLoop:
             row.sp.record(len(new) - 1, row.token, path=keep, cut=cut)
 
     def retire(self, rows: list[Row]) -> list[Row]:
-        """Finished rows leave the batch (and the cache); slots no remaining row reads are dropped."""
-        stay = [i for i, r in enumerate(rows) if not r.done]
-        if not stay:
+        """Finished rows leave the batch (and the cache), but as few as are needed for the cheapest forward that
+        keeps every unfinished row (`row_costs`): the others stay as passengers. Slots no remaining row reads are
+        dropped."""
+        live = [i for i, r in enumerate(rows) if not r.done]
+        if not live:
             return []
+        size = self.cheapest_size(len(live), len(rows))
+        passengers = [i for i, r in enumerate(rows) if r.done][: size - len(live)]
+        for i in passengers:
+            rows[i].sp.round = "passenger"  # (never a drafting round again)
+        if size == len(rows):
+            return rows
+        stay = sorted(live + passengers)
         index = torch.tensor(stay, device=self.valid.device)
         self.valid = self.valid.index_select(0, index)
         read = self.valid.any(0)  # [L]
@@ -201,6 +221,18 @@ class TreeLoop:
         for slot, b in enumerate(stay):
             rows[b].sp.slot = slot
         return [rows[i] for i in stay]
+
+    def cheapest_size(self, live: int, current: int) -> int:
+        """The batch size between `live` and `current` rows whose one-token forward was measured cheapest (a
+        larger one only where it saves at least 5%: measurements of single forwards are noisy)."""
+        if live == current:
+            return live
+        costs = row_costs(self.target, range(live, current + 1))
+        best = live
+        for size in range(live + 1, current + 1):
+            if costs[size] < 0.95 * costs[best]:
+                best = size
+        return best
 
     def compact_holes(self) -> None:
         """Move each row's valid slots to the end of a shorter cache once every row has many holes."""
