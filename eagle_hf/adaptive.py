@@ -8,6 +8,12 @@ are re-measured in the loop. Plain decoding yields 1 token per round. The contro
 ``argmax_k E(k) / cost(k)`` and falls back to plain decoding (k = 0) when no k beats 1, probing again after
 ``probe_every`` plain steps; each failed probe doubles the wait (up to ``max_probe_every``), so a drafter that
 never helps costs almost nothing. Given the same measurements it makes the same decisions.
+
+A batch also keeps a *loss budget*: every round is timed, and a wide round (drafts or copy branches) that emitted
+fewer tokens than plain rounds would have in its time adds the difference to the batch's loss (a wide round that
+emitted more takes it off). The batch widens its rounds only while that loss stays within ``loss_budget`` of its
+time so far: where drafting pays the loss is negative and nothing changes; where it does not, probes and copy
+branches together cost at most a few per cent, whatever the models and the noise of single rounds say.
 """
 
 from __future__ import annotations
@@ -63,7 +69,9 @@ class DraftLengthController:
     cycle_rate: float = 0.0  # measured tokens per second of a row in drafting rounds (0: none timed yet)
     plain_seconds: float = 0.0  # measured seconds of a plain round (0: none timed yet)
     plain_every: int = 16  # a batch's drafting rounds between two timed plain rounds: its verdict compares both
-    timing_plain: bool = False  # this round is plain so that the batch times one (copy branches rest too)
+    rest: bool = False  # this round of a batch is plain for every source (copy branches rest too): it times a
+    # plain round, or its loss budget is spent
+    loss_budget: float = 0.03  # a batch widens rounds only while their measured loss is within this share of its time
     memory: float = 0.9  # weight of the past in the batch's timed drafting rounds: they judge over about ten
     # rounds, as single rounds vary by a quarter on a shared machine
     verify_scale: float = 1.0  # measured / modelled verify forwards of drafting rounds (a batch's rows each read
@@ -75,6 +83,8 @@ class DraftLengthController:
     _plain_steps: int = 0
     _wait: int = 0
     _since_plain: int = 0  # drafting rounds since the last plain one
+    _elapsed: float = 0.0  # a batch's timed rounds: their seconds ...
+    _loss: float = 0.0  # ... and the seconds its wide rounds lost against plain rounds (negative: gained)
 
     def __post_init__(self):
         if not self.acceptance:
@@ -141,12 +151,17 @@ class DraftLengthController:
         if measured is not None:
             gain = min(gain, measured)
         keep = self.keep_gain if self._seen[0] >= self.warmup else self.min_gain
-        self.timing_plain = False
+        self.rest = False
+        if (self.rows > 1 and not self.plain_seconds) or not self.within_budget():
+            # a batch times a plain round before anything else (its losses are counted against it), and rests
+            # while its loss budget is spent
+            self.rest, self._since_plain = True, 0
+            return 0
         if gain > (keep if self._drafting else self.min_gain):
-            if self.rows > 1 and self._since_plain >= (self.plain_every if self.plain_seconds else 2):
+            if self.rows > 1 and self._since_plain >= self.plain_every:
                 # a batch times a plain round now and then: a plain round of many rows is not a one-row
                 # forward times the rows, and without one the measured verdict would rest on that model
-                self._since_plain, self.timing_plain = 0, True
+                self._since_plain, self.rest = 0, True
                 return 0
             self._drafting, self._plain_steps, self._wait = True, 0, self.probe_every
             self._since_plain += 1
@@ -159,6 +174,18 @@ class DraftLengthController:
         self._plain_steps += 1
         self._since_plain = 0
         return 0
+
+    def within_budget(self) -> bool:
+        """Whether a batch's wide rounds have lost at most `loss_budget` of its time against plain rounds (always
+        True for a single row, whose rounds are not accounted)."""
+        return self._loss <= self.loss_budget * self._elapsed
+
+    def account(self, seconds: float, tokens: float, wide: bool) -> None:
+        """A batch's whole round, for its loss budget: `seconds` of wall time in which each row emitted `tokens`
+        on average; `wide` when it verified drafts or copy branches (a drafter catching up included)."""
+        self._elapsed += seconds
+        if wide and self.plain_seconds:
+            self._loss += seconds - tokens * self.plain_seconds
 
     def observe_drafter(self, overhead_seconds: float, step_seconds: float, steps: int) -> None:
         """Measured drafter time of a regular drafting round: its catch-up on the last cycle's rows, and the

@@ -115,9 +115,9 @@ class Speculator:
             wanted = self.controller.choose()
         depth = max(min(wanted, room), 0)
         branches = []
-        timing_plain = planned == 0 and self.controller is not None and self.controller.timing_plain  # (the batch
-        # times a plain round: no copy branches either)
-        if self.copy is not None and not timing_plain:
+        rest = planned == 0 and self.controller is not None and self.controller.rest  # (the batch times a plain
+        # round, or has spent its loss budget: no copy branches either)
+        if self.copy is not None and not rest:
             s = self.settings
             eagle_size = 0 if depth == 0 else (depth + 1 if s.branching == 1 else s.total_tokens)
             paying = self.controller is None or self.controller.drafting_pays()

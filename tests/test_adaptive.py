@@ -73,6 +73,8 @@ def test_measured_rounds_overrule_a_model_that_says_drafting_pays():
     c = DraftLengthController(CostModel(verify=[1.0] * 33, draft_step=0.01, base_seconds=0.1), max_draft=4, rows=2)
     for _ in range(20):
         c.update(4, 4)
+    assert c.choose() == 0 and c.rest  # a batch times a plain round first
+    c.observe_plain_round(0.1)
     assert c.choose() > 0 and c.drafting_pays()
     for _ in range(5):
         c.observe_plain_round(0.1)
@@ -94,7 +96,7 @@ def test_a_batch_judges_its_drafting_rounds_on_their_total_time():
 
 def test_a_batch_times_plain_rounds_before_trusting_drafting():
     """A batch of 8 whose model says drafting pays: without a timed plain round its verdict would rest on that model
-    (a plain round of 8 rows is not a one-row forward times 8). It plans a plain round early and then one every
+    (a plain round of 8 rows is not a one-row forward times 8). It times a plain round first and then one every
     `plain_every` drafting rounds; once timed, a plain round faster than the model thought ends the drafting."""
     c = DraftLengthController(CostModel(verify=[1.0] * 33, draft_step=0.01, base_seconds=0.1), max_draft=4, rows=8,
                               plain_every=6)
@@ -107,15 +109,42 @@ def test_a_batch_times_plain_rounds_before_trusting_drafting():
         if k:
             c.observe_cycle_round(0.2, width=5, steps=4, tokens=2.0)
         else:
-            assert c.timing_plain
+            assert c.rest
             c.observe_plain_round(0.2)  # as slow as a drafting round: drafting pays
-    assert [i for i, k in enumerate(plan) if k == 0] == [2, 9, 16]
+    assert [i for i, k in enumerate(plan) if k == 0] == [0, 7, 14]
     for _ in range(40):  # plain rounds become much faster: the next timed one ends the drafting
         if c.choose() == 0:
             c.observe_plain_round(0.05)
         else:
             c.observe_cycle_round(0.2, width=5, steps=4, tokens=2.0)
-    assert not c.drafting_pays() and c.choose() == 0 and not c.timing_plain
+    assert not c.drafting_pays() and c.choose() == 0 and not c.rest
+
+
+def test_a_batch_widens_its_rounds_only_within_its_loss_budget():
+    """A batch's wide round that emits what a plain round does in three times its time loses 0.2 s: its loss budget
+    (3% of its time) is spent, and every source rests, however good the model says drafting is, until plain rounds
+    have earned it back. Wide rounds that gain leave the budget alone: the batch rests only to time plain rounds."""
+    c = DraftLengthController(CostModel(verify=[1.0] * 33, draft_step=0.01, base_seconds=0.1), max_draft=4, rows=8,
+                              plain_every=16)
+    for _ in range(20):
+        c.update(4, 4)  # the model: every draft accepted, drafting pays
+    assert c.choose() == 0 and c.rest  # first a timed plain round: losses are counted against it
+    c.observe_plain_round(0.1)
+    c.account(0.1, 1.0, wide=False)
+    assert c.choose() > 0 and not c.rest
+    c.account(0.3, 1.0, wide=True)
+    rests = 0
+    while c.choose() == 0:
+        assert c.rest
+        c.account(0.1, 1.0, wide=False)
+        rests += 1
+    assert rests == 63  # 0.2 s lost is 3% of 6.7 s: 0.4 s so far and 63 plain rounds
+    plan = []
+    for _ in range(40):  # wide rounds that gain (3 tokens a row in 0.2 s): no rest but the timed plain rounds
+        k = c.choose()
+        plan.append(k)
+        c.account(0.2 if k else 0.1, 3.0 if k else 1.0, wide=k > 0)
+    assert [i for i, k in enumerate(plan) if k == 0] == [15, 32]
 
 
 def test_first_cycles_move_the_estimate_fast():

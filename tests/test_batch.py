@@ -351,7 +351,8 @@ def test_the_batch_drafts_with_one_drafter_forward_per_level(monkeypatch):
 
 def test_rounds_that_catch_the_drafter_up_do_not_teach_the_controller(monkeypatch):
     """The first drafting round reads the prompts, a probe after plain rounds reads their rows: neither is a regular
-    drafting round, and timing one as a plain round once made drafting look cheap next to plain decoding."""
+    drafting round, and timing one as a plain round once made drafting look cheap next to plain decoding. Every
+    round counts against the batch's loss budget, those that catch up as wide rounds (what drafting costs)."""
     from eagle_hf.adaptive import DraftLengthController
 
     events = []
@@ -365,18 +366,19 @@ def test_rounds_that_catch_the_drafter_up_do_not_teach_the_controller(monkeypatc
     monkeypatch.setattr(tree_loop.TreeLoop, "plan", logged_plan)
     plan_of_rounds = iter([2, 2, 0, 0, 2, 2, 0, 2] * 4)  # drafting, plain rounds, then a probe after them
     monkeypatch.setattr(DraftLengthController, "choose", lambda self: next(plan_of_rounds))
-    for name in ("observe_plain_round", "observe_cycle_round"):
+    for name in ("observe_plain_round", "observe_cycle_round", "account"):
         original = getattr(DraftLengthController, name)
         monkeypatch.setattr(DraftLengthController, name,
-                            lambda self, *a, _o=original, _n=name: (events.append(_n), _o(self, *a))[1])
+                            lambda self, *a, _o=original, _n=name, **k: (events.append(_n), _o(self, *a, **k))[1])
     target = tiny_target("llama")
     ids, mask = left_padded([5, 9, 3, 7], seed=2)
     target.generate(input_ids=ids, attention_mask=mask, assistant_model=tiny_drafter(target), max_new_tokens=12,
                     do_sample=False, **MODES["tree adaptive"])
     assert events[0] == "backlog"
     assert events.count("backlog") >= 3  # the prompts, then two probes after plain rounds
-    assert all(not after.startswith("observe") for before, after in zip(events, events[1:]) if before == "backlog")
+    assert all(after == "account" for before, after in zip(events, events[1:]) if before == "backlog")
     assert "observe_plain_round" in events and "observe_cycle_round" in events
+    assert events.count("account") == events.count("backlog") + events.count("round")  # every round
 
 
 def test_the_head_computes_logits_only_for_real_tree_nodes(monkeypatch):

@@ -95,16 +95,11 @@ class TreeLoop:
             planned = self.controller.choose() if self.controller is not None and len(rows) > 1 else None
             trees = self.plan(active, planned)
             steps, backlog = max(r.sp.eagle_depth for r in active), any(r.sp.backlog for r in active)
-            before = sum(r.seq.shape[1] for r in active)
+            before = sum(r.seq.shape[1] for r in active)  # the rows' tokens before the round
             self.verify_and_commit(active, trees)
-            if self.controller is not None and not backlog:  # whole rounds teach the loop's own costs (a
-                # drafter catching up on plain rounds' rows is neither a regular drafting round nor a plain one)
-                width = max(t.size for t in trees)
-                if width > 1:
-                    tokens = (sum(r.seq.shape[1] for r in active) - before) / live
-                    self.controller.observe_cycle_round(clock() - start, width, steps, tokens)
-                elif len(rows) > 1:  # (one row's plain rounds are timed by its speculator)
-                    self.controller.observe_plain_round(clock() - start)
+            if self.controller is not None:
+                self.observe(clock() - start, max(t.size for t in trees), steps, backlog, len(rows) > 1,
+                             (sum(r.seq.shape[1] for r in active) - before) / live)
             if sum(not r.done for r in active) < live:
                 active = self.retire(active)
             else:
@@ -195,6 +190,18 @@ class TreeLoop:
             row.position += len(new)
             self.append(row, new)
             row.sp.record(len(new) - 1, row.token, path=keep, cut=cut)
+
+    def observe(self, seconds: float, width: int, steps: int, backlog: bool, batch: bool, tokens: float) -> None:
+        """Whole rounds teach the controller the loop's own costs (a drafter catching up on plain rounds' rows is
+        neither a regular drafting round nor a plain one) and count against a batch's loss budget (every round:
+        catching up is part of what drafting costs). `tokens`: what each live row emitted on average."""
+        wide = width > 1 or steps > 0  # (a drafter whose every draft was pruned ran all the same)
+        if width > 1 and not backlog:
+            self.controller.observe_cycle_round(seconds, width, steps, tokens)
+        elif batch and not wide:  # (one row's plain rounds are timed by its speculator)
+            self.controller.observe_plain_round(seconds)
+        if batch:
+            self.controller.account(seconds, tokens, wide)
 
     def retire(self, rows: list[Row]) -> list[Row]:
         """Finished rows leave the batch (and the cache), but as few as are needed for the cheapest forward that
