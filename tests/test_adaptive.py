@@ -58,6 +58,7 @@ def test_a_batch_probes_less_often_as_its_probes_pad_every_row():
     assert batch.relative_cost(1) > one.relative_cost(1) + 0.3
     plain_rounds = []
     for c in (one, batch):
+        c.observe_plain_round(0.1)  # (a batch times a plain round before anything else)
         c.update(8, 0)  # acceptance observed low: the controller backs off
         n = 0
         while c.choose() == 0:

@@ -141,7 +141,9 @@ def test_default_tree_mode_copies_and_reports_per_source_stats():
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     ref = target.generate(REPEAT, max_new_tokens=40, do_sample=False)
-    out = target.generate(REPEAT, max_new_tokens=40, do_sample=False, assistant_model=drafter)
+    out = target.generate(REPEAT, max_new_tokens=40, do_sample=False, assistant_model=drafter,
+                          num_assistant_tokens_schedule="constant")  # (the adaptive schedule sizes copies from
+    # timings, which a busy machine skews: this tests the default sources and their stats, not adaptation)
     assert torch.equal(out, ref)
     s = eagle_hf.last_stats()
     per = s.acceptance_per_position_by_source
