@@ -9,6 +9,7 @@ import re
 import shutil
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -270,7 +271,7 @@ def _settings(page, max_new: int, mode: str, chain: int | None = None):
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian chromium is not installed")
-def test_real_browser(parts, tmp_path):
+def test_real_browser(parts, tmp_path, monkeypatch):
     from playwright.sync_api import sync_playwright
 
     target, tok, drafters = parts
@@ -332,6 +333,8 @@ def test_real_browser(parts, tmp_path):
             _settings(other, 16, "adaptive")
             other.get_by_label("copy", exact=True).check()  # draft sources: copies alone
             other.locator("#prompt textarea").fill("wa wb")
+            forward = type(target).forward  # a run Stop can still catch on a fast host: 20 ms a target forward
+            monkeypatch.setattr(type(target), "forward", lambda self, *a, **k: (time.sleep(0.02), forward(self, *a, **k))[1])
             _settings(page, 480, "fixed chain")
             page.locator("#send").click()
             page.wait_for_function(JS_DONE.replace("!s.includes('generating')", "s.includes('generating')"),
