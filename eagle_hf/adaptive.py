@@ -83,7 +83,6 @@ class DraftLengthController:
     _plain_steps: int = 0
     _wait: int = 0
     _since_plain: int = 0  # drafting rounds since the last plain one
-    _probed: bool = False  # whether the drafter was probed while falling back
     _elapsed: float = 0.0  # a batch's timed rounds: their seconds ...
     _loss: float = 0.0  # ... and the seconds its wide rounds lost against plain rounds (negative: gained)
 
@@ -168,11 +167,9 @@ class DraftLengthController:
             self._since_plain += 1
             return k
         self._drafting = False
-        first = self.rows > 1 and not (self._probed or self.seeded)  # a batch probes its drafter at once: its backlog
-        # (the prompts) is smallest now, and what the probe shows serves the whole call
-        if first or self._plain_steps >= self._wait * self.relative_cost(k):  # probe: draft once to refresh the
-            # estimates (waiting longer the more a probe costs: in a big batch it pads every row's round)
-            self._plain_steps, self._wait, self._probed = 0, min(2 * self._wait, self.max_probe_every), True
+        if self._plain_steps >= self._wait * self.relative_cost(k):  # probe: draft once to refresh the estimates
+            # (waiting longer the more a probe costs: in a big batch it pads every row's round)
+            self._plain_steps, self._wait = 0, min(2 * self._wait, self.max_probe_every)
             return k
         self._plain_steps += 1
         self._since_plain = 0

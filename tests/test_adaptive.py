@@ -67,17 +67,6 @@ def test_a_batch_probes_less_often_as_its_probes_pad_every_row():
     assert plain_rounds[1] > 1.3 * plain_rounds[0]
 
 
-def test_a_batch_probes_its_drafter_at_once_before_any_acceptance_is_known():
-    """A batch of 16 whose model says drafting does not pay (low confidences) still probes its drafter right after
-    timing a plain round, while the drafter's backlog is the prompts alone; then it waits as usual."""
-    c = DraftLengthController(CPU_LIKE, max_draft=8, rows=16, prior=0.05)
-    assert c.choose() == 0 and c.rest  # the plain round a batch times first
-    c.observe_plain_round(0.1)
-    assert c.choose() > 0 and not c.rest  # the first probe
-    c.update(1, 0)
-    assert [c.choose() for _ in range(16)] == [0] * 16  # then the usual wait
-
-
 def test_measured_rounds_overrule_a_model_that_says_drafting_pays():
     """A batch of 2 rows: the model expects a gain (accurate drafts, cheap verification), but timed rounds say
     otherwise: drafting rounds emit 2 tokens a row in 0.3 s where plain rounds emit 1 in 0.1 s. The controller falls
