@@ -1,12 +1,20 @@
 """Mean acceptance length of a drafter on the shipped prompt sets (greedy, chain of K drafts), per position.
 
     python scripts/evaluate_drafter.py --drafter eagle_hf/assets/smollm2-135m-eagle3.1 --out results/acceptance.json
+
+A training run's latest weights, while it runs (its `train_state.pt`, written every `--save-every` steps, over
+the configuration of its `best/` drafter):
+
+    python scripts/evaluate_drafter.py --drafter runs/X/best --train-state runs/X/train_state.pt --sets mt_bench \
+        --out runs/eval_X_latest.json
 """
 
 import argparse
 import json
 import os
 import time
+
+import torch
 
 import eagle_hf
 from eagle_hf import EagleDrafter
@@ -22,12 +30,23 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--num-draft-tokens", type=int, default=5)
     p.add_argument("--out", default="acceptance.json", help="the JSON file to write (a file, not a folder)")
+    p.add_argument("--train-state", default=None, help="a run's train_state.pt: its weights replace the drafter's")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
     if os.path.isdir(args.out):  # found out after all the compute otherwise
         p.error(f"--out {args.out} is a folder: pass a file path, e.g. {os.path.join(args.out, 'acceptance.json')}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     target, tok = eagle_hf.load_default_target()
     drafter = EagleDrafter.from_pretrained(args.drafter)
-    results = {"drafter": args.drafter, "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
+    step = None
+    if args.train_state:  # (the run replaces the file atomically: this reads one whole state)
+        state = torch.load(args.train_state, map_location="cpu", weights_only=False)
+        dtype = drafter.fc.weight.dtype
+        drafter.load_state_dict({k: v.to(dtype) for k, v in state["drafter"].items()})
+        step = state["step"]
+        print(f"weights of {args.train_state}, step {step}", flush=True)
+    results = {"drafter": args.drafter, "train_state": args.train_state, "step": step, "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
                "target_dtype": str(target.dtype), "sets": {}}
     for name in args.sets.split(","):
         limit = args.limit if name == "mt_bench" or args.limit_others is None else args.limit_others
