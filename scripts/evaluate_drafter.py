@@ -46,7 +46,8 @@ def main():
         drafter.load_state_dict({k: v.to(dtype) for k, v in state["drafter"].items()})
         step = state["step"]
         print(f"weights of {args.train_state}, step {step}", flush=True)
-    results = {"drafter": args.drafter, "train_state": args.train_state, "step": step, "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
+    results = {"drafter": args.drafter, "train_state": args.train_state, "step": step,
+               "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
                "target_dtype": str(target.dtype), "sets": {}}
     for name in args.sets.split(","):
         limit = args.limit if name == "mt_bench" or args.limit_others is None else args.limit_others
