@@ -36,6 +36,7 @@ from .capture import gather_aux, hidden_state_request
 from .drafting import DraftState, draft_tree
 from .evaluation import PROMPT_DIR, PROMPT_SETS, load_prompt_set
 from .hf.call import check_compatible, prepare_drafter
+from .hf.version import cache_kwarg
 from .modeling import EagleDrafter
 
 logger = logging.getLogger(__name__)
@@ -417,14 +418,14 @@ def greedy_path(target, input_ids: torch.Tensor, aux_ids: list[int], max_new_tok
     if shared and store is not None:
         prefix = input_ids[:, :shared]  # [1, shared]
         if store.ids is None or not torch.equal(store.ids, prefix):
-            out = target(input_ids=prefix, past_key_values=cache, use_cache=True, output_hidden_states=request,
+            out = target(input_ids=prefix, **cache_kwarg(cache), use_cache=True, output_hidden_states=request,
                          logits_to_keep=1)
             store.ids, store.cache, store.taps = prefix, cache, gather_aux(out.hidden_states, aux_ids)
         cache = copy.deepcopy(store.cache)
         taps.append(store.taps)
         step = input_ids[:, shared:]  # [1, P - shared]
     for i in range(max_new_tokens):
-        out = target(input_ids=step, past_key_values=cache, use_cache=True, output_hidden_states=request,
+        out = target(input_ids=step, **cache_kwarg(cache), use_cache=True, output_hidden_states=request,
                      logits_to_keep=1)
         taps.append(gather_aux(out.hidden_states, aux_ids))  # [1, t, A*H_t]
         step = out.logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]

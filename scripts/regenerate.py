@@ -82,16 +82,18 @@ class RefillDecoder:
         self.decoded_tokens = 0  # every token this decoder produced (all are answer tokens, EOS included)
 
     @torch.inference_mode()
-    def _forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None):
+    def _forward(self, input_ids, attention_mask=None, position_ids=None, cache=None):
+        from eagle_hf.hf.version import cache_kwarg, output_cache
+
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1, :].argmax(dim=-1), out.past_key_values
+                         **cache_kwarg(cache), use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :].argmax(dim=-1), output_cache(out)
 
     def _prefill(self, ids: list[int]):
         from transformers import DynamicCache
 
         cache = DynamicCache()
-        tok, cache = self._forward(torch.tensor([ids], device=self.device), past_key_values=cache)
+        tok, cache = self._forward(torch.tensor([ids], device=self.device), cache=cache)
         for layer in cache.layers:
             if type(layer).__name__ != "DynamicLayer":
                 raise NotImplementedError(f"RefillDecoder supports full-attention DynamicCache layers only, got {type(layer).__name__}")
@@ -167,7 +169,7 @@ class RefillDecoder:
             # ---- one decoding step for every row in flight
             mask = torch.cat([mask, torch.ones(len(keys), 1, dtype=mask.dtype, device=self.device)], dim=1)
             pos = torch.tensor(lengths, device=self.device)[:, None]
-            nxt, cache = self._forward(pending[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache)
+            nxt, cache = self._forward(pending[:, None], attention_mask=mask, position_ids=pos, cache=cache)
             self.decoded_tokens += len(keys)
             nxt_list = nxt.tolist()
             keep = []

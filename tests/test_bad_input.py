@@ -113,6 +113,15 @@ def test_unsupported_transformers_version():
     check_transformers_version()  # the installed one
 
 
+def test_the_cache_keyword_is_the_installed_transformers_one(target):
+    """5.24 renamed `past_key_values` to `cache`: eagle_hf passes the name the installed forward declares."""
+    import inspect
+
+    from eagle_hf.hf.version import CACHE_KEY
+
+    assert CACHE_KEY in inspect.signature(type(target).forward).parameters
+
+
 def test_no_drafter_no_change(target):
     """Without an EAGLE drafter, generate() is transformers' own: same tokens, greedy, sampled and assisted."""
     assert hf_integration.GenerationMixin.generate is hf_integration.generate  # the hook is installed

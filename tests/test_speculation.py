@@ -16,6 +16,7 @@ import eagle_hf
 from eagle_hf import DraftSettings, EagleCompatibilityError
 from eagle_hf.adaptive import CostModel, DraftLengthController
 from eagle_hf.drafting import DraftState, draft_tree
+from eagle_hf.hf.version import CACHE_KEY, output_cache
 from eagle_hf.speculation import Speculator
 from eagle_hf.stats import SpecDecodeStats
 from eagle_hf.timing import Clock
@@ -152,18 +153,20 @@ def test_tree_mode_returns_what_chain_mode_returns():
     assert torch.allclose(tree.hidden_states[5][-1], plain.hidden_states[5][-1], atol=1e-4)
 
 
+@pytest.mark.parametrize("key", sorted({CACHE_KEY, "past_key_values"}))
 @pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_a_cache_passed_in_is_used_and_returned(mode):
-    """Multi-turn reuse: generate once, then continue from the returned cache with a longer prompt."""
+def test_a_cache_passed_in_is_used_and_returned(mode, key):
+    """Multi-turn reuse: generate once, then continue from the returned cache with a longer prompt (under the
+    installed transformers' name for it, and the old name `past_key_values`, which 5.24+ still takes)."""
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     first = torch.randint(1, 96, (1, 6), generator=torch.Generator().manual_seed(4))
     kw = dict(do_sample=False, return_dict_in_generate=True, assistant_model=drafter, draft_mode=mode)
     res = target.generate(first, max_new_tokens=8, **kw)
     follow = torch.cat([res.sequences, torch.randint(1, 96, (1, 3), generator=torch.Generator().manual_seed(5))], 1)
-    out = target.generate(follow, max_new_tokens=10, past_key_values=res.past_key_values, **kw)
+    out = target.generate(follow, max_new_tokens=10, **{key: output_cache(res)}, **kw)
     assert torch.equal(out.sequences, target.generate(follow, max_new_tokens=10, do_sample=False))
-    assert out.past_key_values.get_seq_length() == out.sequences.shape[1] - 1
+    assert output_cache(out).get_seq_length() == out.sequences.shape[1] - 1
 
 
 def test_streamer_in_tree_mode():

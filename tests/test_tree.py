@@ -8,6 +8,7 @@ from conftest import patch_drafts, tiny_drafter, tiny_target
 
 import eagle_hf
 from eagle_hf.hf.cache import tree_attention_mask
+from eagle_hf.hf.version import cache_kwarg, output_cache
 from eagle_hf.tree import DraftTree
 from eagle_hf.verification import accept_greedy, accept_sampling
 
@@ -130,8 +131,8 @@ def test_tree_mode_greedy_equals_plain_generate(family):
         from transformers import DynamicCache
 
         cache = DynamicCache(config=target.config)
-        target(seq[:, :-1], past_key_values=cache, use_cache=True)
-        for a, b in zip(res.past_key_values.layers, cache.layers):
+        target(seq[:, :-1], **cache_kwarg(cache), use_cache=True)
+        for a, b in zip(output_cache(res).layers, cache.layers):
             assert a.keys.shape == b.keys.shape
             assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
 

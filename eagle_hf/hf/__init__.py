@@ -8,9 +8,10 @@
 - `stopping`: EOS ids and plain generate()'s stopping point replayed;
 - `costs`: verify and drafter costs measured on the device, and the adaptive controller of a call;
 - `models`: what is read from transformers' model classes (final-norm scale, RoPE menu);
-- `version`: the supported transformers versions; `hub`: the Hub-hostable `custom_generate/` folder.
+- `version`: the supported transformers versions and their name for the KV cache; `hub`: the Hub-hostable `custom_generate/` folder.
 
-Tested against transformers 5.23 (``SUPPORTED_TRANSFORMERS``); other versions raise a clear error on use.
+Tested against transformers 5.23 and 5.24 (``SUPPORTED_TRANSFORMERS``; `version` speaks either's name for the
+KV cache); other versions raise a clear error on use.
 """
 
 from __future__ import annotations

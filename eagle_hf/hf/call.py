@@ -16,6 +16,7 @@ from ..modeling import EagleDrafter
 from ..settings import DraftSettings
 from ..speculation import DraftListener
 from ..stats import SpecDecodeStats
+from .version import cache_in
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ def check_batch(kwargs: dict, inputs, defaults=None) -> None:
                 "with the left-padded input_ids (tokenizer(prompts, padding=True, padding_side='left', "
                 "return_tensors='pt') returns both)."
             )
-    cache = kwargs.get("past_key_values")
+    cache = cache_in(kwargs)
     refused = {
         "output_hidden_states": "hidden states per step",
         "streamer": "a streamer (transformers' streamers take one sequence)",
@@ -154,7 +155,7 @@ def check_batch(kwargs: dict, inputs, defaults=None) -> None:
                 f"Batched EAGLE drafting does not support {what} yet; call generate() once per prompt for it.")
     if cache is not None and cache.get_seq_length() > 0:
         raise EagleCompatibilityError(
-            "Batched EAGLE drafting does not continue from a prefilled past_key_values yet; pass the whole prompts "
+            "Batched EAGLE drafting does not continue from a prefilled cache (past_key_values) yet; pass the whole prompts "
             "(or call generate() once per prompt).")
 
 

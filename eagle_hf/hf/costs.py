@@ -12,6 +12,7 @@ from ..adaptive import CostModel, DraftLengthController
 from ..settings import DraftSettings
 from ..timing import Clock
 from .cache import new_cache
+from .version import cache_kwarg
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +50,10 @@ def measure_costs(target, drafter=None, max_tokens: int = 9, context: int = 128,
         return [statistics.median(s) for s in samples]
 
     cache = new_cache(target)
-    target(ids[:, :context], past_key_values=cache, use_cache=True)
+    target(ids[:, :context], **cache_kwarg(cache), use_cache=True)
 
     def forward(n: int):
-        target(ids[:, context : context + n], past_key_values=cache, use_cache=True)
+        target(ids[:, context : context + n], **cache_kwarg(cache), use_cache=True)
         cache.crop(-n)
 
     times = timed([functools.partial(forward, n) for n in range(1, max_tokens + 1)])
@@ -94,11 +95,11 @@ def row_costs(target, sizes, context: int = 64, repeats: int = 5) -> dict[int, f
     for rows in sorted(set(sizes) - set(known)):
         ids = torch.randint(0, vocab, (rows, context + repeats + 1), device=target.device)
         cache = new_cache(target)
-        target(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        target(ids[:, :context], **cache_kwarg(cache), use_cache=True, logits_to_keep=1)
         times = []
         for i in range(repeats + 1):
             start = clock()
-            target(ids[:, context + i : context + i + 1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            target(ids[:, context + i : context + i + 1], **cache_kwarg(cache), use_cache=True, logits_to_keep=1)
             times.append(clock() - start)
         known[rows] = statistics.median(times[1:])
     return {rows: known[rows] for rows in sizes}

@@ -32,7 +32,7 @@ from .cache import tree_unsupported_reason
 from .candidate import EagleCandidateGenerator
 from .stopping import eos_ids, trim_at_stopping_criteria
 from .tree_loop import tree_custom_generate
-from .version import check_transformers_version
+from .version import cache_in, check_transformers_version
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def generate(self, *args, **kwargs):
     if settings.mode == "tree" and reason:
         _log_fallback_once(self, reason, asked="mode" in settings.sources)
         settings.mode = "chain"
-    cache = kwargs.get("past_key_values")
+    cache = cache_in(kwargs)
     if reason:
         if settings.draft_sources == "copy":
             raise EagleCompatibilityError(
@@ -79,7 +79,7 @@ def generate(self, *args, **kwargs):
     if settings.mode == "chain" and cache is not None and cache.get_seq_length() > 0:
         # transformers' assisted loop (5.23) diverges from plain decoding when the cache already holds a prefix,
         # for its own prompt lookup too; our loop with one child per node is the same chain, and exact
-        logger.info("A prefilled past_key_values: chain drafting runs in eagle_hf's loop (a tree with top_k=1).")
+        logger.info("A prefilled cache: chain drafting runs in eagle_hf's loop (a tree with top_k=1).")
         _as_tree_with_top_k_1(settings)
     rows = batch_rows(kwargs)
     if rows > 1:

@@ -6,6 +6,8 @@ import torch
 from transformers import StopStringCriteria
 from transformers.generation.stopping_criteria import ConfidenceCriteria, MaxTimeCriteria
 
+from .version import output_cache
+
 
 def eos_ids(generation_config) -> set[int]:
     """The EOS ids generate() prepared for this call (its own tensor, or the config's ids)."""
@@ -53,6 +55,7 @@ def trim_at_stopping_criteria(out, prompt_len: int | None, kwargs: dict):
     for name in ("scores", "logits", "hidden_states"):
         if getattr(out, name, None) is not None:
             setattr(out, name, getattr(out, name)[: length - prompt_len])
-    if getattr(out, "past_key_values", None) is not None and extra > 0:
-        out.past_key_values.crop(-extra)
+    cache = output_cache(out)
+    if cache is not None and extra > 0:
+        cache.crop(-extra)
     return out

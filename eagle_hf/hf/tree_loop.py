@@ -30,6 +30,7 @@ from .cache import check_tree_cache, commit_paths, regather_cache, select_cache,
 from .costs import row_costs
 from .models import head_on_positions
 from .stopping import eos_ids
+from .version import cache_in, cache_kwarg
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +252,7 @@ class TreeLoop:
     # ------------------------------------------------------------------ helpers
     def forward(self, ids: torch.Tensor, all_rows: bool = False, **kwargs):
         hidden = {} if self.request is None else {"output_hidden_states": self.request}
-        return self.target(input_ids=ids, past_key_values=self.cache, use_cache=True,
+        return self.target(input_ids=ids, **cache_kwarg(self.cache), use_cache=True,
                            logits_to_keep=0 if all_rows else 1, **hidden, **kwargs)
 
     def cut(self, row: Row, new: list[int]) -> list[int]:
@@ -315,7 +316,7 @@ def tree_custom_generate(model, input_ids, logits_processor, stopping_criteria, 
     """`custom_generate` callable: generate() has prepared processors, criteria, the cache and the batch."""
     from .hooks import finish_rows, speculators_for
 
-    cache = model_kwargs.get("past_key_values")
+    cache = cache_in(model_kwargs)
     call, speculators = speculators_for(model, input_ids.shape[0], eos_ids(generation_config))
     loop = TreeLoop(model, speculators, call.aux_ids, cache, logits_processor, stopping_criteria, generation_config,
                     call.streamer)
@@ -331,5 +332,5 @@ def tree_custom_generate(model, input_ids, logits_processor, stopping_criteria, 
         scores=stack_steps([e.scores for e in emitted]) if g.output_scores else None,
         logits=stack_steps([e.logits for e in emitted]) if g.output_logits else None,
         hidden_states=tuple(emitted[0].hidden_states) if g.output_hidden_states else None,
-        past_key_values=None if batched else cache,  # a batch's cache has holes: it cannot continue a generate()
+        **cache_kwarg(None if batched else cache),  # a batch's cache has holes: it cannot continue a generate()
     )

@@ -18,3 +18,24 @@ def check_transformers_version(version: str | None = None) -> None:
             f"eagle_hf hooks into transformers' assisted-generation loop and supports transformers >={low},<{high}; "
             f"found {v}. Install a supported version: pip install 'transformers>={low},<{high}'."
         )
+
+
+# transformers 5.24 renamed `past_key_values` to `cache` in model forwards, generate()'s keyword arguments and the
+# outputs (the old name warns until 5.40): eagle_hf speaks the installed version's name and reads either.
+CACHE_KEY = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
+
+
+def cache_kwarg(cache) -> dict:
+    """The keyword argument that passes `cache` to a model forward (or generate()) of the installed transformers."""
+    return {CACHE_KEY: cache}
+
+
+def cache_in(kwargs: dict):
+    """The cache passed in `kwargs` (generate()'s or a forward's) under either name, or None."""
+    cache = kwargs.get("cache")
+    return kwargs.get("past_key_values") if cache is None else cache
+
+
+def output_cache(out):
+    """The cache that a model or generate() output carries, under either name, without a deprecation warning."""
+    return getattr(out, CACHE_KEY, None)

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ..capture import gather_aux, hidden_state_request
+from ..hf.version import cache_kwarg
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def generate_with_capture(
             input_ids=step_ids,
             attention_mask=step_mask,
             position_ids=positions,
-            past_key_values=cache,
+            **cache_kwarg(cache),
             use_cache=True,
             output_hidden_states=request,
             logits_to_keep=1,
