@@ -57,6 +57,31 @@ def standard_modes(drafter, assistant=None, chain_lengths=(3, 5), early_exit_lay
     return modes
 
 
+def parse_mode(spec: str) -> tuple[str, dict]:
+    """``NAME=JSON`` (`eagle-hf bench --mode`): a mode's name and its generate() keywords (a JSON object)."""
+    name, sep, text = spec.partition("=")
+    try:
+        kwargs = json.loads(text) if sep else None
+    except json.JSONDecodeError as e:
+        kwargs, why = None, f" ({e})"
+    else:
+        why = ""
+    if not name.strip() or not isinstance(kwargs, dict):
+        raise ValueError(f"--mode takes NAME=JSON, a name and a JSON object of generate() keywords{why}, e.g. "
+                         f"--mode 'copy b1={{\"draft_sources\": \"copy\", \"copy_branches\": 1}}'; got {spec!r}.")
+    if name.strip() in ("plain", *MODE_NAMES):
+        raise ValueError(f"--mode {name.strip()!r}: that name belongs to a standard mode; pick another name.")
+    return name.strip(), kwargs
+
+
+def custom_mode(name: str, kwargs: dict, drafter) -> Mode:
+    """A mode of the user's own: eagle_hf's generate() keywords, with the drafter as `assistant_model` unless the
+    mode drafts by copying alone (``"draft_sources": "copy"``)."""
+    if kwargs.get("draft_sources") != "copy":
+        kwargs = {"assistant_model": drafter, **kwargs}
+    return Mode(name, kwargs, True)
+
+
 def _generate(target, enc, mode: Mode, max_new_tokens: int, temperature: float, seed: int):
     kwargs = dict(max_new_tokens=max_new_tokens, **mode.kwargs)
     if temperature > 0:

@@ -43,9 +43,14 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_benchmark, results_markdown, standard_modes, write_results
+    from .bench import custom_mode, parse_mode, run_benchmark, results_markdown, standard_modes, write_results
     from .default import load_drafter
 
+    try:
+        own = [parse_mode(spec) for spec in args.mode]  # a bad one fails before any model loads
+    except ValueError as e:
+        print(f"eagle-hf bench: {e}", file=sys.stderr)
+        return 2
     target, tok = _target(args)
     drafter, label = load_drafter(args.drafter, target)
     assistant = None
@@ -57,6 +62,7 @@ def cmd_bench(args) -> int:
     if args.modes:
         keep = set(args.modes.split(","))
         modes = [m for m in modes if m.name in keep or m.name == "plain"]
+    modes += [custom_mode(name, kwargs, drafter) for name, kwargs in own]
     if args.batch_size > 1:  # transformers' assisted modes decode one sequence
         single = [m.name for m in modes if m.name != "plain" and not m.uses_drafter]
         if single:
@@ -178,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "code_edit, multi_turn) or JSONL files")
     b.add_argument("--modes", default=None,
                    help=f"comma-separated subset of modes (plain always runs); one of: {', '.join(MODE_NAMES)}")
+    b.add_argument("--mode", action="append", default=[], metavar="NAME=JSON",
+                   help="a mode of your own, repeatable: generate() keywords as JSON, e.g. 'copy b1={\"draft_sources\": "
+                        "\"copy\", \"copy_branches\": 1}' (with the drafter unless draft_sources is \"copy\")")
     b.add_argument("--chain-lengths", type=int, nargs="+", default=[3, 5], help="fixed chain lengths K to run")
     b.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per prompt")
     b.add_argument("--limit", type=int, default=None, help="prompts per set (default: all)")

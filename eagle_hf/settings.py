@@ -92,7 +92,8 @@ class DraftSettings:
         copy_length: the longest copy branch (tokens); each round's length follows the copy source's running
             acceptance.
         copy_ngram: the longest suffix matched against the context (tokens); the longest match wins.
-        copy_branches: copy branches per round (distinct continuations, the most recent occurrences first).
+        copy_branches: copy branches per round (distinct continuations, the most recent occurrences first); -1:
+            one beside the drafter (its own branches are the alternative), two for copy drafting alone.
     """
 
     mode: str = "tree"  # measured: docs/benchmarks.md, "Default mode"
@@ -107,7 +108,7 @@ class DraftSettings:
     draft_sources: str = "auto"
     copy_length: int = 16
     copy_ngram: int = 4
-    copy_branches: int = 2
+    copy_branches: int = -1  # measured: docs/benchmarks.md, "Copy branches per round"
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)  # field -> where it came from
 
     @property
@@ -166,6 +167,8 @@ class DraftSettings:
             logger.info("num_assistant_tokens=%s: %s mode, %s schedule", settings.depth, settings.mode, settings.schedule)
         settings.sources = sources
         settings.validate()
+        if settings.copy_branches == -1:
+            settings.copy_branches = 1 if settings.uses_eagle else 2
         return settings
 
     def validate(self) -> None:
@@ -193,8 +196,9 @@ class DraftSettings:
             keyword = "num_assistant_tokens" if self.mode == "chain" else "tree_depth"
             raise DraftSettingsError(f"{keyword} must be in 1..{MAX_DEPTH}, got {self.depth} {where('depth')}.")
         for name, (low, high) in COPY_RANGES.items():
-            if not low <= getattr(self, name) <= high:
-                raise DraftSettingsError(f"{name} must be in {low}..{high}, got {getattr(self, name)} {where(name)}.")
+            if not low <= getattr(self, name) <= high and not (name == "copy_branches" and self.copy_branches == -1):
+                auto = " (or -1: one beside the drafter, two for copy drafting alone)" if name == "copy_branches" else ""
+                raise DraftSettingsError(f"{name} must be in {low}..{high}, got {getattr(self, name)} {where(name)}{auto}.")
         if self.top_k < 1:
             raise DraftSettingsError(f"tree_top_k must be at least 1, got {self.top_k} {where('top_k')}.")
         if self.probe_every < 1:

@@ -4,7 +4,9 @@ import json
 
 from conftest import tiny_drafter
 
-from eagle_hf.bench import Mode, results_markdown, run_benchmark, standard_modes, write_results
+import pytest
+
+from eagle_hf.bench import Mode, custom_mode, parse_mode, results_markdown, run_benchmark, standard_modes, write_results
 
 
 def _parts(tmp_path):
@@ -41,6 +43,28 @@ def test_bench_detects_a_broken_mode(tmp_path, monkeypatch):
     res = run_benchmark(target, tok, [Mode("plain"), broken], [prompts], max_new_tokens=12, limit=3)
     assert res["sets"][prompts]["broken"]["mismatches"], "a differing output must be flagged"
     assert "broken" in results_markdown(res)
+
+
+def test_a_mode_of_ones_own(tmp_path):
+    target, tok, drafter, prompts = _parts(tmp_path)
+    name, kwargs = parse_mode('copy b1={"draft_sources": "copy", "copy_branches": 1}')
+    assert (name, kwargs) == ("copy b1", {"draft_sources": "copy", "copy_branches": 1})
+    assert "assistant_model" not in custom_mode(name, kwargs, drafter).kwargs  # copy alone: no drafter
+    mine = custom_mode(*parse_mode('depth 3={"tree_depth": 3}'), drafter)
+    assert mine.kwargs["assistant_model"] is drafter
+    res = run_benchmark(target, tok, [Mode("plain"), mine], [prompts], max_new_tokens=12, limit=2)
+    assert res["sets"][prompts]["depth 3"]["mismatches"] == []
+
+
+@pytest.mark.parametrize("spec,match", [("nojson", "NAME=JSON"), ("x={bad", "Expecting"), ("x=[1]", "JSON object"),
+                                        ('plain={"a": 1}', "standard mode")])
+def test_a_bad_mode_is_refused_before_any_model_loads(spec, match, capsys):
+    from eagle_hf.cli import main
+
+    with pytest.raises(ValueError, match=match):
+        parse_mode(spec)
+    assert main(["bench", "--target", "/nonexistent", "--mode", spec]) == 2
+    assert "--mode" in capsys.readouterr().err
 
 
 def test_every_cli_option_has_help_text():

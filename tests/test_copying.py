@@ -166,12 +166,18 @@ def test_listeners_see_who_proposed_each_draft():
 
 
 @pytest.mark.parametrize("name,value", [("copy_length", 0), ("copy_length", 65), ("copy_ngram", 0),
-                                        ("copy_ngram", 17), ("copy_branches", 9)])
+                                        ("copy_ngram", 17), ("copy_branches", 0), ("copy_branches", 9)])
 def test_copy_settings_out_of_range_name_the_range(name, value):
     with pytest.raises(DraftSettingsError, match=rf"{name} must be in \d+\.\.\d+, got {value}"):
         DraftSettings.resolve(None, None, {name: value})
     with pytest.raises(DraftSettingsError, match="draft_sources must be one of"):
         DraftSettings.resolve(None, None, {"draft_sources": "ngram"})
+
+
+def test_copy_branches_default_one_beside_the_drafter_two_alone():
+    assert DraftSettings.resolve(None, None, {}).copy_branches == 1
+    assert DraftSettings.resolve(None, None, {"draft_sources": "copy"}).copy_branches == 2
+    assert DraftSettings.resolve(None, None, {"draft_sources": "copy", "copy_branches": 3}).copy_branches == 3
 
 
 @pytest.mark.parametrize("after_draft", [False, True])
@@ -289,7 +295,7 @@ def test_the_drafters_draft_starts_a_copied_span_exactly(monkeypatch):
     spy = lambda self, *a: (made.append(propose_after(self, *a)), made[-1])[1]
     with patch_drafts(fake), mock.patch.object(copying.CopySource, "propose_after", spy):
         out = target.generate(REPEAT, max_new_tokens=40, do_sample=False, assistant_model=tiny_drafter(target),
-                              draft_mode="tree", num_assistant_tokens_schedule="constant")
+                              draft_mode="tree", num_assistant_tokens_schedule="constant", copy_branches=2)
     assert torch.equal(out, ref) and sum(b is not None for b in made) > 3
     s = eagle_hf.last_stats()
     assert len(s.accepted_per_position_by_source["copy"]) > 2  # copy tokens accepted below depth 1
