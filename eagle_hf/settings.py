@@ -117,6 +117,13 @@ class DraftSettings:
         return self.top_k if self.mode == "tree" else 1
 
     @property
+    def copy_branch_count(self) -> int:
+        """Copy branches per round: `copy_branches`, or for -1 one beside the drafter and two alone."""
+        if self.copy_branches > 0:
+            return self.copy_branches
+        return 1 if self.uses_eagle else 2
+
+    @property
     def uses_copy(self) -> bool:
         return "copy" in self.draft_sources or (self.draft_sources == "auto" and self.mode == "tree")
 
@@ -167,8 +174,6 @@ class DraftSettings:
             logger.info("num_assistant_tokens=%s: %s mode, %s schedule", settings.depth, settings.mode, settings.schedule)
         settings.sources = sources
         settings.validate()
-        if settings.copy_branches == -1:
-            settings.copy_branches = 1 if settings.uses_eagle else 2
         return settings
 
     def validate(self) -> None:

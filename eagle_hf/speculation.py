@@ -65,7 +65,7 @@ class Speculator:
         self.state = state or DraftState()
         self.slot = 0 if row is None else row
         self._started = False  # whether a real row was committed yet
-        self.copy = CopySource(settings.copy_ngram, settings.copy_length, settings.copy_branches,
+        self.copy = CopySource(settings.copy_ngram, settings.copy_length, settings.copy_branch_count,
                                self._marginal_cost, settings.probe_every,
                                stop_tokens=stop_tokens) if settings.uses_copy else None
         self._room, self._copy_paying = 0, False  # this round's room for drafts; whether copy branches may grow

@@ -175,9 +175,9 @@ def test_copy_settings_out_of_range_name_the_range(name, value):
 
 
 def test_copy_branches_default_one_beside_the_drafter_two_alone():
-    assert DraftSettings.resolve(None, None, {}).copy_branches == 1
-    assert DraftSettings.resolve(None, None, {"draft_sources": "copy"}).copy_branches == 2
-    assert DraftSettings.resolve(None, None, {"draft_sources": "copy", "copy_branches": 3}).copy_branches == 3
+    assert DraftSettings.resolve(None, None, {}).copy_branch_count == 1
+    assert DraftSettings(draft_sources="copy").copy_branch_count == 2
+    assert DraftSettings.resolve(None, None, {"draft_sources": "copy", "copy_branches": 3}).copy_branch_count == 3
 
 
 @pytest.mark.parametrize("after_draft", [False, True])

@@ -112,7 +112,7 @@ def controller_for(target, drafter, settings: DraftSettings) -> DraftLengthContr
     tree = settings.mode == "tree"
     verified = max(9, settings.total_tokens if tree else settings.depth + 1)
     if settings.uses_copy:  # copy branches come on top: measure their verify cost, never extrapolate it
-        verified = min(verified + settings.copy_branches * settings.copy_length, MAX_MEASURED_TOKENS)
+        verified = min(verified + settings.copy_branch_count * settings.copy_length, MAX_MEASURED_TOKENS)
     cost = measure_costs(target, drafter, max_tokens=verified)
     return DraftLengthController(
         cost,
