@@ -36,6 +36,8 @@ MAX_DEPTH = 32
 DRAFT_SOURCES = ("auto", "eagle", "copy", "eagle+copy")
 #: valid ranges of the copy source's settings
 COPY_RANGES = {"copy_length": (1, 64), "copy_ngram": (1, 16), "copy_branches": (1, 8)}
+#: copy settings that also take -1, and what -1 means
+COPY_AUTO = {"copy_branches": "one beside the drafter, two for copy drafting alone"}
 
 #: generate() keyword -> field, where the keyword is not the field's own name
 CALL_KEYWORDS = {
@@ -201,9 +203,10 @@ class DraftSettings:
             keyword = "num_assistant_tokens" if self.mode == "chain" else "tree_depth"
             raise DraftSettingsError(f"{keyword} must be in 1..{MAX_DEPTH}, got {self.depth} {where('depth')}.")
         for name, (low, high) in COPY_RANGES.items():
-            if not low <= getattr(self, name) <= high and not (name == "copy_branches" and self.copy_branches == -1):
-                auto = " (or -1: one beside the drafter, two for copy drafting alone)" if name == "copy_branches" else ""
-                raise DraftSettingsError(f"{name} must be in {low}..{high}, got {getattr(self, name)} {where(name)}{auto}.")
+            value = getattr(self, name)
+            if not low <= value <= high and not (value == -1 and name in COPY_AUTO):
+                auto = f" (or -1: {COPY_AUTO[name]})" if name in COPY_AUTO else ""
+                raise DraftSettingsError(f"{name} must be in {low}..{high}, got {value} {where(name)}{auto}.")
         if self.top_k < 1:
             raise DraftSettingsError(f"tree_top_k must be at least 1, got {self.top_k} {where('top_k')}.")
         if self.probe_every < 1:
