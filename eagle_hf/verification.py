@@ -6,6 +6,8 @@ accepted draft, or the *recovered* token drawn from the residual distribution wh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .tree import DraftTree
@@ -25,17 +27,20 @@ def process_logits(logits_processor, prefix: torch.Tensor, paths: list[list[int]
     return out
 
 
-def accept_greedy(tree: DraftTree, target_tokens: torch.Tensor) -> list[int]:
+def accept_greedy(tree: DraftTree, target_tokens: Sequence[int]) -> list[int]:
     """Longest root path whose drafts equal the target's choice at their parent.
 
     target_tokens: [N+1] the target's (greedy) token after each node. Returns the accepted node path
     (root first); the bonus token is ``target_tokens[path[-1]]``.
     """
+    if tree.size == 1:  # a plain step
+        return [0]
+    tokens, chosen = tree.tokens.tolist(), [int(t) for t in target_tokens]
     best: list[int] = [0]
     for path in tree.paths():
         ok = [0]
         for node in path[1:]:
-            if int(tree.tokens[node]) != int(target_tokens[ok[-1]]):
+            if tokens[node] != chosen[ok[-1]]:
                 break
             ok.append(node)
         if len(ok) > len(best):
@@ -88,6 +93,11 @@ def verify(tree: DraftTree, node_logits: torch.Tensor, do_sample: bool) -> tuple
     """Accept from processed target logits [N+1, V]: (accepted node path, root first; the token that follows)."""
     if do_sample:
         return accept_sampling(tree, torch.softmax(node_logits.float(), -1))
-    target_tokens = node_logits.argmax(-1)  # [N+1]
+    return verify_greedy(tree, node_logits.argmax(-1).tolist())
+
+
+def verify_greedy(tree: DraftTree, target_tokens: Sequence[int]) -> tuple[list[int], int]:
+    """Greedy acceptance from the target's choice after each node ([N+1]; a batch takes the argmax of all its
+    rows' logits at once): (accepted node path, root first; the bonus token)."""
     path = accept_greedy(tree, target_tokens)
     return path, int(target_tokens[path[-1]])

@@ -10,7 +10,7 @@ import eagle_hf
 from eagle_hf.hf.cache import tree_attention_mask
 from eagle_hf.hf.version import cache_kwarg, output_cache
 from eagle_hf.tree import DraftTree
-from eagle_hf.verification import accept_greedy, accept_sampling
+from eagle_hf.verification import accept_greedy, accept_sampling, verify, verify_greedy
 
 #      0 (root)
 #     / \
@@ -59,6 +59,15 @@ def test_greedy_acceptance_takes_the_longest_matching_path():
     assert accept_greedy(TREE, target_tokens) == [0, 1, 3, 6]
     assert accept_greedy(TREE, torch.tensor([12, 0, 15, 0, 0, 0, 0])) == [0, 2, 5]
     assert accept_greedy(TREE, torch.tensor([99, 0, 0, 0, 0, 0, 0])) == [0]
+
+
+def test_greedy_verification_from_logits_or_from_a_batch_argmax_agree():
+    """The batch's fast path hands each row the argmax of all logits at once (a list); `verify` takes the row's
+    logits: the same path and bonus, and a plain step accepts its root alone."""
+    logits = torch.randn(7, 20, generator=torch.Generator().manual_seed(1))
+    logits[0, 11], logits[1, 13], logits[3, 16], logits[6, 4] = 9.0, 9.0, 9.0, 9.0  # the path 0-1-3-6, bonus 4
+    assert verify(TREE, logits, do_sample=False) == verify_greedy(TREE, logits.argmax(-1).tolist()) == ([0, 1, 3, 6], 4)
+    assert verify_greedy(DraftTree.root(5), [8]) == ([0], 8)
 
 
 def test_tree_sampling_acceptance_is_lossless_at_each_node():
@@ -184,7 +193,8 @@ def test_custom_generate_folder_and_callable(tmp_path):
     ref = target.generate(ids, max_new_tokens=20, do_sample=False)
     folder = write_custom_generate(tmp_path / "repo")
     out = target.generate(ids, custom_generate=folder, trust_remote_code=True, drafter=drafter, max_new_tokens=20,
-                          do_sample=False, tree_depth=3, tree_top_k=2, tree_total_tokens=6)
+                          do_sample=False, tree_depth=3, tree_top_k=2, tree_total_tokens=6,
+                          num_assistant_tokens_schedule="constant")  # drafts every round, however busy the machine
     assert torch.equal(out, ref)
     assert eagle_hf.last_stats().cycles > 0
     # the drafter can also be given as a folder

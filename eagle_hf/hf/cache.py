@@ -44,18 +44,15 @@ def commit_paths(cache, past_len: int, keeps: list[list[int]]) -> torch.Tensor:
     Row b's nodes ``keeps[b]`` (indices relative to `past_len`) move to slots ``past_len .. past_len+len-1``; the
     round's cache grows by K = the longest path, and a shorter row's slots after its own path are holes that its
     mask hides (`RaggedRows`). O(B * K) copies per layer besides the prefix."""
-    rows, width = len(keeps), max(len(k) for k in keeps)
+    width = max(len(k) for k in keeps)
     device = cache.layers[0].keys.device
-    valid = torch.zeros(rows, width, dtype=torch.bool)
-    index = torch.zeros(rows, width, dtype=torch.long)
-    for b, keep in enumerate(keeps):
-        valid[b, : len(keep)] = True
-        index[b, : len(keep)] = torch.tensor(keep)
+    valid = torch.arange(width) < torch.tensor([len(k) for k in keeps])[:, None]  # [B, K]
     if all(keep == list(range(len(keep))) for keep in keeps):  # every path is a prefix (chains): crop in place
-        for layer in cache.layers:
-            layer.keys, layer.values = layer.keys[:, :, : past_len + width], layer.values[:, :, : past_len + width]
+        if cache.layers[0].keys.shape[2] > past_len + width:  # (plain steps keep every slot)
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, : past_len + width], layer.values[:, :, : past_len + width]
         return valid.to(device)
-    index = index.to(device)
+    index = torch.tensor([keep + [0] * (width - len(keep)) for keep in keeps], device=device)  # [B, K]
     for layer in cache.layers:
         b, h, _, d = layer.keys.shape
         gather = index[:, None, :, None].expand(b, h, width, d)  # [B, H, K, D]

@@ -25,7 +25,7 @@ from ..capture import gather_aux, hidden_state_request
 from ..ragged import packed_index, worth_compacting
 from ..speculation import Speculator, draft_round
 from ..tree import DraftTree
-from ..verification import process_logits, verify
+from ..verification import process_logits, verify, verify_greedy
 from .cache import check_tree_cache, commit_paths, regather_cache, select_cache, tree_attention_mask
 from .costs import row_costs
 from .models import head_on_positions
@@ -61,6 +61,7 @@ class TreeLoop:
     def __init__(self, target, speculators: list[Speculator], aux_ids, cache, logits_processor, stopping_criteria,
                  generation_config, streamer=None):
         self.target, self.speculators, self.aux_ids, self.cache = target, speculators, list(aux_ids), cache
+        self.device = target.device  # (looked up once: the property walks the parameters)
         self.logits_processor, self.streamer = logits_processor, streamer
         # EOS and max_length are checked directly; the other criteria (stop strings, the user's) on every prefix
         self.criteria = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
@@ -72,6 +73,8 @@ class TreeLoop:
         self.keep_hidden = bool(generation_config.output_hidden_states)
         self.keep_logits = bool(generation_config.output_logits)
         self.keep_scores = bool(generation_config.output_scores and generation_config.return_dict_in_generate)
+        # greedy, unprocessed and nothing kept: verification needs only each node's argmax
+        self.greedy_batch = not (self.do_sample or len(logits_processor) or self.keep_scores or self.keep_logits)
         settings = speculators[0].settings
         self.uses_eagle = settings.uses_eagle  # copy drafting alone needs no target features
         self.request = True if self.keep_hidden else (hidden_state_request(self.aux_ids) if self.uses_eagle else None)
@@ -82,7 +85,7 @@ class TreeLoop:
 
     @torch.no_grad()
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
-        device = self.target.device
+        device = self.device
         ids = input_ids.to(device)  # plain generate() accepts CPU inputs for an accelerator target
         mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(device).bool()
         rows = [Row(ids[b : b + 1], sp) for b, sp in enumerate(self.speculators)]
@@ -151,7 +154,7 @@ class TreeLoop:
 
     def verify_and_commit(self, active: list[Row], trees: list[DraftTree]) -> None:
         """One target forward over every row's tree; each row accepts a path, keeps its KV, commits its rows."""
-        device = self.target.device
+        device = self.device
         past_len = self.cache.get_seq_length()
         width = max(t.size for t in trees)  # N: the trees are padded to the largest
         tokens = torch.stack([_pad(t.tokens, width, int(t.tokens[0])) for t in trees]).to(device)  # [B, N]
@@ -168,15 +171,22 @@ class TreeLoop:
             out = self.forward(tokens, attention_mask=mask, position_ids=positions.to(device), all_rows=width > 1)
         if self.controller is not None:
             self.controller.observe_verify(width, clock() - start)
+        # [B, N] the target's token after each node, for every row at once (its logits are never read then;
+        # float32 first: a bf16 argmax is several times slower on CPU)
+        choices = out.logits.float().argmax(-1).tolist() if self.greedy_batch else None
         rounds = []
         for b, (row, tree) in enumerate(zip(active, trees)):
             if row.done:  # a passenger: nothing to verify, its slot is never read again
                 rounds.append(([], [0], None, None, False))
                 continue
-            raw = out.logits[b, : tree.size].float()  # [n, V] (n = 1 for plain steps)
-            paths = [tree.path_tokens(n) for n in range(tree.size)] if len(self.logits_processor) else []
-            node_logits = process_logits(self.logits_processor, row.seq, paths, raw)  # [n, V]
-            path, bonus = verify(tree, node_logits, self.do_sample)
+            if choices is not None:
+                raw = node_logits = None
+                path, bonus = verify_greedy(tree, choices[b][: tree.size])
+            else:
+                raw = out.logits[b, : tree.size].float()  # [n, V] (n = 1 for plain steps)
+                paths = [tree.path_tokens(n) for n in range(tree.size)] if len(self.logits_processor) else []
+                node_logits = process_logits(self.logits_processor, row.seq, paths, raw)  # [n, V]
+                path, bonus = verify(tree, node_logits, self.do_sample)
             proposed = [int(tree.tokens[n]) for n in path[1:]] + [bonus]
             new = self.cut(row, proposed)  # cut at EOS, max_length and stopping criteria, as plain decoding stops
             rounds.append((new, path[: len(new)], raw, node_logits, len(new) < len(proposed)))
