@@ -22,6 +22,8 @@ def main():
     p.add_argument("acceptance_json")
     p.add_argument("--draft-settings", default=None, help="JSON merged into config.json's draft_settings")
     p.add_argument("--notes", default="", help="markdown appended to the model card")
+    p.add_argument("--init-description", default=None,
+                   help="what the run's --init-from drafter was (e.g. the drafter shipped before, with its commit)")
     args = p.parse_args()
     src, dst = Path(args.run_dir), Path(DEFAULT_DRAFTER)
     dst.mkdir(parents=True, exist_ok=True)
@@ -36,6 +38,7 @@ def main():
         cfg["draft_settings"] = {**cfg.get("draft_settings", {}), **json.loads(args.draft_settings)}
         (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     acc = json.loads(Path(args.acceptance_json).read_text())
+    (dst / "acceptance.json").write_text(json.dumps(acc, indent=2))  # the measurement behind the card's table
     rows = read_log(src)
     last = rows[-1]
     evals = [r for r in rows if "eval_step_accuracy" in r]
@@ -50,10 +53,10 @@ def main():
     if best:  # the weights are the run's best checkpoint by held-out τ, not its last step
         held = ", ".join(f"{a:.2f}" for a in best["eval_step_accuracy"])
     if run.get("init_from"):
-        data = (f"* Warm start from the previous shipped drafter (`{run['init_from']}`: 3,264 ShareGPT conversations answered "
-                f"by {DEFAULT_TARGET_NAME}, 1,615 steps), continued on answers {DEFAULT_TARGET_NAME} wrote to further "
-                f"ShareGPT first turns: the shared answers (`../shared/data/smollm2_sharegpt_responses.jsonl`, captured in "
-                f"`{run.get('data_dir')}`) and ours (`{run.get('responses')}`); see `train_run.json` and data/README.md.")
+        sources = ([f"`{run['data_dir']}`"] if run.get("data_dir") else []) + [f"`{r}`" for r in run.get("responses", [])]
+        data = (f"* Warm start from {args.init_description or '`' + run['init_from'] + '`'}, continued on answers "
+                f"{DEFAULT_TARGET_NAME} wrote to ShareGPT turns: {', '.join(sources)}; see `train_run.json` and "
+                f"data/README.md.")
         how = (f"* Training: `scripts/train_warm_start.sh` (exact command, resumable), "
                f"{best['step'] if best else last['step']} optimizer steps kept "
                f"(the best held-out τ of the run, {best['eval_tau']:.3f}; the log runs to step {last['step']}, "
