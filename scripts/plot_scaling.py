@@ -1,8 +1,8 @@
 """The drafter's scaling curve (issue 13): acceptance against answer tokens seen in training.
 
     .venv/bin/python scripts/plot_scaling.py \
-        --run eagle_hf/assets/smollm2-135m-eagle3.1/training_log.jsonl:1.09e6:3.7e5 \
-        --run runs/warm_regen/training_log.jsonl:2.34e6:8.0e5 \
+        --run docs/results/scaling_logs/warm31.jsonl:1.09e6:3.7e5 \
+        --run runs/warm_regen/training_log.jsonl:2.34e6:8.08e5 \
         --measured 1.09e6:1.58 --measured <tokens>:<tau> --out docs/results/scaling.png
 
 Each ``--run LOG:START:EPOCH_TOKENS`` is a warm-started run's ``training_log.jsonl``: its held-out τ (the run's
@@ -60,7 +60,7 @@ def main():
     for i, spec in enumerate(args.run):
         log, start, epoch_tokens = spec.rsplit(":", 2)
         points = held_out_points(log, float(start), float(epoch_tokens))
-        name = Path(log).parent.name
+        name = Path(log).parent.name if Path(log).name == "training_log.jsonl" else Path(log).stem
         ax.plot([x for x, _, _ in points], [y for _, y, _ in points], "o-", ms=3, color=f"C{i}",
                 label=f"held-out τ, run {name} (teacher-forced, 5 steps)")
         for x, y, step in points:
