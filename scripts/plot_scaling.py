@@ -2,21 +2,20 @@
 
     .venv/bin/python scripts/plot_scaling.py \
         --run docs/results/scaling_logs/warm31.jsonl:1.09e6:3.7e5 \
-        --run runs/warm_regen/training_log.jsonl:2.34e6:8.08e5 \
+        --run docs/results/scaling_logs/warm_regen.jsonl:2.34e6:8.08e5 \
         --measured 1.09e6:1.58 --measured <tokens>:<tau> --out docs/results/scaling.png
 
-Each ``--run LOG:START:EPOCH_TOKENS`` is a warm-started run's ``training_log.jsonl``: its held-out τ (the run's
-own estimate: teacher-forced 5-step accuracy on 2% of its answers) at every evaluation, placed at
-``START + epoch * EPOCH_TOKENS`` answer tokens (START: what its initial drafter had seen). Held-out τ of two runs
-is not comparable in level (each run holds out its own split); the slope within a run is. MT-bench τ
-(`scripts/evaluate_drafter.py`: chain of 5, greedy, 256 new tokens) where it was measured, extrapolated along the
-least-squares line in log(tokens) to the issue's target (τ 2.5): a rough guide, not a prediction.
+Each ``--run LOG:START:EPOCH_TOKENS`` is a warm-started run's ``training_log.jsonl`` (or a copy of it): its
+held-out τ (the run's own estimate: teacher-forced 5-step accuracy on 2% of its answers) at every evaluation,
+placed at ``START + epoch * EPOCH_TOKENS`` answer tokens (START: what its initial drafter had seen). Held-out τ of
+different runs is not comparable in level (each run holds out its own split); the slope within a run is. MT-bench
+τ (`scripts/evaluate_drafter.py`: chain of 5, greedy, 256 new tokens) where it was measured, extrapolated along
+the least-squares line in log(tokens) to the issue's target (τ 2.5): a rough guide, not a prediction.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
@@ -25,13 +24,16 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from eagle_hf.training.report import read_log
+
 TARGET_TAU = 2.5
 
 
 def held_out_points(log: str, start: float, epoch_tokens: float):
     """[(answer tokens seen, held-out τ, step)] at every evaluation of one run."""
-    with open(log, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = read_log(log)
+    if not rows:
+        raise SystemExit(f"--run {log}: no training log there (pass a run's training_log.jsonl)")
     epoch_at = {r["step"]: r["epoch"] for r in rows if "epoch" in r}
     return [(start + epoch_at.get(r["step"], 0.0) * epoch_tokens, r["eval_tau"], r["step"])
             for r in rows if "eval_tau" in r]
@@ -48,7 +50,7 @@ def log_linear_fit(points):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--run", action="append", default=[], required=True,
+    p.add_argument("--run", action="append", required=True,
                    help="LOG:START_TOKENS:EPOCH_TOKENS, a warm-started run's training_log.jsonl (repeatable)")
     p.add_argument("--measured", action="append", default=[], help="TOKENS:TAU, an MT-bench measurement")
     p.add_argument("--out", required=True)

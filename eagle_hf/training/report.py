@@ -10,7 +10,10 @@ logger = logging.getLogger(__name__)
 
 
 def read_log(out: Path) -> list[dict]:
-    path = Path(out) / "training_log.jsonl"
+    """The rows of a run's log: ``out`` is the run folder (its ``training_log.jsonl``) or the log file itself."""
+    path = Path(out)
+    if path.is_dir():
+        path = path / "training_log.jsonl"
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
