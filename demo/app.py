@@ -2,6 +2,7 @@
 
     python demo/app.py                      # embedded default: SmolLM2-135M-Instruct + the shipped drafter
     python demo/app.py --target <hub id> --drafter <hub id or folder> [--drafter-eagle3 <...>]
+    python demo/app.py --target <hub id> --drafter <...> --device cuda [--dtype auto] [--attn-implementation sdpa]
 
 Environment variables EAGLE_HF_TARGET, EAGLE_HF_DRAFTER, EAGLE_HF_DRAFTER_EAGLE3 do the same as the flags.
 """
@@ -24,6 +25,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import eagle_hf
+from eagle_hf.devices import add_device_arguments, check_load_options, input_device, load_options
+from eagle_hf.errors import EagleCompatibilityError
 from eagle_hf.evaluation import load_prompt_set
 from eagle_hf.hf.call import active_call
 from eagle_hf.settings import DRAFT_SOURCES, MAX_DEPTH
@@ -390,7 +393,7 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
                 enc = tokenizer.apply_chat_template(
                     [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
                 )
-                enc = {k: v.to(target.device) for k, v in enc.items()}
+                enc = {k: v.to(input_device(target)) for k, v in enc.items()}  # [1, P] each
                 n_prompt = enc["input_ids"].shape[1]
                 if n_prompt + max_new_tokens > max_context:
                     msg = (f"The prompt has {n_prompt} tokens; with {max_new_tokens} new tokens it exceeds the model's "
@@ -452,8 +455,10 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
     return demo
 
 
-def load_everything(target_name: str, drafter_name: str, drafter_eagle3: str | None, dtype: str):
-    target, tok = eagle_hf.load_target(target_name, dtype=getattr(torch, dtype))
+def load_everything(target_name: str, drafter_name: str, drafter_eagle3: str | None, dtype="bfloat16",
+                    **load_kwargs):
+    """The target (`load_kwargs`: `load_target`'s device, device_map, attn_implementation, ...) and its drafters."""
+    target, tok = eagle_hf.load_target(target_name, dtype=dtype, **load_kwargs)
     drafter, label = eagle_hf.load_drafter(drafter_name, target)
     version = drafter.config.version
     drafters = {f"{version} ({label})": drafter}
@@ -475,14 +480,18 @@ def main(argv=None):
     p.add_argument("--target", default=os.environ.get("EAGLE_HF_TARGET", "default"))
     p.add_argument("--drafter", default=os.environ.get("EAGLE_HF_DRAFTER", "default"))
     p.add_argument("--drafter-eagle3", default=os.environ.get("EAGLE_HF_DRAFTER_EAGLE3"))
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_device_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=7860)
     args = p.parse_args(argv)
+    try:  # bad device options fail before anything loads
+        check_load_options(**load_options(args))
+    except EagleCompatibilityError as err:
+        p.error(str(err))
     # the server log: eagle_hf's one line per request and per rejected request, no tracebacks for bad input
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("eagle_hf").setLevel(logging.INFO)
-    target, tok, drafters = load_everything(args.target, args.drafter, args.drafter_eagle3, args.dtype)
+    target, tok, drafters = load_everything(args.target, args.drafter, args.drafter_eagle3, **load_options(args))
     demo = build_demo(target, tok, drafters, default_examples())
     print(f"eagle_hf demo on http://{args.host}:{args.port}  (drafters: {', '.join(drafters)})")
     demo.launch(server_name=args.host, server_port=args.port, css=CSS)

@@ -13,12 +13,14 @@ import platform
 import resource
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from .devices import input_device
 from .evaluation import batch_chat_inputs, chat_inputs, load_prompt_set
 from .hf.costs import row_costs
 from .hf.stopping import eos_ids
@@ -89,17 +91,20 @@ def _generate(target, enc, mode: Mode, max_new_tokens: int, temperature: float, 
         torch.manual_seed(seed)
     else:
         kwargs["do_sample"] = False
-    _synchronize(target.device)
+    device = input_device(target)
+    _synchronize(device)
     start = time.perf_counter()
     out = target.generate(**enc, **kwargs)
-    _synchronize(target.device)
+    _synchronize(device)
     elapsed = time.perf_counter() - start
     return out[:, enc["input_ids"].shape[1] :], elapsed
 
 
 def _synchronize(device) -> None:
+    """Wait for the device's queued work (every GPU's: a device_map may spread the target over several)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
 
 
 def generated_tokens(new: torch.Tensor, eos: set[int]) -> int:
@@ -130,7 +135,8 @@ def run_benchmark(
                                 prompt_sets=prompt_sets, modes=[m.name for m in modes], batch_size=batch_size),
                "machine": machine_info(target), "sets": {}}
     eos = eos_ids(target.generation_config)
-    warm = chat_inputs(tokenizer, "Hello!", target.device)
+    device = input_device(target)  # where the target's inputs go (its embedding's device under a device_map)
+    warm = chat_inputs(tokenizer, "Hello!", device)
     for mode in modes:  # warm-up: first-call allocations, lazy inits
         _generate(target, warm, mode, 16, temperature, seed)
     if batch_size > 1:  # the once-per-process timing of batch sizes, which a batch's first finished row asks for
@@ -143,8 +149,8 @@ def run_benchmark(
             for i, batch in enumerate(tqdm(batches, desc=f"{set_name} (repeat {r + 1}/{repeats})")):
                 pid = ",".join(p for p, _ in batch)
                 texts = [text for _, text in batch]
-                enc = chat_inputs(tokenizer, texts[0], target.device) if batch_size == 1 else \
-                    batch_chat_inputs(tokenizer, texts, target.device)
+                enc = chat_inputs(tokenizer, texts[0], device) if batch_size == 1 else \
+                    batch_chat_inputs(tokenizer, texts, device)
                 order = modes if (i + r) % 2 == 0 else list(reversed(modes))
                 outputs = {}
                 for mode in order:
@@ -211,10 +217,18 @@ def machine_info(target) -> dict:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "device": str(target.device),
+        "device": str(input_device(target)),
+        "device_map": _placement(target),
         "dtype": str(target.dtype),
         "target": getattr(target, "name_or_path", None),
     }
+
+
+def _placement(target) -> dict | None:
+    """How a target spread by a device_map lies: device -> number of its modules in `hf_device_map`; None when
+    the target sits on one device."""
+    counts = Counter(str(d) for d in (getattr(target, "hf_device_map", None) or {}).values())
+    return dict(counts) if len(counts) > 1 else None
 
 
 def results_markdown(results: dict) -> str:

@@ -9,11 +9,22 @@ from pathlib import Path
 
 
 def _target(args):
-    import torch
-
     from .default import load_target
+    from .devices import load_options
 
-    return load_target(args.target, dtype=getattr(torch, args.dtype))
+    return load_target(args.target, **load_options(args))
+
+
+def _check_target_options(args) -> str | None:
+    """The error of a bad --device / --device-map / --dtype / --attn-implementation, before anything loads."""
+    from .devices import check_load_options, load_options
+    from .errors import EagleCompatibilityError
+
+    try:
+        check_load_options(**load_options(args))
+    except EagleCompatibilityError as err:
+        return str(err)
+    return None
 
 
 def cmd_generate(args) -> int:
@@ -21,12 +32,14 @@ def cmd_generate(args) -> int:
 
     from . import last_stats
     from .default import load_drafter
+    from .devices import input_device
 
     target, tok = _target(args)
     drafter, label = load_drafter(args.drafter, target)
     enc = tok.apply_chat_template(
         [{"role": "user", "content": args.prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
     )
+    enc = {k: v.to(input_device(target)) for k, v in enc.items()}  # input_ids, attention_mask: [1, P]
     sample = args.temperature > 0
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=sample, num_assistant_tokens=args.num_draft_tokens,
                   draft_sources=args.draft_sources)
@@ -57,7 +70,10 @@ def cmd_bench(args) -> int:
     if args.assistant:
         from transformers import AutoModelForCausalLM
 
-        assistant = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=target.dtype).eval()
+        from .devices import input_device
+
+        assistant = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=target.dtype,
+                                                         device_map=input_device(target)).eval()
     modes = standard_modes(drafter, assistant, tuple(args.chain_lengths), args.early_exit_layer)
     if args.modes:
         keep = set(args.modes.split(","))
@@ -152,12 +168,12 @@ def cmd_demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .bench import MODE_NAMES
+    from .devices import add_device_arguments
 
     parser = argparse.ArgumentParser(prog="eagle-hf", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does (INFO level)")
     sub = parser.add_subparsers(dest="command", required=True)
     fmt = argparse.ArgumentDefaultsHelpFormatter
-    dtypes = ["bfloat16", "float32", "float16"]
     g = sub.add_parser("generate", formatter_class=fmt,
                        help="generate with EAGLE drafting, streaming the text, then print the acceptance stats")
     g.add_argument("--prompt", default="Write a short poem about speculative decoding.", help="the user message")
@@ -170,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     g.add_argument("--draft-sources", default="auto", choices=["auto", "eagle", "copy", "eagle+copy"],
                    help="who drafts: the drafter, copies from the prompt and output, or both (auto: both in tree mode)")
-    g.add_argument("--dtype", default="bfloat16", choices=dtypes, help="the target's dtype (bf16 is ~2x faster on CPU)")
+    add_device_arguments(g)
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", formatter_class=fmt,
@@ -194,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-size", type=int, default=1,
                    help="prompts per generate() call, left-padded (speed: generated tokens per second per batch)")
     b.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs are compared); above 0: sampling")
-    b.add_argument("--dtype", default="bfloat16", choices=dtypes, help="the target's dtype")
+    add_device_arguments(b)
     b.add_argument("--out", default="bench_results", help="folder for results.json, results.md and speedup.png")
     b.set_defaults(func=cmd_bench)
 
@@ -211,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--long-context-tokens", type=int, default=2048, help="unrelated news text before the question (long)")
     x.add_argument("--system-prompts", default="cycle", choices=["cycle", "all"],
                    help="cycle: one of the six system prompts per prompt in turn; all: every prompt under all six")
-    x.add_argument("--dtype", default="bfloat16", choices=dtypes, help="the target's dtype")
+    add_device_arguments(x)
     x.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (0: torch's default); 1 is much faster on a CPU shared with other jobs")
     x.add_argument("--compare", action="append", default=[], metavar="DRAFTER",
@@ -233,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if hasattr(args, "device_map"):  # a command that loads a target: bad device options fail before any loading
+        error = _check_target_options(args)
+        if error:
+            print(f"eagle-hf {args.command}: {error}", file=sys.stderr)
+            return 2
     return args.func(args)
 
 

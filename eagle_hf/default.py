@@ -160,18 +160,21 @@ def load_gguf_target(gguf_path: str | os.PathLike, dtype: torch.dtype = torch.bf
 
 
 def load_default_target(dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                        cache_dir: str | os.PathLike | None = None):
+                        cache_dir: str | os.PathLike | None = None, attn_implementation: str | None = None):
     """Load SmolLM2-135M-Instruct (the embedded default target) offline.
 
     Returns `(model, tokenizer)`. The GGUF weights are dequantized to `dtype`; bf16 is about twice as fast
     as float32 on CPUs with AVX512-BF16, float32 is what exactness tests use. bf16 is converted once and then
     loaded from a safetensors copy in eagle_hf's cache (`cache_dir`, ``$EAGLE_HF_CACHE`` or
-    ``$HF_HOME/eagle_hf``; see `load_gguf_target`).
+    ``$HF_HOME/eagle_hf``; see `load_gguf_target`). The model (135M parameters) is loaded on the CPU and then
+    moved to `device`; `attn_implementation` (None: transformers' default, sdpa) is set after loading.
     """
     folder, name = default_target_gguf()
     logger.info("Loading the embedded default target %s from %s/%s", DEFAULT_TARGET_NAME, folder, name)
     model, tokenizer = load_gguf_target(Path(folder) / name, dtype=dtype, cache_dir=cache_dir)
     model = model.to(device)
+    if attn_implementation is not None:
+        model.set_attn_implementation(attn_implementation)
     model.eval()
     # A GGUF carries one EOS id; the chat model ends its turns with <|im_end|>.
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -187,15 +190,49 @@ def load_default_target(dtype: torch.dtype = torch.bfloat16, device: str | torch
     return model, tokenizer
 
 
-def load_target(name: str = "default", dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
-    """`(model, tokenizer)` for ``"default"`` (the embedded SmolLM2, offline) or a Hub id / folder."""
+#: `from_pretrained` keywords the tokenizer of a Hub id / folder needs too
+_TOKENIZER_KEYWORDS = ("revision", "subfolder", "cache_dir", "token", "local_files_only", "trust_remote_code",
+                       "gguf_file")
+
+
+def load_target(name: str = "default", dtype=torch.bfloat16, device=None, **from_pretrained_kwargs):
+    """`(model, tokenizer)` for ``"default"`` (the embedded SmolLM2, offline) or a Hub id / folder.
+
+    A Hub id / folder loads straight onto its device: `dtype` (a torch dtype, its name or ``"auto"``), `device`
+    (``"cuda"``, ``"cuda:1"``, ``"mps"``; it becomes ``device_map=device``) or ``device_map=`` (``"auto"``: spread
+    over the GPUs, offloading to the CPU what does not fit), ``attn_implementation=`` and any other keyword
+    (``quantization_config``, ``revision``, ...) go to `AutoModelForCausalLM.from_pretrained`. Without a device it
+    loads on the CPU. The embedded default loads on the CPU and moves to the device (``"auto"``: this machine's
+    accelerator); its ``dtype="auto"`` is bfloat16. Bad values raise `EagleCompatibilityError` before any loading.
+    """
+    from .devices import check_load_options
+
+    options = check_load_options(dtype=dtype, device=device, **from_pretrained_kwargs)
     if name == "default":
-        return load_default_target(dtype=dtype, device=device)
+        return _load_default(**options)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(name)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
+    logger.info("Loading %s with %s", name, options)
+    tokenizer = AutoTokenizer.from_pretrained(name, **{k: options[k] for k in _TOKENIZER_KEYWORDS if k in options})
+    model = AutoModelForCausalLM.from_pretrained(name, **options)
     return model.eval(), tokenizer
+
+
+def _load_default(dtype, device_map=None, attn_implementation=None, **unsupported):
+    """The embedded default with `load_target`'s checked options."""
+    from .devices import single_device
+    from .errors import EagleCompatibilityError
+
+    if unsupported:
+        raise EagleCompatibilityError(
+            f"The embedded default target takes dtype, device / device_map and attn_implementation only, not "
+            f"{', '.join(sorted(unsupported))}. For other from_pretrained keywords (e.g. quantization_config) load a "
+            f"Hub id or folder: load_target({DEFAULT_TARGET_NAME!r}, ...)."
+        )
+    if not isinstance(dtype, torch.dtype) and dtype != "auto":
+        raise EagleCompatibilityError(f"The embedded default target takes one torch dtype or 'auto'; got {dtype!r}.")
+    dtype = torch.bfloat16 if dtype == "auto" else dtype
+    return load_default_target(dtype=dtype, device=single_device(device_map), attn_implementation=attn_implementation)
 
 
 def load_drafter(name: str = "default", target=None):

@@ -33,6 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .capture import gather_aux, hidden_state_request
+from .devices import input_device
 from .drafting import DraftState, draft_tree
 from .evaluation import PROMPT_DIR, PROMPT_SETS, load_prompt_set
 from .hf.call import check_compatible, prepare_drafter
@@ -412,7 +413,7 @@ def greedy_path(target, input_ids: torch.Tensor, aux_ids: list[int], max_new_tok
     from transformers import DynamicCache
 
     request = hidden_state_request(aux_ids)
-    input_ids = input_ids.to(target.device)  # [1, P]
+    input_ids = input_ids.to(input_device(target))  # [1, P]
     tokens, taps, step = [input_ids], [], input_ids
     cache = DynamicCache(config=target.config)
     if shared and store is not None:
@@ -428,7 +429,7 @@ def greedy_path(target, input_ids: torch.Tensor, aux_ids: list[int], max_new_tok
         out = target(input_ids=step, **cache_kwarg(cache), use_cache=True, output_hidden_states=request,
                      logits_to_keep=1)
         taps.append(gather_aux(out.hidden_states, aux_ids))  # [1, t, A*H_t]
-        step = out.logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+        step = out.logits[:, -1].argmax(-1, keepdim=True).to(input_ids.device)  # [1, 1] (the head may sit elsewhere)
         tokens.append(step)
         if int(step) in eos_ids:
             break

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .devices import input_device
 from .stats import SpecDecodeStats, last_stats, merge_stats
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def measure_acceptance(target, tokenizer, drafter, prompts, max_new_tokens=256, 
     """Greedy EAGLE generation over `prompts`; pooled stats (acceptance length, per position, timing)."""
     items = []
     for pid, text in tqdm(prompts, desc="acceptance", leave=False):
-        enc = chat_inputs(tokenizer, text, target.device)
+        enc = chat_inputs(tokenizer, text, input_device(target))
         target.generate(
             **enc, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False,
             num_assistant_tokens=num_draft_tokens, **gen_kwargs,

@@ -6,6 +6,8 @@ import argparse
 
 
 def add_train_parser(sub) -> None:
+    from ..devices import add_device_arguments
+
     p = sub.add_parser("train", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="train a drafter: regenerate data with the target, then TTT training")
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct) or a Hub id / folder")
     p.add_argument("--prompts", default="sharegpt", help="prompts to regenerate answers to: 'sharegpt', a JSON/JSONL file with turns/conversations/messages")
@@ -45,7 +47,7 @@ def add_train_parser(sub) -> None:
                    help="uniform noise on the captured target states while training, half-width SCALE x each state's RMS "
                         "(EAGLE's feature augmentation; 0 = off, e.g. 0.1)")
     p.add_argument("--seed", type=int, default=0, help="random seed (prompt order, init, batches)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the target's dtype (regeneration and capture)")
+    add_device_arguments(p, dtype_help="the target's dtype (regeneration and capture)", dtypes=("bfloat16", "float32"))
     p.set_defaults(func=cmd_train)
 
 
@@ -53,6 +55,7 @@ def cmd_train(args) -> int:
     import torch
 
     from ..default import load_target
+    from ..devices import load_options
     from .pipeline import RunConfig, run_training, validate_run
     from .trainer import TrainConfig
 
@@ -74,7 +77,7 @@ def cmd_train(args) -> int:
         temperature=args.temperature, seed=args.seed, responses=responses, init_from=args.init_from, train=tcfg,
     )
     init = validate_run(run)  # bad files, folders or flags fail here, before the target is loaded
-    target, tok = load_target(args.target, dtype=getattr(torch, args.dtype))
+    target, tok = load_target(args.target, **load_options(args))
     drafter = run_training(target, tok, args.out, run, init=init)
     version = drafter.config.version
     print(f"Saved {version} drafter to {args.out}")
