@@ -210,13 +210,49 @@ def test_generate_puts_its_inputs_on_the_target_input_device(folder, monkeypatch
 
 
 def test_bench_records_how_a_spread_target_lies():
+    from types import SimpleNamespace
+
     from eagle_hf.bench import _placement
 
-    class Spread:
-        hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "lm_head": "cpu"}
+    spread = SimpleNamespace(hf_device_map={"model.embed_tokens": 0, "model.layers.0": 0, "lm_head": "cpu"})
+    assert _placement(spread) == {"0": 2, "cpu": 1}
+    assert _placement(SimpleNamespace(hf_device_map={"": "cpu"})) is None and _placement(object()) is None
 
-    class Whole:
-        hf_device_map = {"": "cpu"}
 
-    assert _placement(Spread()) == {"0": 2, "cpu": 1}
-    assert _placement(Whole()) is None and _placement(object()) is None
+# ------------------------------------------------------------------------------------------------ demo
+@pytest.fixture
+def demo_app(monkeypatch):
+    import logging
+    from pathlib import Path
+
+    pytest.importorskip("gradio")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "demo"))
+    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
+    import app  # demo/app.py
+
+    level = logging.getLogger("eagle_hf").level
+    yield app
+    logging.getLogger("eagle_hf").setLevel(level)  # app.main turns eagle_hf's log up
+
+
+def test_demo_takes_the_device_options(demo_app, folder, monkeypatch, capsys):
+    class Loaded(Exception):
+        pass
+
+    seen = {}
+
+    def load_everything(*args, **kwargs):
+        seen.update(args=args, kwargs=kwargs)
+        raise Loaded
+
+    real = demo_app.load_everything
+    monkeypatch.setattr(demo_app, "load_everything", load_everything)
+    with pytest.raises(Loaded):
+        demo_app.main(["--target", folder, "--device", "cpu", "--dtype", "auto", "--attn-implementation", "eager"])
+    assert seen["kwargs"] == {"dtype": "auto", "attn_implementation": "eager", "device": "cpu"}
+    seen.clear()
+    with pytest.raises(SystemExit):
+        demo_app.main(["--device", "gpu"])
+    assert not seen and "Unknown device 'gpu'" in capsys.readouterr().err
+    target, _, drafters = real(folder, "random", None, dtype="float32", device="cpu", attn_implementation="eager")
+    assert target.config._attn_implementation == "eager" and target.dtype == torch.float32 and len(drafters) == 1
