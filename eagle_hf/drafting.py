@@ -13,23 +13,30 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .modeling import KV, EagleDrafter
-from .ragged import packed_index, worth_compacting
+from .modeling import KV, EagleDrafter, KVWriter
+from .ragged import Ragged
+from .transfer import pack
 from .tree import DraftTree
 
 
 @dataclass
 class DraftState:
-    """The drafter's cache of real rows for the rows of a batch: keys and values ``[B, kv_heads, L, d]``.
+    """The drafter's cache of real rows for the rows of a batch, preallocated: keys and values
+    ``[B, kv_heads, capacity, d]``, of which the first `length` slots hold real rows; a round's tree rows are
+    written after them and dropped (overwritten) by the next round.
 
-    Row b's slot i holds a real row where ``valid[b, i]`` (None: every slot, as with a single row; a batch's rows
-    read different numbers of rows per round, and a shorter row's extra slots are holes, see `eagle_hf.ragged`).
-    Row b's next real row sits at position ``positions[b]`` (> 0 at first when the target's cache already held a
-    prefix the drafter never saw)."""
+    Row b reads the slots `ragged` says (a batch's rows read different numbers of rows per round, and a shorter
+    row's extra slots are holes, see `eagle_hf.ragged`). Row b's next real row sits at position ``positions[b]``
+    (> 0 at first when the target's cache already held a prefix the drafter never saw)."""
 
-    kv: KV | None = None
-    valid: torch.Tensor | None = None  # [B, L] bool, or None: no holes
     positions: list[int] = field(default_factory=lambda: [0])
+    keys: torch.Tensor | None = None  # [B, kv_heads, capacity, d]
+    values: torch.Tensor | None = None
+    ragged: Ragged | None = None
+
+    def __post_init__(self):
+        if self.ragged is None:
+            self.ragged = Ragged([0] * len(self.positions), 0)
 
     @property
     def rows(self) -> int:
@@ -38,80 +45,106 @@ class DraftState:
     @property
     def length(self) -> int:
         """Slots per row (real rows and holes)."""
-        return 0 if self.kv is None else self.kv.length
+        return self.ragged.length
+
+    @property
+    def kv(self) -> KV | None:
+        """The real rows' keys and values ``[B, kv_heads, length, d]`` (views)."""
+        return None if self.keys is None else KV(self.keys[:, :, : self.length], self.values[:, :, : self.length])
+
+    @property
+    def valid(self) -> torch.Tensor | None:
+        """[B, length] bool: which slots each row reads (None: all)."""
+        return self.ragged.valid
 
     @property
     def next_position(self) -> int:
         """A single row's next position (a batch's rows: `positions`)."""
         return self.positions[0]
 
-    def slots(self, rows: list[int] | None = None) -> tuple[KV | None, torch.Tensor | None]:
-        """The cache and its validity for some rows (all by default)."""
-        if rows is None or rows == list(range(self.rows)):
-            return self.kv, self.valid
-        index = torch.tensor(rows, device=self.kv.keys.device)
-        kv = KV(self.kv.keys.index_select(0, index), self.kv.values.index_select(0, index))
-        return kv, None if self.valid is None else self.valid.index_select(0, index)
+    def reserve(self, drafter: EagleDrafter, extra: int, like: torch.Tensor) -> None:
+        """Room for `extra` slots after the real rows (doubling: amortised O(1) per slot)."""
+        need = self.length + extra
+        if self.keys is not None and need <= self.keys.shape[2]:
+            return
+        cfg = drafter.config
+        shape = (self.rows, cfg.num_key_value_heads, max(2 * need, 64), cfg.head_dim)
+        keys, values = like.new_empty(shape), like.new_empty(shape)
+        if self.keys is not None:
+            keys[:, :, : self.length] = self.keys[:, :, : self.length]
+            values[:, :, : self.length] = self.values[:, :, : self.length]
+        self.keys, self.values = keys, values
+
+    def writer(self, at: int) -> KVWriter:
+        """Where a drafter pass writes its rows: slot `at` onwards (`reserve` first)."""
+        return KVWriter(self.keys, self.values, at)
 
     def extend(self, drafter: EagleDrafter, aux: torch.Tensor, next_tokens: torch.Tensor,
                counts: list[int] | None = None):
         """Add real rows: row b reads ``aux[b, :counts[b]]`` (target taps [B, n, A*H_t]), each with the token after
-        it (``next_tokens`` [B, n]); default: all n. One drafter forward for the batch.
+        it (``next_tokens`` [B, n]); default: all n. One drafter forward for the batch, one host-to-device copy.
 
         Returns each row's last new row's draft logits ``[B, Vd]`` and fed-back hidden state ``[B, 1, H]``
         (meaningless for a row that read nothing)."""
         rows, n = next_tokens.shape
         device = next_tokens.device
         counts = [n] * rows if counts is None else counts
-        steps = torch.arange(n, device=device)
-        positions = torch.tensor(self.positions, device=device)[:, None] + steps  # [B, n]
-        new_valid = steps[None] < torch.tensor(counts, device=device)[:, None]  # [B, n]
+        full = all(c == n for c in counts)
+        host = pack(device, positions=[[p + i for i in range(n)] for p in self.positions],
+                    last=[max(c, 1) - 1 for c in counts],
+                    **({} if full else {"new_valid": [[i < c for i in range(n)] for c in counts]}))
+        new_valid = None if full else host["new_valid"].bool()  # [B, n]
         mask = None  # every slot real and every row full: the plain causal layout
-        if self.valid is not None or not bool(new_valid.all()):
-            past = torch.ones(rows, self.length, dtype=torch.bool, device=device) if self.valid is None else self.valid
-            own = torch.ones(n, n, dtype=torch.bool, device=device).tril() & new_valid[:, None, :]  # [B, n, n]
-            own |= torch.eye(n, dtype=torch.bool, device=device)  # a padding row sees itself: no empty softmax
+        if self.ragged.holes or not full:
+            past = self.valid if self.ragged.holes else torch.ones(rows, self.length, dtype=torch.bool, device=device)
+            own = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(rows, n, n)  # [B, n, n]
+            if new_valid is not None:
+                own = own & new_valid[:, None, :]
+            own = own | torch.eye(n, dtype=torch.bool, device=device)  # a padding row sees itself: no empty softmax
             mask = torch.cat([past[:, None, :].expand(rows, n, self.length), own], 2)[:, None]  # [B, 1, n, L + n]
-        out = drafter.step(drafter.fuse(aux), next_tokens, positions, past=self.kv, mask=mask, compute_logits=False)
-        self.kv = out.kv if self.kv is None else self.kv.append(out.kv)
-        if mask is not None:
-            past = torch.ones(rows, self.length - n, dtype=torch.bool, device=device) if self.valid is None else self.valid
-            self.valid = torch.cat([past, new_valid], 1)
+        fused = drafter.fuse(aux)  # [B, n, H]
+        self.reserve(drafter, n, fused)
+        out = drafter.step(fused, next_tokens, host["positions"], past=self.writer(self.length), mask=mask,
+                           compute_logits=False)
+        self.ragged.append(counts, n, new_valid, device)
         self.positions = [p + c for p, c in zip(self.positions, counts)]
-        last = torch.tensor([max(c, 1) - 1 for c in counts], device=device)  # [B] each row's last new row
-        pick = torch.arange(rows, device=device)
+        last = host["last"][:, None, None]  # [B, 1, 1] each row's last new row
+        normed = out.normed.gather(1, last.expand(rows, 1, out.normed.shape[-1]))  # [B, 1, H]
+        hidden = out.hidden.gather(1, last.expand(rows, 1, out.hidden.shape[-1]))  # [B, 1, H]
         self.compact()
-        return drafter.lm_head(out.normed[pick, last]), out.hidden[pick, last][:, None]
+        return drafter.lm_head(normed[:, 0]), hidden
 
     def select(self, rows: list[int]) -> None:
-        """Keep these rows of the batch (finished rows leave); slots no remaining row reads are dropped."""
-        if self.kv is not None:
-            self.kv, self.valid = self.slots(rows)
+        """Keep these rows of the batch (finished rows leave); their holes go at the next compaction."""
+        if self.keys is not None:
+            index = torch.tensor(rows, device=self.keys.device)
+            self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+            self.ragged.select(rows, index)
+        else:
+            self.ragged.counts = [self.ragged.counts[b] for b in rows]
         self.positions = [self.positions[b] for b in rows]
-        if self.kv is None:
-            return
-        if self.valid is not None:
-            read = self.valid.any(0)  # [L]
-            if not bool(read.all()):
-                index = read.nonzero()[:, 0]
-                self.kv = KV(self.kv.keys.index_select(2, index), self.kv.values.index_select(2, index))
-                self.valid = self.valid[:, read]
-            if bool(self.valid.all()):
-                self.valid = None
 
     def compact(self) -> None:
         """Drop the holes once they are worth it (`eagle_hf.ragged`)."""
-        if self.valid is None or not worth_compacting(self.valid):
+        if not self.ragged.worth_compacting():
             return
-        index, self.valid = packed_index(self.valid)
-        b, h, _, d = self.kv.keys.shape
+        index = self.ragged.compact()  # [B, W]
+        b, h, _, d = self.keys.shape
         gather = index[:, None, :, None].expand(b, h, index.shape[1], d)
-        self.kv = KV(self.kv.keys.gather(2, gather), self.kv.values.gather(2, gather))
+        keys, values = self.keys.gather(2, gather), self.values.gather(2, gather)
+        self.keys, self.values = None, None
+        self.reserve_from(keys, values)
+
+    def reserve_from(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Storage holding these rows (`length` of them) with room to grow."""
+        b, h, n, d = keys.shape
+        self.keys, self.values = keys.new_empty(b, h, 2 * n + 64, d), values.new_empty(b, h, 2 * n + 64, d)
+        self.keys[:, :, :n], self.values[:, :, :n] = keys, values
 
 
 @dataclass
 class Choice:
-    """Children chosen for k expanded nodes, c each."""
+    """Children chosen for k expanded nodes, c each (device tensors: `read_choices` reads a level's at once)."""
 
     tokens: torch.Tensor  # [k, c] target-vocabulary ids
     logp: torch.Tensor  # [k, c] log-probability of each child under the distribution it was chosen from
@@ -123,18 +156,34 @@ class Choice:
 Chooser = Callable[[torch.Tensor, list[list[int]]], Choice]
 
 
+def top_k_choice(drafter: EagleDrafter, logits: torch.Tensor, top_k: int) -> Choice:
+    """The deterministic choice of EAGLE-2 trees (and greedy chains): the top_k drafts by probability, for logits
+    of any leading shape ``[..., Vd]`` (a batch's frontiers at once)."""
+    top = torch.topk(torch.log_softmax(logits.float(), dim=-1), top_k, dim=-1)  # [..., top_k]
+    return Choice(drafter.draft_to_target(top.indices), top.values)
+
+
 def top_k_chooser(drafter: EagleDrafter, top_k: int) -> Chooser:
-    """The deterministic chooser of EAGLE-2 trees (and greedy chains): the top_k drafts by probability."""
+    """`top_k_choice` as a per-row chooser."""
+    return lambda logits, paths: top_k_choice(drafter, logits, top_k)
 
-    def choose(logits: torch.Tensor, paths: list[list[int]]) -> Choice:
-        top = torch.topk(torch.log_softmax(logits.float(), dim=-1), top_k, dim=-1)  # [k, top_k]
-        return Choice(drafter.draft_to_target(top.indices), top.values)
 
-    return choose
+def read_choices(choices: list[Choice]) -> list[tuple[list[list[int]], list[list[float]]]]:
+    """Per choice: its tokens and log-probabilities as host lists, all read in one device-to-host copy."""
+    flat = torch.cat([t for c in choices for t in (c.tokens.reshape(-1).double(), c.logp.reshape(-1).double())])
+    values, out, at = flat.tolist(), [], 0
+    for c in choices:
+        k, n = c.tokens.shape[0], c.tokens.numel()
+        width = n // k if k else 0
+        tokens = [[int(v) for v in values[at + i * width : at + (i + 1) * width]] for i in range(k)]
+        logp = [values[at + n + i * width : at + n + (i + 1) * width] for i in range(k)]
+        out.append((tokens, logp))
+        at += 2 * n
+    return out
 
 
 class Candidates:
-    """One row's drafts so far; node ids are candidate indices + 1 (0 is the root)."""
+    """One row's drafts so far, on the host; node ids are candidate indices + 1 (0 is the root)."""
 
     def __init__(self):
         self.tokens: list[int] = []
@@ -142,18 +191,22 @@ class Candidates:
         self.score: list[float] = []  # cumulative log-probability
         self.own: list[float] = []  # the candidate's own (conditional) log-probability
         self.q: list[torch.Tensor | None] = []  # the distribution a sampled candidate was drawn from
+        self.depth: list[int] = []  # 1 for the root's children
 
-    def add(self, choice: Choice, parents: list[int], parent_scores: list[float]) -> list[int]:
-        """Append the chosen children of `parents` (node ids); returns their candidate indices, best first."""
+    def add(self, tokens: list[list[int]], logp: list[list[float]], q_logits: torch.Tensor | None,
+            parents: list[int], parent_scores: list[float]) -> list[int]:
+        """Append the chosen children of `parents` (node ids; per parent its tokens and their log-probabilities);
+        returns their candidate indices, best first."""
         first = len(self.tokens)
         for r, parent in enumerate(parents):
-            for c in range(choice.tokens.shape[1]):
-                own = float(choice.logp[r, c])
-                self.tokens.append(int(choice.tokens[r, c]))
+            depth = 1 if parent == 0 else self.depth[parent - 1] + 1
+            for c, (tok, own) in enumerate(zip(tokens[r], logp[r])):
+                self.tokens.append(tok)
                 self.parent.append(parent)
                 self.own.append(own)
                 self.score.append(parent_scores[r] + own)
-                self.q.append(None if choice.q_logits is None else choice.q_logits[r, c])
+                self.q.append(None if q_logits is None else q_logits[r, c])
+                self.depth.append(depth)
         return sorted(range(first, len(self.tokens)), key=lambda i: -self.score[i])
 
     def path(self, c: int) -> list[int]:
@@ -177,75 +230,124 @@ def draft_trees(
     rows: list[int] | None = None,
 ) -> list[DraftTree]:
     """Grow a draft tree after the last real drafter row of each of `rows` (default: every row of `state`), with one
-    drafter forward per level for all of them. logits: [R, Vd] and hidden: [R, 1, H], each row's last real row's.
+    drafter forward and one device-to-host read per level for all of them. logits: [B, Vd] and hidden: [B, 1, H],
+    every state row's last real row's (a row not in `rows` rides along with an empty frontier). roots, depths,
+    total_tokens, choosers: per row of `rows`.
 
     Level by level, the `top_k` best frontier nodes (by cumulative log-probability) get `top_k` children each
-    from the row's chooser (default: the drafter's top_k); the best ``total_tokens - 1`` drafts are kept, closed
-    under ancestors. With ``top_k = 1`` this is a chain of `depth` drafts.
+    from the row's chooser (default: the drafter's top_k, for all rows at once); the best ``total_tokens - 1``
+    drafts are kept, closed under ancestors. With ``top_k = 1`` this is a chain of `depth` drafts.
 
     `threshold` on the drafter's probability: with `prune`, drafts whose *cumulative* probability is below it are
     dropped (not expanded, not verified); without, a draft whose own probability is below it is kept but not
     expanded (transformers' ``assistant_confidence_threshold`` for chains).
     """
     rows = list(range(state.rows)) if rows is None else rows
-    choosers = [c or top_k_chooser(drafter, top_k) for c in (choosers or [None] * len(rows))]
+    width = state.rows
+    slot_of = {b: i for i, b in enumerate(rows)}  # state row -> index in `rows`
+    depth_of = [depths[slot_of[b]] if b in slot_of else 0 for b in range(width)]
+    chooser_of = [(choosers[slot_of[b]] if choosers and b in slot_of else None) for b in range(width)]
     device = hidden.device
     min_logp = math.log(threshold) if threshold > 0 else -math.inf
-    real, real_valid = state.slots(rows)
-    real_len = 0 if real is None else real.length
-    base = [state.positions[b] - 1 for b in rows]  # position of each row's last real row
-    cands = [Candidates() for _ in rows]
-    frontier = [cands[r].add(choosers[r](logits[r : r + 1], [[]]), [0], [0.0])[:top_k] for r in range(len(rows))]
-    parent_row = [[0] * len(f) for f in frontier]  # where each frontier node's parent output is: level 1, the root's
-    parent_out = hidden  # [R, k, H] the outputs parents were fed back from
-    fed: list[list[int]] = [[] for _ in rows]  # per row: candidates with drafter rows in `tree_kv`, by slot
-    tree_kv = None
-    for level in range(1, max(depths)):
-        for r, c_r in enumerate(cands):  # expand only what may grow
-            keep = [i for i, c in enumerate(frontier[r])
-                    if level < depths[r] and (c_r.score[c] if prune else c_r.own[c]) >= min_logp]
-            frontier[r], parent_row[r] = [frontier[r][i] for i in keep], [parent_row[r][i] for i in keep]
+    real_len = state.length
+    cands = [Candidates() for _ in range(width)]
+    drafting = [b for b in range(width) if depth_of[b] > 0]
+    chosen = _choose(drafter, top_k, chooser_of, {b: logits[b : b + 1] for b in drafting}, logits[:, None],
+                     {b: [[]] for b in drafting})
+    frontier = [[] for _ in range(width)]
+    for b in drafting:
+        frontier[b] = cands[b].add(*chosen[b], [0], [0.0])[:top_k]
+    parent_slot = [[0] * len(f) for f in frontier]  # where each frontier node's parent output is in `parent_out`
+    parent_out = hidden  # [B, k, H] the outputs parents were fed back from
+    fed: list[list[int]] = [[] for _ in range(width)]  # per row: candidates with drafter rows after the real ones
+    state.reserve(drafter, (max(depths, default=1) - 1) * top_k, parent_out)
+    base = None  # [B, 1] each row's root position, on the device
+    for level in range(1, max(depths, default=0)):
+        for b, c_b in enumerate(cands):  # expand only what may grow
+            keep = [i for i, c in enumerate(frontier[b])
+                    if level < depth_of[b] and (c_b.score[c] if prune else c_b.own[c]) >= min_logp]
+            frontier[b], parent_slot[b] = [frontier[b][i] for i in keep], [parent_slot[b][i] for i in keep]
         k = max(len(f) for f in frontier)
         if k == 0:
             break
-        toks = torch.zeros(len(rows), k, dtype=torch.long, device=device)  # [R, k] (padding: token 0, masked)
-        feed = parent_out.new_zeros(len(rows), k, parent_out.shape[-1])  # [R, k, H]
-        for r, f in enumerate(frontier):
-            toks[r, : len(f)] = torch.tensor([cands[r].tokens[c] for c in f], device=device)
-            feed[r, : len(f)] = parent_out[r, parent_row[r]]
-        pos = torch.tensor(base, device=device)[:, None] + level  # [R, 1]
-        mask = _level_mask(cands, frontier, fed, k, real_len, real_valid, device)
-        past = tree_kv if real is None else (real if tree_kv is None else real.append(tree_kv))
-        out = drafter.step(feed, toks, pos.expand(len(rows), k), past=past, mask=mask)
-        tree_kv = out.kv if tree_kv is None else tree_kv.append(out.kv)
-        for r, f in enumerate(frontier):
-            fed[r] += f + [-1] * (k - len(f))  # padding slots are nobody's ancestors
-            if not f:
-                continue
-            choice = choosers[r](out.logits[r, : len(f)], [cands[r].path(c) for c in f])  # out.logits: [R, k, Vd]
-            new = cands[r].add(choice, [c + 1 for c in f], [cands[r].score[c] for c in f])
-            frontier[r] = new[:top_k]
-            parent_row[r] = [f.index(cands[r].parent[c] - 1) for c in frontier[r]]
-        parent_out = out.hidden  # [R, k, H]
-    return [_select(c.tokens, c.parent, c.score, c.q, root, total, min_logp if prune else -math.inf)
-            for c, root, total in zip(cands, roots, total_tokens)]
+        layout = _level_layout(cands, frontier, parent_slot, fed, k, base is None and state.positions)
+        host = pack(device, **layout)
+        if base is None:
+            base = host.pop("base")[:, None]  # [B, 1]
+        feed = parent_out.gather(1, host["slot"][..., None].expand(width, k, parent_out.shape[-1]))  # [B, k, H]
+        mask = _level_mask(host.get("ancestors"), state, k, len(fed[0]))
+        out = drafter.step(feed, host["tokens"], (base + level).expand(width, k),
+                           past=state.writer(real_len + len(fed[0])), mask=mask)
+        for b, f in enumerate(frontier):
+            fed[b] += f + [-1] * (k - len(f))  # padding slots are nobody's ancestors
+        growing = [b for b in range(width) if frontier[b]]
+        chosen = _choose(drafter, top_k, chooser_of, {b: out.logits[b, : len(frontier[b])] for b in growing},
+                         out.logits, {b: [cands[b].path(c) for c in frontier[b]] for b in growing})
+        for b in growing:
+            f = frontier[b]
+            new = cands[b].add(*chosen[b], [c + 1 for c in f], [cands[b].score[c] for c in f])
+            frontier[b] = new[:top_k]
+            parent_slot[b] = [f.index(cands[b].parent[c] - 1) for c in frontier[b]]
+        parent_out = out.hidden  # [B, k, H]
+    return [_select(cands[b].tokens, cands[b].parent, cands[b].score, cands[b].q, root, total,
+                    min_logp if prune else -math.inf) for b, root, total in zip(rows, roots, total_tokens)]
 
 
-def _level_mask(cands, frontier, fed, k, real_len, real_valid, device) -> torch.Tensor | None:
-    """[R, 1, k, real + fed + k] bool: each frontier node sees its row's real rows, its fed ancestors and itself;
-    None for one row's chain over a cache without holes (every fed row an ancestor: the plain causal layout)."""
-    rows, width = len(frontier), len(fed[0])
-    if rows == 1 and k == 1 and real_valid is None and _ancestors(frontier[0][0], cands[0].parent) == fed[0]:
+def _choose(drafter, top_k, chooser_of, logits_of: dict, all_logits: torch.Tensor, paths_of: dict) -> dict:
+    """Each growing row's children of its frontier nodes (from ``logits_of[b]`` [k_b, Vd]; `all_logits` [B, k, Vd]
+    are every row's at once; ``paths_of[b]``: each node's draft tokens below the root), read in one device-to-host
+    copy: row -> (tokens, log-probabilities, q logits) per expanded node. Rows with the default chooser are chosen
+    together."""
+    growing = list(logits_of)
+    default = [b for b in growing if chooser_of[b] is None]
+    choices, owners = [], []
+    if default:
+        batch = top_k_choice(drafter, all_logits, top_k)  # [B, k, top_k]
+        for b in default:
+            k = len(paths_of[b])
+            choices.append(Choice(batch.tokens[b, :k], batch.logp[b, :k]))
+            owners.append(b)
+    for b in growing:
+        if chooser_of[b] is not None:
+            choices.append(chooser_of[b](logits_of[b], paths_of[b]))
+            owners.append(b)
+    read = read_choices(choices) if choices else []
+    return {b: (tokens, logp, c.q_logits) for b, c, (tokens, logp) in zip(owners, choices, read)}
+
+
+def _level_layout(cands, frontier, parent_slot, fed, k, positions) -> dict:
+    """A level's host arrays, copied at once: the frontier's tokens and parent slots [B, k], each node's ancestors
+    among the fed tree rows and itself [B, k, fed + k] (None for one row's chain: the plain causal layout), and at
+    the first level each row's root position [B] (`positions`: the rows' next real positions)."""
+    rows, fed_width = len(frontier), len(fed[0])
+    out = {"tokens": [[cands[b].tokens[c] for c in f] + [0] * (k - len(f)) for b, f in enumerate(frontier)],
+           "slot": [s + [0] * (k - len(s)) for s in parent_slot]}
+    if positions:
+        out["base"] = [p - 1 for p in positions]
+    chain = rows == 1 and k == 1 and _ancestors(frontier[0][0], cands[0].parent) == fed[0]
+    if not chain:
+        anc = torch.zeros(rows, k, fed_width + k, dtype=torch.bool)
+        for b, f in enumerate(frontier):
+            slot = {c: i for i, c in enumerate(fed[b]) if c >= 0}
+            for i, c in enumerate(f):
+                for a in _ancestors(c, cands[b].parent):
+                    anc[b, i, slot[a]] = True
+        anc[:, :, fed_width:] |= torch.eye(k, dtype=torch.bool)  # itself (a padding node: only itself)
+        out["ancestors"] = anc
+    return out
+
+
+def _level_mask(ancestors: torch.Tensor | None, state: DraftState, k: int, fed_width: int) -> torch.Tensor | None:
+    """[B, 1, k, real + fed + k] bool: each frontier node sees its row's real rows, its fed ancestors and itself;
+    None for one row's chain over a cache without holes (the plain causal layout)."""
+    if ancestors is None and not state.ragged.holes:
         return None
-    anc = torch.zeros(rows, k, width, dtype=torch.bool)  # [R, k, fed] ancestors among fed tree rows
-    for r, f in enumerate(frontier):
-        slot = {c: i for i, c in enumerate(fed[r]) if c >= 0}
-        for i, c in enumerate(f):
-            for a in _ancestors(c, cands[r].parent):
-                anc[r, i, slot[a]] = True
-    real = torch.ones(rows, real_len, dtype=torch.bool) if real_valid is None else real_valid.cpu()
-    own = torch.eye(k, dtype=torch.bool).expand(rows, k, k)
-    return torch.cat([real[:, None, :].expand(rows, k, real_len), anc, own], 2)[:, None].to(device)
+    rows, real_len = state.rows, state.length
+    device = state.keys.device
+    if ancestors is None:  # a chain over a cache with holes: every fed row is an ancestor
+        ancestors = torch.ones(rows, k, fed_width + k, dtype=torch.bool, device=device)
+    real = state.valid if state.ragged.holes else torch.ones(rows, real_len, dtype=torch.bool, device=device)
+    return torch.cat([real[:, None, :].expand(rows, k, real_len), ancestors.bool()], 2)[:, None]
 
 
 @torch.no_grad()

@@ -89,6 +89,30 @@ class KV:
     def append(self, other: KV) -> KV:
         return KV(torch.cat([self.keys, other.keys], 2), torch.cat([self.values, other.values], 2))
 
+    def extended(self, new: KV) -> KV:
+        """This cache followed by the `new` rows (what a pass attends over)."""
+        return new if self.length == 0 else self.append(new)
+
+
+@dataclass
+class KVWriter:
+    """A write position in preallocated keys and values ``[B, kv_heads, capacity, head_dim]``: `extended` writes
+    the new rows at slot `at` in place and returns the cache up to them (no copy of the rows before `at`)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    at: int
+
+    @property
+    def length(self) -> int:
+        return self.at
+
+    def extended(self, new: KV) -> KV:
+        end = self.at + new.length
+        self.keys[:, :, self.at : end] = new.keys
+        self.values[:, :, self.at : end] = new.values
+        return KV(self.keys[:, :, :end], self.values[:, :, :end])
+
 
 class EagleAttention(nn.Module):
     #: a list only inside `EagleDrafter.recording_attention()`: each pass appends its attention probabilities
@@ -113,7 +137,7 @@ class EagleAttention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         new = KV(k, v)
-        full = past.append(new) if past is not None and past.length > 0 else new
+        full = past.extended(new) if past is not None else new
         if mask is None and full.length > t:  # past fully visible, causal among the new rows
             mask = causal_mask(t, full.length - t, u.device)
         out = F.scaled_dot_product_attention(

@@ -25,7 +25,7 @@ from .copying import CopySource
 from .drafting import Chooser, DraftState, draft_trees
 from .settings import MAX_DEPTH, DraftSettings
 from .stats import SpecDecodeStats
-from .timing import Clock
+from .timing import Timer
 from .tree import EAGLE, SOURCE_NAMES, DraftTree
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class Speculator:
         stats: SpecDecodeStats,
         controller: DraftLengthController | None = None,
         listeners: Sequence[DraftListener] = (),
-        clock: Clock | None = None,
+        timer: Timer | None = None,
         row: int | None = None,
         state: DraftState | None = None,
         stop_tokens: Sequence[int] = (),
@@ -60,7 +60,8 @@ class Speculator:
         self.drafter, self.settings, self.stats, self.controller = drafter, settings, stats, controller
         self.row = row  # the batch row this speculator drafts for (None: batch size 1)
         self.listeners = [(f, _keywords(f)) for f in listeners]
-        self.clock = clock or Clock(drafter.fc.weight.device if drafter is not None else "cpu")
+        # marks on the device's queue, measured after the round's read-back (no synchronisation); shared by a batch
+        self.timer = timer or Timer(drafter.fc.weight.device if drafter is not None else "cpu")
         # the drafter's cache, shared by a batch's rows (one row: its own); this row is `slot` in it
         self.state = state or DraftState()
         self.slot = 0 if row is None else row
@@ -74,7 +75,7 @@ class Speculator:
         self.eagle_depth = 0  # the drafter's depth this round (0: only copy branches, or a plain step)
         self.tree: DraftTree | None = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # real rows the drafter has not read yet
-        self._round_start: float | None = None
+        self._round_start = None  # the timer's mark where this round began
         self._after_cycle = False  # the last round was a cycle: this round's catch-up is a regular round's cost
 
     # ------------------------------------------------------------------ the steps of a round
@@ -83,9 +84,9 @@ class Speculator:
         batch's loop times its whole rounds itself: one row's round is not the row's cost)."""
         if self.controller is None or self.row is not None:
             return
-        now = self.clock()
+        now = self.timer.mark()
         if self.round == "fallback" and self._round_start is not None:
-            self.controller.observe_plain_round(now - self._round_start)
+            self.timer.measure([self._round_start, now], self.controller.observe_plain_round)
         self._round_start = now
 
     def commit(self, aux: torch.Tensor, next_tokens: torch.Tensor, position: int) -> None:
@@ -244,26 +245,27 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
     a depth grow their trees together, one drafter forward per level; then each row grafts its copy branches.
     A row not in a drafting round (`round` is not ``"draft"``) keeps the root alone."""
     first = speculators[0]
-    state, clock, s = first.state, first.clock, first.settings
+    state, timer, s = first.state, first.timer, first.settings
     drafting = [i for i, sp in enumerate(speculators) if sp.round == "draft" and depths[i] > 0]
     trees = [DraftTree.root(r) for r in roots]
     if drafting:
-        start = clock()
+        start = timer.mark()
         logits, hidden = _catch_up(speculators)  # [B, Vd], [B, 1, H]
-        caught_up = clock()
+        caught_up = timer.mark()
         slots = [speculators[i].slot for i in drafting]
-        grown = draft_trees(first.drafter, state, [roots[i] for i in drafting], logits[slots], hidden[slots],
+        grown = draft_trees(first.drafter, state, [roots[i] for i in drafting], logits, hidden,
                             [depths[i] for i in drafting], s.branching, [total_tokens[i] for i in drafting],
                             s.confidence_threshold, [choosers[i] for i in drafting] if choosers else None,
                             prune=s.mode == "tree", rows=slots)
-        end = clock()
+        end = timer.mark()
         for i, tree in zip(drafting, grown):
             trees[i] = tree
-            speculators[i].stats.drafter_time += (end - start) / len(drafting)
+        rows = [speculators[i] for i in drafting]
         c = first.controller  # each row's share; a backlog after plain steps is not a round's cost
-        if c is not None and not any(speculators[i].backlog for i in drafting):
-            share = len(drafting)
-            c.observe_drafter((caught_up - start) / share, (end - caught_up) / share, max(depths[i] for i in drafting))
+        learn = c is not None and not any(sp.backlog for sp in rows)
+        depth = max(depths[i] for i in drafting)
+        timer.measure([start, caught_up, end], lambda catch_up, steps: _drafter_timed(
+            rows, c if learn else None, catch_up, steps, depth))
     for i, sp in enumerate(speculators):
         sp.eagle_depth = depths[i] if i in drafting else 0
         if sp.round != "draft":
@@ -272,6 +274,15 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
         if sp.tree.num_drafts == 0:  # every branch was below the confidence threshold: a plain step
             sp.round = "fallback"
     return trees
+
+
+def _drafter_timed(rows: Sequence[Speculator], controller, catch_up: float, steps: float, depth: int) -> None:
+    """A drafting round's drafter time, once measured: each row's share in its stats, and the controller's
+    estimates of the catch-up and of a draft step (None: the round teaches it nothing)."""
+    for sp in rows:
+        sp.stats.drafter_time += (catch_up + steps) / len(rows)
+    if controller is not None:
+        controller.observe_drafter(catch_up / len(rows), steps / len(rows), depth)
 
 
 def _catch_up(speculators: Sequence[Speculator]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,13 @@
-"""Wall-clock timing of device work: a clock that waits for the device at the points it measures."""
+"""Timing device work without stalling it: marks on the device's queue, read once the work behind them is done.
+
+On a GPU a kernel launch returns at once: reading `time.perf_counter` measures the launch, and synchronising to
+measure the work stalls the queue (every round, 3-8 times, before this module). A `Timer` instead records a
+*mark* in the device's queue (a CUDA event; on the CPU, where work is synchronous, the wall clock) and measures
+between two marks only after the host has read something the device computed after both: the round's own
+read-back of the verification. Until then a measurement waits in `pending`; `resolve()` after each read-back
+hands the finished ones to their callbacks. So the adaptive schedule learns a round's timings one round late
+(on CUDA; at once on the CPU), and the device never waits for the clock.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +18,8 @@ import torch
 
 
 def device_sync(device) -> Callable[[], None] | None:
-    """The function that waits for queued work on `device` (None on the CPU, where work is synchronous)."""
+    """The function that waits for queued work on `device` (None on the CPU, where work is synchronous). Only for
+    measurements outside decoding (the cost sweep), never inside a round."""
     device = torch.device(device)
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
@@ -20,11 +30,8 @@ def device_sync(device) -> Callable[[], None] | None:
 
 
 class Clock:
-    """``clock()`` returns seconds after all device work queued so far has finished.
-
-    On CUDA a kernel launch returns at once: reading `time.perf_counter` without a synchronize measures the
-    launch, not the work. Only the points where something is measured call the clock; `time_fn` and `sync_fn`
-    can be injected (tests)."""
+    """``clock()`` returns seconds after all device work queued so far has finished: for measurements outside
+    decoding (`eagle_hf.hf.costs`), where waiting is the point. `time_fn` and `sync_fn` can be injected (tests)."""
 
     def __init__(self, device="cpu", time_fn: Callable[[], float] = time.perf_counter, sync_fn=...):
         self.time_fn = time_fn
@@ -34,3 +41,57 @@ class Clock:
         if self.sync_fn is not None:
             self.sync_fn()
         return self.time_fn()
+
+
+class Mark:
+    """A point in the device's queue: a recorded CUDA event, or the wall clock where work is synchronous."""
+
+    __slots__ = ("event", "seconds", "epoch")
+
+    def __init__(self, event, seconds: float, epoch: int):
+        self.event, self.seconds, self.epoch = event, seconds, epoch
+
+
+class Timer:
+    """Marks on one device's queue and the measurements between them, resolved without a synchronisation.
+
+    ``timer.measure([m0, m1, ...], callback)`` calls ``callback(seconds m0->m1, seconds m1->m2, ...)`` once the
+    device has run everything queued before the last mark and the host has read a result of it (`read_back`); on
+    the CPU at once."""
+
+    def __init__(self, device="cpu", time_fn: Callable[[], float] = time.perf_counter, event_fn=None):
+        device = torch.device(device)
+        if event_fn is None and device.type == "cuda":
+            event_fn = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+        self.event_fn = event_fn  # None: the wall clock (synchronous devices); injected in tests
+        self.events = event_fn is not None
+        self.time_fn = time_fn
+        self.epoch = 0  # read-backs so far: a mark of an earlier epoch is done on the device
+        self.pending: list[tuple[list[Mark], Callable[..., None]]] = []
+
+    def mark(self) -> Mark:
+        if not self.events:
+            return Mark(None, self.time_fn(), self.epoch)
+        event = self.event_fn()
+        event.record()
+        return Mark(event, 0.0, self.epoch)
+
+    def measure(self, marks: list[Mark], callback: Callable[..., None]) -> None:
+        if not self.events:
+            callback(*(b.seconds - a.seconds for a, b in zip(marks, marks[1:])))
+            return
+        self.pending.append((marks, callback))
+
+    def read_back(self) -> None:
+        """The host just read a device result queued after every mark made so far: they are all done."""
+        self.epoch += 1
+        self.resolve()
+
+    def resolve(self) -> None:
+        """Hand every finished measurement to its callback (marks made before the last read-back)."""
+        ready = [p for p in self.pending if p[0][-1].epoch < self.epoch]
+        if not ready:
+            return
+        self.pending = [p for p in self.pending if p[0][-1].epoch >= self.epoch]
+        for marks, callback in ready:
+            callback(*(a.event.elapsed_time(b.event) / 1000.0 for a, b in zip(marks, marks[1:])))

@@ -8,6 +8,7 @@ nodes 1..N are drafts, parents before children. A chain is the tree with ``top_k
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -32,8 +33,13 @@ class DraftTree:
         """The tree of a plain step: the root alone (the target decodes one token)."""
         return cls(torch.tensor([token]), torch.tensor([-1]), torch.zeros(1))
 
+    @functools.cached_property
+    def host(self) -> _HostTree:
+        """The tree as Python lists (a tree lives on the host; its tensors are read once, here)."""
+        return _HostTree.of(self)
+
     def source(self, node: int) -> int:
-        return EAGLE if self.sources is None else int(self.sources[node])
+        return self.host.sources[node]
 
     def graft(self, branches: list[list[int]], logp: list[list[float]], at: list[int] | None = None) -> DraftTree:
         """This tree plus deterministic COPY branches below the root (or below node ``at[b]`` for branch b); a
@@ -65,14 +71,11 @@ class DraftTree:
 
     def path_tokens(self, node: int) -> list[int]:
         """The draft tokens from the root (excluded) down to `node` (included)."""
-        path = []
-        while node > 0:
-            path.append(int(self.tokens[node]))
-            node = int(self.parents[node])
-        return path[::-1]
+        tokens = self.host.tokens
+        return [tokens[n] for n in self.host.path(node)[1:]]
 
     def children(self, node: int) -> list[int]:
-        return [i for i in range(1, self.size) if int(self.parents[i]) == node]
+        return self.host.children[node]
 
     @property
     def size(self) -> int:
@@ -80,23 +83,15 @@ class DraftTree:
 
     def depths(self) -> torch.Tensor:
         """[N+1] depth of each node (root 0)."""
-        d = torch.zeros(self.size, dtype=torch.long)
-        for i in range(1, self.size):
-            d[i] = d[self.parents[i]] + 1
-        return d
+        return torch.tensor(self.host.depths)
 
     def confidences(self) -> list[float]:
         """Per depth 1..D: the drafter's probability that one of the children of its best node at the depth
         above is right (the sibling mass a tree's verification can accept from)."""
-        depths = self.depths()
-        out, node = [], 0
-        for d in range(1, int(depths.max()) + 1):
-            children = self.children(node)
-            if not children:
-                break
-            parent_score = float(self.scores[node])
-            out.append(min(1.0, sum(math.exp(float(self.scores[c]) - parent_score) for c in children)))
-            node = max(children, key=lambda c: float(self.scores[c]))
+        scores, out, node = self.host.scores, [], 0
+        while children := self.children(node):
+            out.append(min(1.0, sum(math.exp(scores[c] - scores[node]) for c in children)))
+            node = max(children, key=lambda c: scores[c])
         return out
 
     def ancestor_mask(self) -> torch.Tensor:
@@ -104,31 +99,49 @@ class DraftTree:
         n = self.size
         m = torch.zeros(n, n, dtype=torch.bool)
         for i in range(n):
-            j = i
-            while j >= 0:
-                m[i, j] = True
-                j = int(self.parents[j])
+            m[i, self.host.path(i)] = True
         return m
 
     def paths(self) -> list[list[int]]:
         """Root-to-leaf node paths (one per leaf), in node order of their leaves."""
-        has_child = torch.zeros(self.size, dtype=torch.bool)
-        has_child[self.parents[1:]] = True
-        out = []
-        for leaf in range(self.size):
-            if has_child[leaf] and leaf != 0:
-                continue
-            if leaf == 0 and self.size > 1:
-                continue
-            path, j = [], leaf
-            while j >= 0:
-                path.append(j)
-                j = int(self.parents[j])
-            out.append(path[::-1])
-        return out
+        h = self.host
+        if self.size == 1:
+            return [[0]]
+        return [h.path(leaf) for leaf in range(1, self.size) if not h.children[leaf]]
 
     def retrieve_indices(self) -> torch.Tensor:
         """[num_leaves, max_depth+1] node paths, padded with -1 (the EAGLE reference's layout)."""
         paths = self.paths()
         width = max(len(p) for p in paths)
         return torch.tensor([p + [-1] * (width - len(p)) for p in paths], dtype=torch.long)
+
+
+@dataclass
+class _HostTree:
+    """A `DraftTree` as Python lists, with each node's children and depth and its path from the root."""
+
+    tokens: list[int]
+    parents: list[int]
+    scores: list[float]
+    sources: list[int]
+    children: list[list[int]]
+    depths: list[int]
+
+    @classmethod
+    def of(cls, tree: DraftTree) -> _HostTree:
+        parents = tree.parents.tolist()
+        children: list[list[int]] = [[] for _ in parents]
+        depths = [0] * len(parents)
+        for i in range(1, len(parents)):  # parents before children
+            children[parents[i]].append(i)
+            depths[i] = depths[parents[i]] + 1
+        sources = [EAGLE] * len(parents) if tree.sources is None else tree.sources.tolist()
+        return cls(tree.tokens.tolist(), parents, tree.scores.tolist(), sources, children, depths)
+
+    def path(self, node: int) -> list[int]:
+        """Node ids from the root down to `node`."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .transfer import pack
 from .tree import DraftTree
 
 
@@ -17,9 +18,35 @@ def process_logits(logits_processor, prefix: torch.Tensor, paths: list[list[int]
     """Apply the logits processors to each row of `logits` ([n, V]) with ``prefix + paths[row]`` as its input ids.
 
     Used for the target's logits at every tree node, and for the drafter's logits of every sampled draft, so
-    that both follow the exact processing plain `generate()` applies. prefix: [1, T]."""
+    that both follow the exact processing plain `generate()` applies. prefix: [1, T]. The rows are processed in
+    one call per path length (processors take a batch of equal-length ids), their paths copied to the device at
+    once; a processor that reads the batch index (``prefix_allowed_tokens_fn``) gets one row at a time."""
     if len(logits_processor) == 0:
         return logits
+    if any(type(p).__name__ == "PrefixConstrainedLogitsProcessor" for p in logits_processor):
+        return _process_each(logits_processor, prefix, paths, logits)
+    by_length: dict[int, list[int]] = {}
+    for i, path in enumerate(paths):
+        by_length.setdefault(len(path), []).append(i)
+    if list(by_length) == [0]:  # no paths: the prefix for every row
+        return logits_processor(prefix.expand(len(paths), -1), logits)
+    arrays = {}
+    for d, rows in by_length.items():
+        arrays[f"rows{d}"] = rows
+        if d:
+            arrays[f"paths{d}"] = [paths[i] for i in rows]
+    dev = pack(prefix.device, **arrays)
+    out = torch.empty_like(logits)
+    for d, rows in by_length.items():
+        ids = prefix.expand(len(rows), -1)
+        if d:
+            ids = torch.cat([ids, dev[f"paths{d}"].to(prefix.dtype)], 1)  # [n_d, T + d]
+        index = dev[f"rows{d}"]
+        out.index_copy_(0, index, logits_processor(ids, logits.index_select(0, index)))
+    return out
+
+
+def _process_each(logits_processor, prefix, paths, logits) -> torch.Tensor:
     out = torch.empty_like(logits)
     for i, path in enumerate(paths):
         ids = torch.cat([prefix, torch.tensor([path], dtype=prefix.dtype, device=prefix.device)], 1) if path else prefix
@@ -85,6 +112,55 @@ def accept_sampling(tree: DraftTree, probs: torch.Tensor, generator: torch.Gener
             p = residual / residual.sum()
         if accepted is None:
             return path, int(torch.multinomial(p.float(), 1, generator=generator))
+        path.append(accepted)
+        node = accepted
+
+
+def sampling_draws(tree: DraftTree, probs: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Everything rejection sampling over a tree of deterministic drafts needs from the device, drawn up front
+    and read back with the round's one read: a flat float64 tensor of, per draft node i = 1..N (node order), the
+    target's probability of its token at its parent ``P_parent(x_i)`` and a uniform u_i; then per node n = 0..N a
+    token drawn from its *residual*: P_n without its children's tokens (P_n itself at a leaf, or where its
+    children took all the mass). `accept_drawn` walks the tree with them on the host, exactly as
+    `accept_sampling` does. probs: [N+1, V] the target's processed distribution after each node; parents,
+    tokens: [N] each draft's parent node and token, on the device.
+
+    Trees with sampled drafts (``q_logits``) need the residual after each rejected sibling: `accept_sampling`."""
+    if tree.q_logits is not None:
+        raise ValueError("sampling_draws takes deterministic drafts; sampled drafts go through accept_sampling")
+    device = probs.device
+    p_edge = probs[parents, tokens]  # [N]
+    residual = probs.index_put((parents, tokens), torch.zeros_like(p_edge))  # [N+1, V]
+    left = residual.sum(-1, keepdim=True)
+    residual = torch.where(left > 0, residual, probs)
+    drawn = torch.multinomial(residual, 1)[:, 0]  # [N+1]
+    uniform = torch.rand(p_edge.shape, dtype=torch.float64, device=device)
+    return torch.cat([p_edge.double(), uniform, drawn.double()])
+
+
+def accept_drawn(tree: DraftTree, drawn: Sequence[float]) -> tuple[list[int], int]:
+    """`accept_sampling` from the values `sampling_draws` read back: (accepted node path, bonus or recovered
+    token). At a node, its children are tried in node order: child x is accepted with probability
+    ``P(x) / (1 - P(rejected siblings' tokens))`` (P renormalised after each rejection); when none is, the token
+    is the node's residual draw."""
+    h = tree.host
+    n = tree.size - 1
+    p_edge, uniform, residual = drawn[:n], drawn[n : 2 * n], drawn[2 * n :]
+    node, path = 0, [0]
+    while True:
+        rejected, tried, accepted = 0.0, set(), None
+        for child in h.children[node]:
+            tok = h.tokens[child]
+            if tok in tried:
+                continue  # a duplicate of a rejected sibling: its probability is 0 now
+            tried.add(tok)
+            p = p_edge[child - 1] / (1.0 - rejected) if rejected < 1.0 else 0.0
+            if uniform[child - 1] <= p:
+                accepted = child
+                break
+            rejected += p_edge[child - 1]
+        if accepted is None:
+            return path, int(residual[node])
         path.append(accepted)
         node = accepted
 

@@ -392,7 +392,7 @@ def test_the_head_computes_logits_only_for_real_tree_nodes(monkeypatch):
     keep = torch.arange(5) < torch.tensor([5, 2, 1])[:, None]  # [3, 5]
     seen, linear = [], torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *a: (seen.append(x.shape[:-1]), linear(x, *a))[1])
-    with head_on_positions(target, keep):
+    with head_on_positions(target, keep.reshape(-1).nonzero()[:, 0], (3, 5)):  # flat indices of the real nodes
         out = head(hidden)
         other = head(hidden[:, :1])  # another shape: unchanged
     monkeypatch.undo()

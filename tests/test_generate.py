@@ -79,7 +79,7 @@ def oracle(reference: torch.Tensor, wrong_positions=(), vocab: int = VOCAB):
         if pos in wrong_positions:
             token = (token + 1) % vocab
         proposals.append((pos, token))
-        return torch.tensor(token), None, 1.0
+        return torch.tensor([token]), None, torch.zeros(1)  # (target id, q logits, log-probability)
 
     with mock.patch.object(EagleCandidateGenerator, "_choose", _choose):
         yield proposals

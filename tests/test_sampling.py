@@ -172,7 +172,7 @@ def _raw_q(self, original, draft_logits, prefix, drafted):
 def _greedy_draft(self, original, draft_logits, prefix, drafted):
     """Takes the argmax draft (a one-hot distribution) but reports the processed soft q (transformers #32867)."""
     token, q, prob = original(self, draft_logits, prefix, drafted)
-    return q.argmax(-1)[0], q, prob
+    return q.argmax(-1), q, prob
 
 
 @pytest.mark.parametrize("broken", [_raw_q, _greedy_draft], ids=["raw_q", "greedy_draft"])

@@ -19,7 +19,7 @@ from eagle_hf.drafting import DraftState, draft_tree
 from eagle_hf.hf.version import CACHE_KEY, output_cache
 from eagle_hf.speculation import Speculator
 from eagle_hf.stats import SpecDecodeStats
-from eagle_hf.timing import Clock
+from eagle_hf.timing import Clock, Timer
 from eagle_hf.tree import DraftTree
 from eagle_hf.verification import accept_sampling
 
@@ -203,53 +203,64 @@ def test_sliding_window_fallback_warns_once_per_model(caplog):
 
 
 # ------------------------------------------------------------------------------------------------ timings
-class FakeDevice:
-    """An injected clock: time advances only when the 'device' finishes work, which sync() makes happen."""
+class FakeQueue:
+    """An asynchronous device: work runs in order, and an event records when the queue reaches it."""
 
     def __init__(self):
-        self.now, self.queued, self.syncs = 0.0, 0.0, 0
+        self.done_at = 0.0  # device time at which the work queued so far is done
 
-    def time(self):
-        return self.now
+    def event(self):
+        queue = self
 
-    def sync(self):
-        self.syncs += 1
-        self.now += self.queued
-        self.queued = 0.0
+        class Event:
+            def record(self):
+                self.at = queue.done_at
+
+            def elapsed_time(self, other):  # milliseconds, as torch.cuda.Event's
+                return (other.at - self.at) * 1000.0
+
+        return Event()
 
 
-def test_drafter_costs_are_measured_after_the_device_finished(monkeypatch):
-    """On an asynchronous device the clock must wait for the drafter's queued work, or the controller would see
-    a free drafter. Here each drafter step queues 0.002 s of device work that only a sync accounts for."""
+def test_drafter_costs_are_timed_on_the_device_without_a_sync(monkeypatch):
+    """On an asynchronous device the drafter's time is the device's, read from events once the round's read-back
+    has passed them (one round late), never by synchronising. Each drafter step queues 0.002 s of device work."""
     drafter, state, root, logits, hidden = _drafter_state()
-    device = FakeDevice()
+    queue = FakeQueue()
     original = type(drafter).step
 
     def step(self, *args, **kwargs):
-        device.queued += 0.002
+        queue.done_at += 0.002
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(type(drafter), "step", step)
     cost = CostModel(verify=[1.0] * 9, draft_step=0.5, base_seconds=0.01)
     controller = DraftLengthController(cost, max_draft=4)
     stats = SpecDecodeStats()
-    sp = Speculator(drafter, DraftSettings(), stats, controller, clock=Clock(time_fn=device.time, sync_fn=device.sync))
+    timer = Timer(time_fn=lambda: pytest.fail("the wall clock was read"), event_fn=queue.event)
+    sp = Speculator(drafter, DraftSettings(), stats, controller, timer=timer)
     sp.state = state
     aux = torch.zeros(1, 1, drafter.fc.weight.shape[1])
-    for _ in range(40):  # regular cycles: commit one real row, draft 4, all rejected
+    for i in range(40):  # regular cycles: commit one real row, draft 4, all rejected
         sp.begin_round()
         sp.commit(aux, torch.tensor([[5]]), position=sp.state.next_position)
         sp.round = "draft"
         sp.draft(root, 4, 5)
+        assert stats.drafter_time == pytest.approx(i * 4 * 0.002)  # not before the read-back
+        timer.read_back()
         sp.record(0, 7)
     # 3 drafter steps per chain of 4 (the last draft needs no step) + 1 catch-up step, 0.002 s each
     assert controller.draft_step == pytest.approx(3 * 0.002 / 4 / 0.01, rel=1e-3)
     assert controller.round_overhead == pytest.approx(0.002 / 0.01, rel=1e-3)
     assert stats.drafter_time == pytest.approx(40 * 4 * 0.002)
-    assert device.syncs >= 3 * 40  # every measured point waited for the device
+    assert not timer.pending
 
 
-def test_clock_syncs_only_on_accelerators():
+def test_a_cpu_timer_measures_at_once_and_a_clock_syncs_only_on_accelerators():
+    times = iter([1.0, 1.5])
+    timer, seen = Timer(time_fn=lambda: next(times)), []
+    timer.measure([timer.mark(), timer.mark()], seen.append)
+    assert seen == [0.5] and not timer.events
     assert Clock("cpu").sync_fn is None
     calls = []
     clock = Clock(time_fn=lambda: 1.5, sync_fn=lambda: calls.append(1))

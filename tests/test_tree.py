@@ -7,7 +7,7 @@ import torch
 from conftest import patch_drafts, tiny_drafter, tiny_target
 
 import eagle_hf
-from eagle_hf.hf.cache import tree_attention_mask
+from eagle_hf.hf.cache import stacked_ancestor_masks, tree_attention_mask
 from eagle_hf.hf.version import cache_kwarg, output_cache
 from eagle_hf.tree import DraftTree
 from eagle_hf.verification import accept_greedy, accept_sampling, verify, verify_greedy
@@ -36,7 +36,7 @@ def test_tree_tensors_by_hand():
         [1, 1, 0, 1, 0, 0, 1],
     ]
     assert TREE.retrieve_indices().tolist() == [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]]
-    mask = tree_attention_mask([TREE], torch.ones(1, 3, dtype=torch.bool), dtype=torch.float32)
+    mask = tree_attention_mask(stacked_ancestor_masks([TREE]), None, 3, dtype=torch.float32)
     assert mask.shape == (1, 1, 7, 10)
     assert (mask[0, 0, :, :3] == 0).all()  # the prefix is visible to every node
     assert ((mask[0, 0, :, 3:] == 0) == TREE.ancestor_mask()).all()
@@ -46,7 +46,7 @@ def test_batched_tree_mask_hides_holes_and_padding_nodes():
     """Two rows: a hole in row 1's cache, and row 1's one-node tree padded to the other row's 7 nodes."""
     valid = torch.tensor([[True, True, True], [True, False, True]])
     root_only = DraftTree.root(5)
-    mask = tree_attention_mask([TREE, root_only], valid, dtype=torch.float32) == 0  # [2, 1, 7, 10] visible
+    mask = tree_attention_mask(stacked_ancestor_masks([TREE, root_only]), valid, 3, dtype=torch.float32) == 0  # [2, 1, 7, 10] visible
     assert mask.shape == (2, 1, 7, 10)
     assert (mask[1, 0, :, :3] == valid[1]).all()  # the hole is hidden from every node of row 1
     assert mask[1, 0, 0, 3:].tolist() == [True] + [False] * 6  # the root sees itself
@@ -249,8 +249,11 @@ def test_pruned_tree_is_the_full_tree_above_the_threshold():
     full, pruned = trees[0.0], trees[0.05]
     keep = [i for i in range(full.size) if float(full.scores[i]) >= math.log(0.05)]
     assert 1 < len(keep) < full.size  # the threshold bites, but not everywhere
-    assert sorted(map(tuple, zip(pruned.tokens.tolist(), pruned.scores.tolist()))) == sorted(
-        map(tuple, zip(full.tokens[keep].tolist(), full.scores[keep].tolist())))
+    # (scores to float32 precision: a level's drafter pass over fewer frontier nodes rounds differently)
+    got = sorted(zip(pruned.tokens.tolist(), pruned.scores.tolist()))
+    want = sorted(zip(full.tokens[keep].tolist(), full.scores[keep].tolist()))
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert [s for _, s in got] == pytest.approx([s for _, s in want], abs=1e-5)
     assert all(int(pruned.parents[i]) < i for i in range(1, pruned.size))  # parents before children
 
 

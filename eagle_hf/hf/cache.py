@@ -38,27 +38,20 @@ def check_tree_cache(cache) -> None:
             )
 
 
-def commit_paths(cache, past_len: int, keeps: list[list[int]]) -> torch.Tensor:
-    """Keep each row's accepted tree nodes after the prefix, in every layer; returns their validity [B, K].
-
-    Row b's nodes ``keeps[b]`` (indices relative to `past_len`) move to slots ``past_len .. past_len+len-1``; the
-    round's cache grows by K = the longest path, and a shorter row's slots after its own path are holes that its
-    mask hides (`RaggedRows`). O(B * K) copies per layer besides the prefix."""
-    width = max(len(k) for k in keeps)
-    device = cache.layers[0].keys.device
-    valid = torch.arange(width) < torch.tensor([len(k) for k in keeps])[:, None]  # [B, K]
-    if all(keep == list(range(len(keep))) for keep in keeps):  # every path is a prefix (chains): crop in place
-        if cache.layers[0].keys.shape[2] > past_len + width:  # (plain steps keep every slot)
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, : past_len + width], layer.values[:, :, : past_len + width]
-        return valid.to(device)
-    index = torch.tensor([keep + [0] * (width - len(keep)) for keep in keeps], device=device)  # [B, K]
+def commit_accepted(cache, past_len: int, index: torch.Tensor | None, width: int) -> None:
+    """Keep each row's accepted tree nodes after the prefix, in place, in every layer: row b's nodes ``index[b]``
+    ([B, K] on the device, relative to `past_len`; None: the first K nodes) move to slots
+    ``past_len .. past_len+K-1`` and the cache is cropped there. A shorter row's slots after its own path are holes
+    its mask hides (`eagle_hf.ragged`). O(B * K) per layer: the prefix is never copied, no layer is rebuilt."""
+    end = past_len + width
     for layer in cache.layers:
-        b, h, _, d = layer.keys.shape
-        gather = index[:, None, :, None].expand(b, h, width, d)  # [B, H, K, D]
-        layer.keys = torch.cat([layer.keys[:, :, :past_len], layer.keys[:, :, past_len:].gather(2, gather)], 2)
-        layer.values = torch.cat([layer.values[:, :, :past_len], layer.values[:, :, past_len:].gather(2, gather)], 2)
-    return valid.to(device)
+        if index is not None:
+            b, h, _, d = layer.keys.shape
+            gather = index[:, None, :, None].expand(b, h, width, d)  # [B, H, K, D]
+            layer.keys[:, :, past_len:end] = layer.keys[:, :, past_len:].gather(2, gather)
+            layer.values[:, :, past_len:end] = layer.values[:, :, past_len:].gather(2, gather)
+        if layer.keys.shape[2] > end:  # (a view: the next update concatenates after it)
+            layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
 
 
 def select_cache(cache, rows: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> None:
@@ -81,17 +74,27 @@ def regather_cache(cache, index: torch.Tensor) -> None:
         layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
 
 
-def tree_attention_mask(trees: list[DraftTree], valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def stacked_ancestor_masks(trees: list[DraftTree]) -> torch.Tensor:
+    """bool [B, N, N] (host): each tree's ancestor mask, padded to the largest; a padding node sees itself."""
+    width = max(t.size for t in trees)
+    out = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
+    for b, t in enumerate(trees):
+        out[b, : t.size, : t.size] = t.ancestor_mask()
+    return out
+
+
+def tree_attention_mask(tree: torch.Tensor, valid: torch.Tensor | None, past_len: int,
+                        dtype: torch.dtype) -> torch.Tensor:
     """Additive float mask [B, 1, N, L + N] for one verify forward of B trees padded to N nodes: each row's valid
-    cache slots (`valid` [B, L]), plus each node's ancestors and itself; padding nodes see only themselves."""
-    rows, width = len(trees), max(t.size for t in trees)
-    tree_part = torch.eye(width, dtype=torch.bool).repeat(rows, 1, 1)  # [B, N, N]
-    for b, tree in enumerate(trees):
-        tree_part[b, : tree.size, : tree.size] = tree.ancestor_mask()
-    allowed = torch.cat([valid[:, None, :].expand(rows, width, valid.shape[1]), tree_part.to(valid.device)], 2)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=valid.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]
+    cache slots (`valid` [B, L]; None: all `past_len` of them), plus each node's ancestors and itself (`tree`
+    [B, N, N] bool on the device; padding nodes see only themselves). Built on the device."""
+    rows, width = tree.shape[0], tree.shape[1]
+    mask = torch.zeros(rows, 1, width, past_len + width, dtype=dtype, device=tree.device)
+    low = torch.finfo(dtype).min
+    mask[:, 0, :, past_len:].masked_fill_(~tree, low)
+    if valid is not None:
+        mask[:, 0, :, :past_len].masked_fill_(~valid[:, None, :], low)
+    return mask
 
 
 def new_cache(target):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
@@ -44,24 +42,23 @@ class EagleCandidateGenerator(CandidateGenerator):
         return self.speculator.stats
 
     def _choose(self, draft_logits: torch.Tensor, prefix: torch.Tensor, drafted: list[int]):
-        """draft_logits: [1, Vd] -> (target id, processed target logits [1, V] or None, its probability)."""
+        """draft_logits: [1, Vd] -> (target id [1], processed target logits [1, V] or None, its log-probability
+        [1]), on the device: the drafting level reads them with its other choices."""
         if not self.do_sample and len(self.logits_processor) == 0:
-            probs = torch.softmax(draft_logits.float(), dim=-1)
-            p, idx = probs.max(dim=-1)
-            return self.drafter.draft_to_target(idx)[0], None, float(p)
+            logp, idx = torch.log_softmax(draft_logits.float(), dim=-1).max(dim=-1)  # [1]
+            return self.drafter.draft_to_target(idx), None, logp
         logits = self.drafter.target_logits(draft_logits.float())  # [1, V]
         logits = process_logits(self.logits_processor, prefix, [drafted], logits)
-        probs = torch.softmax(logits, dim=-1)
-        token = torch.multinomial(probs, 1)[0, 0] if self.do_sample else probs.argmax(-1)[0]
-        return token, (logits if self.do_sample else None), float(probs[0, token])
+        logp = torch.log_softmax(logits, dim=-1)  # [1, V]
+        token = torch.multinomial(logp.exp(), 1)[:, 0] if self.do_sample else logp.argmax(-1)  # [1]
+        return token, (logits if self.do_sample else None), logp.gather(1, token[:, None])[:, 0].clamp(min=-69.0)
 
     def _chooser(self, prefix: torch.Tensor):
         """The chain's chooser (one child per node) over `_choose`, for `draft_tree`."""
 
         def choose(logits: torch.Tensor, paths: list[list[int]]) -> Choice:  # logits: [1, Vd]
-            token, q, prob = self._choose(logits[:1], prefix, paths[0])
-            return Choice(torch.tensor([[int(token)]]), torch.tensor([[math.log(max(prob, 1e-30))]]),
-                          None if q is None else q[:, None])  # q: [1, 1, V]
+            token, q, logp = self._choose(logits[:1], prefix, paths[0])
+            return Choice(token[:, None], logp[:, None], None if q is None else q[:, None])  # q: [1, 1, V]
 
         return choose
 
@@ -71,6 +68,7 @@ class EagleCandidateGenerator(CandidateGenerator):
         if is_first_iteration or model_outputs is None:
             sp.round = "prefill"
             return input_ids, None  # the target prefills; drafting starts from its hidden states
+        sp.timer.read_back()  # transformers' loop has read the last verification back: its marks are done
         sp.begin_round()
         device = self.drafter.fc.weight.device
         with torch.no_grad():

@@ -23,7 +23,7 @@ from ..settings import CALL_KEYWORDS, OWN_KEYWORDS, DraftSettings
 from ..drafting import DraftState
 from ..speculation import Speculator
 from ..stats import SpecDecodeStats, _set_last, merge_stats
-from ..timing import Clock
+from ..timing import Timer
 from .call import (
     EagleCall, active_call, as_keywords, batch_rows, check_call, check_compatible, prepare_drafter, prompt_length,
     set_active_call,
@@ -139,7 +139,8 @@ def speculators_for(target, rows: int = 1, stop_tokens=()) -> tuple[EagleCall, l
     call = active_call()
     stats = [call.stats] if rows == 1 else [SpecDecodeStats() for _ in range(rows)]
     state = DraftState(positions=[0] * rows)  # the drafter's cache: one for the batch, drafted together
-    return call, [Speculator(call.drafter, call.settings, s, call.controller, call.listeners, clock=Clock(target.device),
+    timer = Timer(target.device)  # one for the batch: the loop's read-backs resolve its marks
+    return call, [Speculator(call.drafter, call.settings, s, call.controller, call.listeners, timer=timer,
                              row=None if rows == 1 else b, state=state, stop_tokens=stop_tokens)
                              for b, s in enumerate(stats)]
 

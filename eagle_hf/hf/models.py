@@ -29,27 +29,29 @@ def rope_init(config) -> tuple[torch.Tensor, float]:
 
 
 @contextmanager
-def head_on_positions(target, keep: torch.Tensor | None) -> Iterator[None]:
-    """While active, the target's output head computes logits only at the positions `keep` ([B, N] bool) of its
-    [B, N, H] input; the others come out as 0. A batch's draft trees are padded to the widest, and the padded
-    nodes' logits are never read: on a small model the head is a fifth of a forward's compute. The head itself
-    runs (once, on the kept rows), so quantized or hooked heads work, and the model's elementwise steps after it
-    (soft-capping, scaling) still apply. Inputs of any other shape pass through unchanged."""
+def head_on_positions(target, keep: torch.Tensor | None, shape: tuple[int, int]) -> Iterator[None]:
+    """While active, the target's output head computes logits only at the positions `keep` (flat indices into
+    the ``shape`` = [B, N] positions of its [B, N, H] input, on the device; None: all); the others come out as 0.
+    A batch's draft trees are padded to the widest, and the padded nodes' logits are never read: on a small model
+    the head is a fifth of a forward's compute. The head itself runs (once, on the kept rows), so quantized or
+    hooked heads work, and the model's elementwise steps after it (soft-capping, scaling) still apply. Inputs of
+    any other shape pass through unchanged."""
     head = target.get_output_embeddings()
-    if keep is None or head is None or bool(keep.all()):
+    if keep is None or head is None:
         yield
         return
     own = head.__dict__.get("forward")  # an instance-level forward (e.g. accelerate's hooks) to restore
     original = head.forward
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.shape[:2] != keep.shape:
+        if tuple(hidden.shape[:2]) != tuple(shape):
             return original(hidden)
         where = keep.to(hidden.device)  # (a target split over devices has its head on the last one)
-        kept = original(hidden[where][None])[0]  # [R, V] the real positions only
-        out = kept.new_zeros(*keep.shape, kept.shape[-1])  # [B, N, V]
-        out[where] = kept
-        return out
+        flat = hidden.reshape(-1, hidden.shape[-1])  # [B*N, H]
+        kept = original(flat.index_select(0, where)[None])[0]  # [R, V] the real positions only
+        out = kept.new_zeros(flat.shape[0], kept.shape[-1])  # [B*N, V]
+        out.index_copy_(0, where, kept)
+        return out.view(*shape, kept.shape[-1])
 
     head.forward = forward
     try:

@@ -22,11 +22,14 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..capture import gather_aux, hidden_state_request
-from ..ragged import packed_index, worth_compacting
+from ..ragged import Ragged
 from ..speculation import Speculator, draft_round
+from ..transfer import pack, to_device
 from ..tree import DraftTree
-from ..verification import process_logits, verify, verify_greedy
-from .cache import check_tree_cache, commit_paths, regather_cache, select_cache, tree_attention_mask
+from ..verification import accept_drawn, process_logits, sampling_draws, verify_greedy
+from .cache import (
+    check_tree_cache, commit_accepted, regather_cache, select_cache, stacked_ancestor_masks, tree_attention_mask,
+)
 from .costs import row_costs
 from .models import head_on_positions
 from .stopping import eos_ids
@@ -45,14 +48,34 @@ class Emitted:
 
 @dataclass
 class Row:
-    """One sequence of the batch."""
+    """One sequence of the batch: its tokens live in the loop's device buffer ``ids`` [B, max_length] (row
+    `index`, the first `length` of them), written in place as the row grows."""
 
-    seq: torch.Tensor  # [1, T] the row as plain generate() holds it (left padding included)
+    ids: torch.Tensor  # [B, max_length] the batch's tokens, left padding included (shared by the rows)
+    index: int  # this row's row of `ids` (its row of the call's batch)
+    length: int  # its tokens so far
     sp: Speculator
     position: int = 0  # position of the next token to enter the cache: the row's count of real tokens
     token: int = -1  # the last emitted token (the next tree's root)
     done: bool = False
     emitted: Emitted = field(default_factory=Emitted)
+
+    @property
+    def seq(self) -> torch.Tensor:
+        """[1, T] the row as plain generate() holds it (a view)."""
+        return self.ids[self.index : self.index + 1, : self.length]
+
+
+@dataclass
+class Outcome:
+    """What one row's verification gave: the emitted tokens, the accepted node path they came from (cut as the
+    tokens are), the logits kept for generate()'s outputs, and whether a stop cut the round's tokens."""
+
+    new: list[int]
+    keep: list[int]
+    raw: torch.Tensor | None = None  # [n, V] the target's logits per node (only where outputs need them)
+    scores: torch.Tensor | None = None  # [n, V] the same, processed
+    cut: bool = False
 
 
 class TreeLoop:
@@ -80,30 +103,39 @@ class TreeLoop:
         self.request = True if self.keep_hidden else (hidden_state_request(self.aux_ids) if self.uses_eagle else None)
         self.total_tokens = int(settings.total_tokens)
         self.controller = speculators[0].controller  # shared by the rows: it plans for the whole batch
-        self.valid: torch.Tensor | None = None  # [B, L] which cache slots each active row reads
+        self.timer = speculators[0].timer  # shared by the rows
+        self.ragged = Ragged([], 0)  # which cache slots each active row reads (set by the prefill)
         check_tree_cache(cache)
+
+    @property
+    def valid(self) -> torch.Tensor | None:
+        """[B, L] which cache slots each active row reads (None: all)."""
+        return self.ragged.valid
 
     @torch.no_grad()
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
         device = self.device
         ids = input_ids.to(device)  # plain generate() accepts CPU inputs for an accelerator target
         mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(device).bool()
-        rows = [Row(ids[b : b + 1], sp) for b, sp in enumerate(self.speculators)]
+        buffer = ids.new_full((ids.shape[0], max(self.max_length, ids.shape[1])), self.pad)  # [B, max_length]
+        buffer[:, : ids.shape[1]] = ids
+        rows = [Row(buffer, b, ids.shape[1], sp) for b, sp in enumerate(self.speculators)]
         self.prefill(rows, ids, mask)
         active = self.retire(rows) if any(r.done for r in rows) else rows
-        clock = self.speculators[0].clock
         while live := sum(not r.done for r in active):
-            start = clock()
+            start = self.timer.mark() if self.controller is not None else None
             if self.controller is not None:
                 self.controller.rows = len(active)
             planned = self.controller.choose() if self.controller is not None and len(rows) > 1 else None
             trees = self.plan(active, planned)
             steps, backlog = max(r.sp.eagle_depth for r in active), any(r.sp.backlog for r in active)
-            before = sum(r.seq.shape[1] for r in active)  # the rows' tokens before the round
+            before = sum(r.length for r in active)  # the rows' tokens before the round
             self.verify_and_commit(active, trees)
             if self.controller is not None:
-                self.observe(clock() - start, max(t.size for t in trees), steps, backlog, len(rows) > 1,
-                             (sum(r.seq.shape[1] for r in active) - before) / live)
+                tokens = (sum(r.length for r in active) - before) / live
+                width, batch = max(t.size for t in trees), len(rows) > 1
+                self.timer.measure([start, self.timer.mark()], lambda s, w=width, k=steps, bl=backlog, n=tokens:
+                                   self.observe(s, w, k, bl, batch, n))
             if sum(not r.done for r in active) < live:
                 active = self.retire(active)
             else:
@@ -116,23 +148,28 @@ class TreeLoop:
     def prefill(self, rows: list[Row], ids: torch.Tensor, mask: torch.Tensor) -> None:
         """The target reads the uncached prompts; each row's drafter gets its real rows (read at its first draft)."""
         cached = self.cache.get_seq_length()  # a past_key_values passed in already holds this prefix
+        host_mask = mask.tolist()  # [B, T] (the prompts' layout, read once)
         for b, row in enumerate(rows):
-            row.sp.extend_context(ids[b][mask[b]].tolist())
+            row.sp.extend_context([t for t, m in zip(ids[b].tolist(), host_mask[b]) if m])
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T] as generate() numbers a left-padded batch
-        padded = not bool(mask.all())
+        padded = not all(all(m) for m in host_mask)
         out = self.forward(ids[:, cached:], attention_mask=mask.long() if padded else None,
                            position_ids=positions[:, cached:])
         raw = out.logits[:, -1].float()  # [B, V]
         aux = gather_aux(out.hidden_states, self.aux_ids) if self.uses_eagle else None  # [B, T - cached, A*H_t]
-        self.valid = mask.clone()
+        counts = [sum(m) for m in host_mask]
+        self.ragged = Ragged(counts, ids.shape[1], mask.clone() if padded else None)
         for b, row in enumerate(rows):
             scores = process_logits(self.logits_processor, row.seq, [[]], raw[b : b + 1])
             token = int(torch.multinomial(torch.softmax(scores, -1), 1)) if self.do_sample else int(scores.argmax(-1))
-            real = mask[b, cached:]  # [T - cached] the row's uncached real tokens
             if aux is not None:
-                after = torch.cat([ids[b, cached + 1 :], torch.tensor([token], device=ids.device)])[real]
-                row.sp.commit(aux[b : b + 1][:, real], after[None], position=int(mask[b, :cached].sum()))
-            row.position = int(mask[b].sum())
+                real = [i for i, m in enumerate(host_mask[b][cached:]) if m]  # the row's uncached real tokens
+                after = [*ids[b, cached + 1 :].tolist(), token]
+                index = torch.tensor(real, device=ids.device)
+                row.sp.commit(aux[b : b + 1].index_select(1, index),
+                              torch.tensor([[after[i] for i in real]], device=ids.device),
+                              position=sum(host_mask[b][:cached]))
+            row.position = counts[b]
             self.keep_outputs(row, scores, raw[b : b + 1], out.hidden_states, b, None)
             self.append(row, self.cut(row, [token]))
 
@@ -147,60 +184,124 @@ class TreeLoop:
                 sizes.append(1)
                 continue
             row.sp.begin_round()
-            room = self.max_length - row.seq.shape[1] - 1
+            room = self.max_length - row.length - 1
             depths.append(row.sp.choose_depth(room, planned))
             sizes.append(min(self.total_tokens, room + 1))
         return draft_round([r.sp for r in active], [r.token for r in active], depths, sizes)
 
     def verify_and_commit(self, active: list[Row], trees: list[DraftTree]) -> None:
-        """One target forward over every row's tree; each row accepts a path, keeps its KV, commits its rows."""
-        device = self.device
+        """One target forward over every row's tree; each row accepts a path (the round's one read-back), keeps
+        its nodes' KV in place and commits its rows to the drafter."""
         past_len = self.cache.get_seq_length()
         width = max(t.size for t in trees)  # N: the trees are padded to the largest
-        tokens = torch.stack([_pad(t.tokens, width, int(t.tokens[0])) for t in trees]).to(device)  # [B, N]
-        positions = torch.stack([_pad(r.position + t.depths(), width, r.position) for r, t in zip(active, trees)])
-        mask = None
+        host = pack(self.device, **self.verify_layout(active, trees, width))
+        mask = self.verify_mask(host.get("tree"), len(trees), width)
+        start = self.timer.mark()
+        with head_on_positions(self.target, host.get("real"), (len(trees), width)):  # padding needs no logits
+            out = self.forward(host["tokens"], attention_mask=mask, position_ids=host["positions"], all_rows=width > 1)
+        if self.controller is not None and width > 1:
+            self.timer.measure([start, self.timer.mark()], lambda s: self.controller.observe_verify(width, s))
+        outcomes, next_tokens = self.accept(active, trees, out.logits, host)  # next_tokens: [B, N] or None
+        self.timer.read_back()
+        self.commit(active, trees, outcomes, next_tokens, out.hidden_states, past_len)
+
+    def verify_layout(self, active: list[Row], trees: list[DraftTree], width: int) -> dict:
+        """The verify forward's host arrays, copied at once: tokens and positions [B, N], each tree's ancestor
+        mask [B, N, N] (drafting rounds), the flat positions of real nodes (trees of different sizes) and, when
+        sampling, each node's parent."""
+        pad = [width - t.size for t in trees]
+        out = {"tokens": [t.host.tokens + [t.host.tokens[0]] * p for t, p in zip(trees, pad)],
+               "positions": [[r.position + d for d in t.host.depths] + [r.position] * p
+                             for r, t, p in zip(active, trees, pad)]}
         if width > 1:
-            mask = tree_attention_mask(trees, self.valid, self.target.dtype)  # [B, 1, N, L + N]
-        elif not bool(self.valid.all()):  # plain steps with holes: a 2D mask, as plain generate() passes padding
-            mask = torch.cat([self.valid, self.valid.new_ones(len(trees), 1)], 1).long()  # [B, L + 1]
-        real = None if width == 1 else torch.arange(width) < torch.tensor([t.size for t in trees])[:, None]  # [B, N]
-        clock = self.speculators[0].clock
-        start = clock()
-        with head_on_positions(self.target, None if real is None else real.to(device)):  # padding needs no logits
-            out = self.forward(tokens, attention_mask=mask, position_ids=positions.to(device), all_rows=width > 1)
-        if self.controller is not None:
-            self.controller.observe_verify(width, clock() - start)
-        # [B, N] the target's token after each node, for every row at once (its logits are never read then;
-        # float32 first: a bf16 argmax is several times slower on CPU)
-        choices = out.logits.float().argmax(-1).tolist() if self.greedy_batch else None
-        rounds = []
+            out["tree"] = stacked_ancestor_masks(trees)  # [B, N, N]
+            if any(pad):
+                out["real"] = [b * width + n for b, t in enumerate(trees) for n in range(t.size)]
+        if self.do_sample:
+            out["parents"] = [t.host.parents + [0] * p for t, p in zip(trees, pad)]
+        return out
+
+    def verify_mask(self, tree: torch.Tensor | None, rows: int, width: int):
+        """The verify forward's attention mask: a 4D float mask over the cache and the trees (drafting rounds),
+        the 2D padding mask (plain steps with holes), or None (plain steps without)."""
+        if tree is not None:
+            return tree_attention_mask(tree.bool(), self.ragged.valid, self.cache.get_seq_length(), self.target.dtype)
+        if self.ragged.holes:  # plain steps with holes: a 2D mask, as plain generate() passes padding
+            return torch.cat([self.ragged.valid, self.ragged.valid.new_ones(rows, 1)], 1).long()  # [B, L + 1]
+        return None
+
+    def accept(self, active: list[Row], trees: list[DraftTree], logits: torch.Tensor, host: dict):
+        """Each row's accepted path from the target's logits [B, N, V], read back once for all rows: (outcomes,
+        the target's greedy token after each node [B, N] on the device, or None when sampling or processing).
+        host: the verify layout on the device."""
+        if self.greedy_batch:  # the target's token after each node, for every row at once (float32 first: a
+            # bf16 argmax is several times slower on CPU)
+            chosen = logits.float().argmax(-1)  # [B, N]
+            choices = chosen.tolist()
+            return [self.outcome(row, tree, *verify_greedy(tree, choices[b][: tree.size]))
+                    for b, (row, tree) in enumerate(zip(active, trees))], chosen
+        raws, scores, draws = [], [], []
         for b, (row, tree) in enumerate(zip(active, trees)):
-            if row.done:  # a passenger: nothing to verify, its slot is never read again
-                rounds.append(([], [0], None, None, False))
+            raw = logits[b, : tree.size].float()  # [n, V] (n = 1 for plain steps)
+            paths = [tree.path_tokens(n) for n in range(tree.size)] if len(self.logits_processor) else []
+            node_scores = process_logits(self.logits_processor, row.seq, paths, raw)  # [n, V]
+            raws.append(raw), scores.append(node_scores)
+            n = tree.size
+            draws.append(sampling_draws(tree, torch.softmax(node_scores, -1), host["parents"][b, 1:n],
+                                        host["tokens"][b, 1:n]) if self.do_sample else node_scores.argmax(-1).double())
+        values = torch.cat(draws).tolist()  # the round's one read-back
+        outcomes, at = [], 0
+        for row, tree, raw, node_scores, d in zip(active, trees, raws, scores, draws):
+            mine = values[at : at + d.numel()]
+            at += d.numel()
+            path, token = accept_drawn(tree, mine) if self.do_sample else verify_greedy(tree, [int(v) for v in mine])
+            outcomes.append(self.outcome(row, tree, path, token, raw, node_scores))
+        return outcomes, None
+
+    def outcome(self, row: Row, tree: DraftTree, path: list[int], token: int, raw=None, scores=None) -> Outcome:
+        """A row's verified path as emitted tokens, cut at EOS, max_length and the stopping criteria (as plain
+        decoding stops). A passenger emits nothing."""
+        if row.done:  # a passenger: nothing to verify, its slot is never read again
+            return Outcome([], [0])
+        proposed = [tree.host.tokens[n] for n in path[1:]] + [token]
+        new = self.cut(row, proposed)
+        return Outcome(new, path[: len(new)], raw, scores, len(new) < len(proposed))
+
+    def commit(self, active: list[Row], trees: list[DraftTree], outcomes: list[Outcome], chosen, hidden_states,
+               past_len: int) -> None:
+        """Keep each row's accepted nodes in the cache (in place), hand them to the drafter with the tokens that
+        follow them, and append the emitted tokens."""
+        keeps = [o.keep for o in outcomes]
+        lengths = [len(k) for k in keeps]
+        width = max(lengths)  # K: every row's cache grows by the longest path
+        arrays = {}
+        if any(k != list(range(len(k))) for k in keeps):  # (chains and plain steps keep the first K nodes)
+            arrays["index"] = [k + [0] * (width - len(k)) for k in keeps]
+        if chosen is None:
+            arrays["new"] = [o.new + [0] * (width - len(o.new)) for o in outcomes]
+        if any(n != width for n in lengths):
+            arrays["valid"] = [[i < n for i in range(width)] for n in lengths]
+        host = pack(self.device, **arrays) if arrays else {}
+        index = host.get("index")  # [B, K] or None: the first K nodes
+        commit_accepted(self.cache, past_len, index, width)
+        self.ragged.append(lengths, width, host["valid"].bool() if "valid" in host else None, self.device)
+        if chosen is not None:  # greedy: the emitted token after node n is the target's choice there
+            new_tokens = chosen[:, :width] if index is None else chosen.gather(1, index)  # [B, K]
+        else:
+            new_tokens = host["new"]
+        aux = gather_aux(hidden_states, self.aux_ids) if self.uses_eagle else None  # [B, N, A*H_t]
+        if aux is not None:
+            aux = aux[:, :width] if index is None else aux.gather(1, index[..., None].expand(-1, -1, aux.shape[-1]))
+        for b, (row, o) in enumerate(zip(active, outcomes)):
+            if row.done and not o.new:  # a passenger
                 continue
-            if choices is not None:
-                raw = node_logits = None
-                path, bonus = verify_greedy(tree, choices[b][: tree.size])
-            else:
-                raw = out.logits[b, : tree.size].float()  # [n, V] (n = 1 for plain steps)
-                paths = [tree.path_tokens(n) for n in range(tree.size)] if len(self.logits_processor) else []
-                node_logits = process_logits(self.logits_processor, row.seq, paths, raw)  # [n, V]
-                path, bonus = verify(tree, node_logits, self.do_sample)
-            proposed = [int(tree.tokens[n]) for n in path[1:]] + [bonus]
-            new = self.cut(row, proposed)  # cut at EOS, max_length and stopping criteria, as plain decoding stops
-            rounds.append((new, path[: len(new)], raw, node_logits, len(new) < len(proposed)))
-        self.valid = torch.cat([self.valid, commit_paths(self.cache, past_len, [r[1] for r in rounds])], 1)
-        aux = gather_aux(out.hidden_states, self.aux_ids) if self.uses_eagle else None  # [B, N, A*H_t]
-        for b, (row, (new, keep, raw, node_logits, cut)) in enumerate(zip(active, rounds)):
-            if row.done and not new:  # a passenger
-                continue
+            n = len(o.new)
             if aux is not None:  # the kept nodes' features, each with the token that follows it
-                row.sp.commit(aux[b : b + 1, keep], torch.tensor([new], device=device), position=row.position)
-            self.keep_outputs(row, node_logits, raw, out.hidden_states, b, keep)
-            row.position += len(new)
-            self.append(row, new)
-            row.sp.record(len(new) - 1, row.token, path=keep, cut=cut)
+                row.sp.commit(aux[b : b + 1, :n], new_tokens[b : b + 1, :n], position=row.position)
+            self.keep_outputs(row, o.scores, o.raw, hidden_states, b, o.keep)
+            row.position += n
+            self.append(row, o.new, new_tokens[b, :n])
+            row.sp.record(n - 1, row.token, path=o.keep, cut=o.cut)
 
     def observe(self, seconds: float, width: int, steps: int, backlog: bool, batch: bool, tokens: float) -> None:
         """Whole rounds teach the controller the loop's own costs (a drafter catching up on plain rounds' rows is
@@ -228,13 +329,9 @@ class TreeLoop:
         if size == len(rows):
             return rows
         stay = sorted(live + passengers)
-        index = torch.tensor(stay, device=self.valid.device)
-        self.valid = self.valid.index_select(0, index)
-        read = self.valid.any(0)  # [L]
-        slots = None if bool(read.all()) else read.nonzero()[:, 0]
-        select_cache(self.cache, rows=index, slots=slots)
-        if slots is not None:
-            self.valid = self.valid[:, read]
+        index = to_device(torch.tensor(stay), self.device)
+        self.ragged.select(stay, index)
+        select_cache(self.cache, rows=index)  # (slots no remaining row reads go at the next compaction)
         rows[0].sp.state.select(stay)  # the drafter's cache, shared by the rows
         for slot, b in enumerate(stay):
             rows[b].sp.slot = slot
@@ -254,10 +351,8 @@ class TreeLoop:
 
     def compact_holes(self) -> None:
         """Move each row's valid slots to the end of a shorter cache once every row has many holes."""
-        if not worth_compacting(self.valid):
-            return
-        index, self.valid = packed_index(self.valid)
-        regather_cache(self.cache, index)
+        if self.ragged.worth_compacting():
+            regather_cache(self.cache, self.ragged.compact())
 
     # ------------------------------------------------------------------ helpers
     def forward(self, ids: torch.Tensor, all_rows: bool = False, **kwargs):
@@ -269,7 +364,7 @@ class TreeLoop:
         """The tokens of `new` plain decoding emits before it stops (EOS, max_length, the stopping criteria on
         every prefix); marks the row done when it stops."""
         for i, tok in enumerate(new):
-            if tok in self.eos or row.seq.shape[1] + i + 1 >= self.max_length or self.stops(row.seq, new[: i + 1]):
+            if tok in self.eos or row.length + i + 1 >= self.max_length or self.stops(row.seq, new[: i + 1]):
                 row.done = True
                 return new[: i + 1]
         return new
@@ -294,21 +389,21 @@ class TreeLoop:
                 row.emitted.hidden_states.append(
                     tuple(h[b : b + 1] if nodes is None else h[b : b + 1, n : n + 1] for h in hidden_states))
 
-    def append(self, row: Row, new: list[int]) -> None:
+    def append(self, row: Row, new: list[int], on_device: torch.Tensor | None = None) -> None:
+        """The row's new tokens (`on_device`: the same [n], already on the device) into its buffer, in place."""
         row.sp.extend_context(new)
         if self.streamer is not None:
             self.streamer.put(torch.tensor(new))
-        row.seq = torch.cat([row.seq, torch.tensor([new], device=row.seq.device, dtype=row.seq.dtype)], 1)
+        if on_device is None:
+            on_device = torch.tensor(new, device=row.ids.device, dtype=row.ids.dtype)
+        row.ids[row.index, row.length : row.length + len(new)] = on_device
+        row.length += len(new)
         row.token = new[-1]
 
     def sequences(self, rows: list[Row]) -> torch.Tensor:
-        """[B, T'] the rows, finished ones padded with the pad token after their end (as plain generate())."""
-        width = max(r.seq.shape[1] for r in rows)
-        return torch.cat([_pad(r.seq[0], width, self.pad)[None] for r in rows])
-
-
-def _pad(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
-    return torch.cat([t, t.new_full((width - t.shape[0],), value)]) if t.shape[0] < width else t
+        """[B, T'] the rows, finished ones padded with the pad token after their end (as plain generate(), and as
+        the buffer holds them)."""
+        return rows[0].ids[:, : max(r.length for r in rows)]
 
 
 def stack_steps(per_row: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
@@ -331,7 +426,7 @@ def tree_custom_generate(model, input_ids, logits_processor, stopping_criteria, 
     loop = TreeLoop(model, speculators, call.aux_ids, cache, logits_processor, stopping_criteria, generation_config,
                     call.streamer)
     seq, rows = loop.run(input_ids, model_kwargs.get("attention_mask"))
-    finish_rows(call, speculators, [r.seq.shape[1] - input_ids.shape[1] for r in rows])
+    finish_rows(call, speculators, [r.length - input_ids.shape[1] for r in rows])
     emitted = [r.emitted for r in rows]
     if not generation_config.return_dict_in_generate:
         return seq

@@ -1,0 +1,294 @@
+"""Count, on the CPU, what one speculation round would cost a GPU in host-device traffic.
+
+On a GPU every read of a device tensor by the host (``int(t)``, ``t.tolist()``, ``bool(t)``, a boolean-mask index,
+``nonzero``) waits for all queued kernels, and every blocking host-to-device copy (``torch.tensor(data,
+device=...)``, ``t.to(device)``) waits for the copy; a ``torch.cuda.synchronize`` in a clock waits for everything.
+None of that shows on a CPU, where work is synchronous. This probe makes it show: a `TorchFunctionMode` tags as
+*device* every tensor that comes from a model's parameters or buffers, from the inputs, or from a factory given a
+``device=``, propagates the tag through every op, and counts per round
+
+* ``reads``: device-to-host reads (``item``, ``tolist``, ``bool``/``int``/``float``, ``cpu``, ``nonzero``, boolean
+  masks, ...);
+* ``copies``: blocking host-to-device copies (host data put on the device: ``torch.tensor(..., device=)``,
+  ``.to(device)`` of a host tensor, a host tensor written into or indexing a device tensor);
+* ``async_copies``: host-to-device copies that do not block (``.to(device, non_blocking=True)``, from pinned
+  memory on a GPU: `eagle_hf.transfer`);
+* ``syncs``: whole-device synchronisations (eagle_hf's timing, ``torch.cuda.synchronize``);
+* ``mixed``: ops that combine a device tensor with a host tensor of one element or more (they fail on a GPU, or
+  copy implicitly).
+
+A round starts where the decoding loop plans its drafts (eagle_hf's loop) or asks for candidates (transformers'
+assisted loop, chain mode); what runs before the first round is the prefill. Counts are deterministic for a
+deterministic schedule (``num_assistant_tokens_schedule="constant"``): tests pin them.
+
+    report = probe_generate(target, inputs, assistant_model=drafter, tree_depth=5, max_new_tokens=16,
+                            num_assistant_tokens_schedule="constant")
+    report.summary()   # per round kind: the most reads, copies and syncs of one round
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_TAG = "_eagle_hf_device"
+#: tensor methods and functions that read a device tensor's values on the host
+READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "__format__", "__repr__",
+         "equal", "allclose", "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"}
+#: factories that copy host data onto the device when given one
+DATA_FACTORIES = {"tensor", "as_tensor", "asarray"}
+#: methods that never read, copy or mix (attribute-like)
+QUIET = {"__get__", "__set__", "dim", "size", "numel", "__len__", "shape", "dtype", "device", "is_floating_point",
+         "data_ptr", "stride", "element_size", "requires_grad_", "storage_offset", "is_contiguous", "__hash__",
+         "__eq__", "__ne__", "__iter__"}
+
+
+def _tensors(obj) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+def on_device(t: torch.Tensor) -> bool:
+    return getattr(t, _TAG, False)
+
+
+def _tag(obj) -> None:
+    for t in _tensors(obj):
+        try:
+            setattr(t, _TAG, True)
+        except (AttributeError, RuntimeError):  # (some tensor subclasses refuse attributes)
+            pass
+
+
+@dataclass
+class Round:
+    """One round's counts; ``width`` is the number of tokens verified (1: a plain step; 0: the prefill)."""
+
+    width: int = 0
+    reads: int = 0
+    copies: int = 0
+    async_copies: int = 0  # host-to-device copies that do not block the host (pinned, ``non_blocking``)
+    syncs: int = 0
+    mixed: int = 0
+    where: Counter = field(default_factory=Counter)  # "kind:function" -> count, to find the culprits
+
+    @property
+    def kind(self) -> str:
+        return "prefill" if self.width == 0 else ("plain" if self.width == 1 else "draft")
+
+
+class _Provenance(TorchFunctionMode):
+    def __init__(self, probe: SyncProbe):
+        super().__init__()
+        self.probe = probe
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if name in QUIET:
+            return func(*args, **kwargs)
+        inputs = list(_tensors(args)) + list(_tensors(kwargs))
+        device_in = [t for t in inputs if on_device(t)]
+        host_in = [t for t in inputs if not on_device(t) and t.numel() > 0]
+        out = func(*args, **kwargs)
+        probe = self.probe
+        if name in READS and device_in:
+            probe.count("reads", name)
+            if name == "cpu":
+                return out  # the host copy stays untagged
+        elif name in ("__getitem__", "__setitem__", "index_put_", "index_put") and device_in:
+            index = args[1] if len(args) > 1 else None
+            if any(t.dtype == torch.bool and t.dim() > 0 for t in _tensors(index)):
+                probe.count("reads", f"{name}[bool mask]")  # a mask index runs nonzero: a read of the mask
+            if host_in and on_device(args[0]):
+                probe.count("copies", f"{name} with host tensors")
+        elif name in DATA_FACTORIES and kwargs.get("device") is not None:
+            if not (isinstance(args[0], torch.Tensor) and on_device(args[0])):
+                probe.count("copies", name)
+            _tag(out)
+            return out
+        elif name in ("to", "cuda") and not device_in and _names_device(args[1:], kwargs):
+            probe.count("async_copies" if kwargs.get("non_blocking") else "copies", name)
+            _tag(out)
+            return out
+        elif name == "new_tensor" and device_in:
+            probe.count("copies", name)
+        elif device_in and host_in and not name.startswith("new_") and name not in ("to", "copy_"):
+            probe.count("mixed", name)
+        elif name == "copy_" and device_in and host_in and on_device(args[0]):
+            probe.count("copies", name)
+        if device_in or kwargs.get("device") is not None:
+            _tag(out)
+        return out
+
+
+def _names_device(args, kwargs) -> bool:
+    """Whether a ``.to(...)`` call names a device (not only a dtype)."""
+    if kwargs.get("device") is not None:
+        return True
+    for a in args:
+        if isinstance(a, (str, torch.device)):
+            return True
+        if isinstance(a, torch.Tensor):
+            return on_device(a)
+    return False
+
+
+class SyncProbe:
+    """Counts per round while active (a context manager); `rounds[0]` is what ran before the first round."""
+
+    def __init__(self, *models, inputs=()):
+        self.models, self.inputs = [m for m in models if m is not None], inputs
+        self.rounds: list[Round] = [Round()]
+
+    def count(self, kind: str, where: str) -> None:
+        r = self.rounds[-1]
+        setattr(r, kind, getattr(r, kind) + 1)
+        r.where[f"{kind}:{where}"] += 1
+
+    def start_round(self, width: int) -> None:
+        self.rounds.append(Round(width=width))
+
+    @contextlib.contextmanager
+    def active(self):
+        tagged = []
+        for m in self.models:
+            for t in list(m.parameters()) + list(m.buffers()):
+                if not on_device(t):
+                    _tag(t)
+                    tagged.append(t)
+        _tag(list(self.inputs))
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_count_syncs(self))
+            stack.enter_context(_round_markers(self))
+            stack.enter_context(_Provenance(self))
+            try:
+                yield self
+            finally:
+                for t in tagged:
+                    with contextlib.suppress(AttributeError):
+                        delattr(t, _TAG)
+
+    # ------------------------------------------------------------------ results
+    def by_kind(self) -> dict[str, list[Round]]:
+        out: dict[str, list[Round]] = {}
+        for r in self.rounds:
+            out.setdefault(r.kind, []).append(r)
+        return out
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per round kind: rounds, and the most and the median reads, copies, syncs and mixed ops of one round.
+        The last round also holds the loop's wrap-up; it is left out where other rounds of its kind exist."""
+        out = {}
+        rounds = self.rounds[:-1] if len(self.rounds) > 2 else self.rounds
+        for kind, rs in _group(rounds).items():
+            row = {"rounds": len(rs)}
+            for what in ("reads", "copies", "async_copies", "syncs", "mixed"):
+                values = [getattr(r, what) for r in rs]
+                row[f"max_{what}"] = max(values)
+                row[f"median_{what}"] = statistics.median(values)
+            out[kind] = row
+        return out
+
+    def culprits(self, kind: str = "draft", top: int = 12) -> list[tuple[str, int]]:
+        """The functions behind the counts of the rounds of one kind, most frequent first."""
+        total = Counter()
+        for r in self.rounds[1:]:
+            if r.kind == kind:
+                total.update(r.where)
+        return total.most_common(top)
+
+
+def _group(rounds: list[Round]) -> dict[str, list[Round]]:
+    out: dict[str, list[Round]] = {}
+    for r in rounds:
+        out.setdefault(r.kind, []).append(r)
+    return out
+
+
+@contextlib.contextmanager
+def _count_syncs(probe: SyncProbe):
+    """Counts eagle_hf's device synchronisations (its timing) and torch.cuda.synchronize."""
+    from . import timing
+
+    original_sync, original_cuda = timing.device_sync, torch.cuda.synchronize
+
+    def device_sync(device):
+        return lambda: probe.count("syncs", "timing")
+
+    def cuda_sync(*args, **kwargs):
+        probe.count("syncs", "torch.cuda.synchronize")
+
+    timing.device_sync, torch.cuda.synchronize = device_sync, cuda_sync
+    try:
+        yield
+    finally:
+        timing.device_sync, torch.cuda.synchronize = original_sync, original_cuda
+
+
+@contextlib.contextmanager
+def _round_markers(probe: SyncProbe):
+    """Marks where rounds start: eagle_hf's loop planning its drafts, transformers' loop asking for candidates."""
+    from .hf.candidate import EagleCandidateGenerator
+    from .hf.tree_loop import TreeLoop
+
+    plan, get_candidates = TreeLoop.plan, EagleCandidateGenerator.get_candidates
+
+    def planned(self, active, *args, **kwargs):
+        marker = Round()
+        probe.rounds.append(marker)
+        trees = plan(self, active, *args, **kwargs)
+        marker.width = max(t.size for t in trees)
+        return trees
+
+    def candidates(self, input_ids, *args, **kwargs):
+        marker = Round()
+        probe.rounds.append(marker)
+        ids, q = get_candidates(self, input_ids, *args, **kwargs)
+        marker.width = ids.shape[1] - input_ids.shape[1] + 1 if marker is not probe.rounds[1] else 0
+        return ids, q
+
+    TreeLoop.plan, EagleCandidateGenerator.get_candidates = planned, candidates
+    try:
+        yield
+    finally:
+        TreeLoop.plan, EagleCandidateGenerator.get_candidates = plan, get_candidates
+
+
+def probe_generate(target, inputs: dict, **generate_kwargs) -> SyncProbe:
+    """Run ``target.generate(**inputs, **generate_kwargs)`` under a probe and return it (its rounds counted)."""
+    probe = SyncProbe(target, generate_kwargs.get("assistant_model"), inputs=list(_tensors(inputs)))
+    with probe.active(), torch.no_grad():
+        target.generate(**inputs, **generate_kwargs)
+    return probe
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_aten_ops(fn, *args, **kwargs) -> tuple[int, Counter]:
+    """(aten ops, by op) that ``fn(*args, **kwargs)`` dispatches: about the kernels it launches on a GPU."""
+    counter = _OpCounter()
+    with counter, torch.no_grad():
+        fn(*args, **kwargs)
+    return sum(counter.ops.values()), counter.ops

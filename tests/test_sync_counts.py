@@ -1,0 +1,88 @@
+"""What one speculation round would cost a GPU in host-device traffic, counted on the CPU by tensor provenance
+(`eagle_hf.sync_probe`): device-to-host reads, blocking host-to-device copies, device synchronisations. Counts
+are deterministic on a constant schedule, so they are pinned here as upper bounds per round (times are not:
+`scripts/sync_probe.py --time` reports them, no test asserts one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle_hf.sync_probe import SyncProbe, count_aten_ops, probe_generate
+
+from conftest import tiny_drafter, tiny_target
+
+TREE = dict(draft_mode="tree", tree_depth=5, tree_top_k=4, tree_total_tokens=16, draft_sources="eagle")
+#: scenario -> (rows, generate() keywords, the most reads per drafting round; the issue's targets)
+SCENARIOS = {
+    "tree": (1, TREE, 8),
+    "tree batch of 4": (4, TREE, 10),
+    "sampling tree": (1, dict(TREE, do_sample=True), 10),
+    "chain of 5": (1, dict(draft_mode="chain", num_assistant_tokens=5), 7),
+    "copy alone": (1, dict(draft_sources="copy"), 8),
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    with torch.no_grad():
+        drafter.lm_head.weight.mul_(30.0)  # peaky: trees reach their depth
+    return target, drafter
+
+
+def inputs(rows: int) -> dict:
+    ids = torch.randint(1, 96, (rows, 12), generator=torch.Generator().manual_seed(0))
+    ids[:, 6:] = ids[:, :6]  # a repeat for the copy source
+    mask = torch.ones_like(ids)
+    for b in range(1, rows):  # left padding of different lengths
+        mask[b, : 2 * b], ids[b, : 2 * b] = 0, 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_a_round_reads_the_device_once_per_draft_level_and_never_syncs(models, one_thread, name):
+    target, drafter = models
+    rows, kwargs, most_reads = SCENARIOS[name]
+    run = dict(kwargs, max_new_tokens=20, num_assistant_tokens_schedule="constant")
+    if kwargs.get("draft_sources") != "copy":
+        run["assistant_model"] = drafter
+    target.generate(**inputs(rows), **run)  # once before: what a process measures once (row costs) is done
+    torch.manual_seed(0)
+    probe = probe_generate(target, inputs(rows), **run)
+    summary = probe.summary()
+    assert "draft" in summary, summary
+    draft = summary["draft"]
+    assert draft["max_reads"] <= most_reads, probe.culprits()
+    assert draft["max_syncs"] == 0, probe.culprits()
+    assert draft["max_copies"] <= (1 if "chain" in name else 0), probe.culprits()  # the rest are asynchronous
+    assert draft["max_mixed"] == 0, probe.culprits()  # nothing would mix host and device tensors on a GPU
+    for kind in ("plain",):
+        if kind in summary:
+            assert summary[kind]["max_reads"] <= 2 and summary[kind]["max_syncs"] == 0, probe.culprits(kind)
+
+
+def test_the_probe_counts_what_a_gpu_would_wait_for():
+    """The probe itself: a read of a model-derived tensor, a blocking and an asynchronous copy, a bool mask."""
+    layer = torch.nn.Linear(4, 4)
+    probe = SyncProbe(layer)
+    with probe.active():
+        probe.start_round(2)
+        y = layer(torch.ones(1, 4))  # a host input meets device parameters: an op the GPU would refuse...
+        int(y.argmax())  # ... a read
+        z = torch.tensor([1, 2], device="cpu")  # a blocking copy (data put on a device)
+        torch.tensor([1, 2]).to("cpu", non_blocking=True)  # an asynchronous one
+        y[y > 0]  # a boolean mask: a read
+        (z + 1).tolist()  # a read of a device tensor
+        torch.tensor([3]).tolist()  # a host tensor: free
+    r = probe.rounds[-1]
+    assert (r.reads, r.copies, r.async_copies, r.mixed) == (3, 1, 1, 1), r.where
+
+
+def test_aten_ops_of_a_drafter_step_are_counted(models):
+    _, drafter = models
+    h = drafter.config.hidden_size
+    ops, by_op = count_aten_ops(drafter.step, torch.zeros(1, 4, h), torch.zeros(1, 4, dtype=torch.long),
+                                torch.full((1, 4), 3))
+    assert 20 < ops < 400 and by_op
