@@ -489,6 +489,9 @@ def stage_env(ctx: Context, budget: Budget) -> StageResult:
                  f"{transformers.__version__} ({len(BOOT['unpacked'])} wheels unpacked: {', '.join(BOOT['unpacked'])})")
     for unmet in BOOT.get("unmet", []):
         res.find(f"a requirement of the carried wheels is not met: {unmet}")
+    if _release(torch.__version__) < (2, 6):
+        res["status"] = "failed"
+        res.find(f"torch {torch.__version__}: transformers 5.24 disables PyTorch below 2.6 (no model can be built)")
     try:
         check_transformers_version()
     except Exception as err:  # noqa: BLE001 - recorded
