@@ -115,7 +115,7 @@ def check_dtype(dtype):
     )
 
 
-def check_attn_implementation(name):
+def check_attention_kernel(name):
     """None (the model's default), a known implementation or a Hub kernel (``"org/repo"``); per-sub-model dicts
     pass through. Whether the model and this machine support it is transformers' check, at load time."""
     if name is None or isinstance(name, dict):
@@ -149,7 +149,7 @@ def check_load_options(dtype=torch.bfloat16, device=None, device_map=None, attn_
     if device_map is not None:
         options["device_map"] = check_device_map(device_map)
     if attn_implementation is not None:
-        options["attn_implementation"] = check_attn_implementation(attn_implementation)
+        options["attn_implementation"] = check_attention_kernel(attn_implementation)
     return options
 
 
