@@ -203,7 +203,8 @@ def load_target(name: str = "default", dtype=torch.bfloat16, device=None, **from
     over the GPUs, offloading to the CPU what does not fit), ``attn_implementation=`` and any other keyword
     (``quantization_config``, ``revision``, ...) go to `AutoModelForCausalLM.from_pretrained`. Without a device it
     loads on the CPU. The embedded default loads on the CPU and moves to the device (``"auto"``: this machine's
-    accelerator); its ``dtype="auto"`` is bfloat16. Bad values raise `EagleCompatibilityError` before any loading.
+    accelerator); its ``dtype="auto"`` is bfloat16 where the device computes it natively, else float32
+    (`eagle_hf.devices.native_bf16`). Bad values raise `EagleCompatibilityError` before any loading.
     """
     from .devices import check_load_options
 
@@ -220,7 +221,7 @@ def load_target(name: str = "default", dtype=torch.bfloat16, device=None, **from
 
 def _load_default(dtype, device_map=None, attn_implementation=None, **unsupported):
     """The embedded default with `load_target`'s checked options."""
-    from .devices import single_device
+    from .devices import native_bf16, single_device
     from .errors import EagleCompatibilityError
 
     if unsupported:
@@ -231,7 +232,8 @@ def _load_default(dtype, device_map=None, attn_implementation=None, **unsupporte
         )
     if not isinstance(dtype, torch.dtype) and dtype != "auto":
         raise EagleCompatibilityError(f"The embedded default target takes one torch dtype or 'auto'; got {dtype!r}.")
-    dtype = torch.bfloat16 if dtype == "auto" else dtype
+    if dtype == "auto":  # bf16 where the hardware computes it, float32 where it would be emulated
+        dtype = torch.bfloat16 if native_bf16(single_device(device_map)) else torch.float32
     return load_default_target(dtype=dtype, device=single_device(device_map), attn_implementation=attn_implementation)
 
 

@@ -169,6 +169,23 @@ def single_device(device_map) -> torch.device:
     return torch.device(device_map)
 
 
+def native_bf16(device) -> bool:
+    """Whether `device` computes bfloat16 natively: a CUDA GPU that supports it, or a CPU with AVX512-BF16 or AMX
+    (read from Linux's /proc/cpuinfo). Elsewhere bf16 is emulated: on a CPU with AVX2 alone a forward over 16
+    tokens of SmolLM2-135M took 0.32 s in bf16 against 0.14 s in float32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return True  # (mps, xpu: their own kernels)
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def input_device(model) -> torch.device:
     """Where a model's inputs go: the device of its input embeddings (with a `device_map` that spreads the model,
     its first layers; `model.device` is only the device of its first parameter)."""

@@ -15,7 +15,7 @@ import torch
 
 from .modeling import KV, EagleDrafter, KVWriter
 from .ragged import Ragged
-from .transfer import pack
+from .transfer import pack, to_device
 from .tree import DraftTree
 
 
@@ -117,7 +117,7 @@ class DraftState:
     def select(self, rows: list[int]) -> None:
         """Keep these rows of the batch (finished rows leave); their holes go at the next compaction."""
         if self.keys is not None:
-            index = torch.tensor(rows, device=self.keys.device)
+            index = to_device(torch.tensor(rows), self.keys.device)
             self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
             self.ragged.select(rows, index)
         else:

@@ -86,7 +86,8 @@ def test_notebook_runs_top_to_bottom(nb, tmp_path):
     old = dict(os.environ)
     os.environ.update(_env())
     try:
-        nbclient.NotebookClient(notebook, timeout=900, kernel_name="python3",
+        nbclient.NotebookClient(notebook, timeout=1800,  # (a cell: the training notebook's run)
+                                kernel_name="python3",
                                 resources={"metadata": {"path": str(tmp_path)}}).execute()
     finally:
         os.environ.clear()

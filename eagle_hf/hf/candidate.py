@@ -8,6 +8,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ..capture import gather_aux, hidden_state_request
 from ..drafting import Choice
 from ..speculation import Speculator
+from ..transfer import to_device
 from ..verification import process_logits
 
 
@@ -81,7 +82,7 @@ class EagleCandidateGenerator(CandidateGenerator):
             tree = sp.draft(int(input_ids[0, -1]), depth, depth + 1, self._chooser(input_ids.to(device)))
         if tree.num_drafts == 0:
             return input_ids, None
-        drafts = tree.tokens[1:].to(input_ids.device, input_ids.dtype)[None]  # [1, k]
+        drafts = to_device(tree.tokens[1:], input_ids.device).to(input_ids.dtype)[None]  # [1, k]
         q = tree.q_logits[1:][None] if tree.q_logits is not None else None  # [1, k, V]
         return torch.cat([input_ids, drafts], 1), q
 

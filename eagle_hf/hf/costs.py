@@ -28,6 +28,8 @@ MEASURED_SIZES = (1, 4, 16, 64)
 #: for models loaded from a name or folder, keyed by model, device, dtype and library versions)
 COST_CACHE_ENV = "EAGLE_HF_COST_CACHE"
 
+#: bump when the way costs are measured changes: costs kept on disk by an older version are then not read
+_COST_FORMAT = 1
 #: per model object (weakly: a model that is gone takes its costs with it) -> key -> costs
 _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -67,7 +69,8 @@ def measure_costs(target, drafter=None, max_tokens: int = 9, context: int = 32, 
     the loop corrects the verify costs with the forwards it times (`DraftLengthController.observe_verify`).
 
     Kept per model object (weakly) and drafter width, and on disk in eagle_hf's cache folder for named models
-    (`COST_CACHE_ENV`): a later process starts without measuring."""
+    (`COST_CACHE_ENV`; keyed by the model's name and config, the device, dtype, torch and transformers versions):
+    a later process starts without measuring."""
     key = _cost_key(target, drafter, context)
     known = _COSTS.setdefault(target, {})
     if key in known and len(known[key].verify) >= max_tokens:
@@ -120,10 +123,9 @@ def _cost_file(target) -> Path | None:
     name = getattr(target, "name_or_path", "") or getattr(target.config, "_name_or_path", "")
     if not name or os.environ.get(COST_CACHE_ENV, "").lower() in ("off", "0", "false", "none"):
         return None
-    from ..default import cache_root
     import transformers
 
-    from .. import __version__
+    from ..default import cache_root
 
     root = cache_root()
     if root is None:
@@ -131,7 +133,7 @@ def _cost_file(target) -> Path | None:
     device = target.device
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type}:{torch.get_num_threads()}"
     ident = json.dumps([name, target.config.to_json_string(use_diff=False), where, str(target.dtype),
-                        torch.__version__, transformers.__version__, __version__])
+                        torch.__version__, transformers.__version__, _COST_FORMAT])
     return root / "costs" / f"{hashlib.sha256(ident.encode()).hexdigest()[:20]}.json"
 
 
