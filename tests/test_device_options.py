@@ -168,9 +168,14 @@ def test_the_default_target_is_loaded_then_placed(monkeypatch):
     default.load_target("default", torch.float32)
     default.load_target("default", device_map="auto")  # this machine's accelerator, else the CPU
     accelerator = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
-    assert calls == [dict(dtype=torch.bfloat16, device=torch.device("cpu"), attn_implementation="eager"),
+    from eagle_hf.devices import native_bf16
+
+    def auto(device):  # "auto": bf16 where the device computes it natively, else float32
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+
+    assert calls == [dict(dtype=auto("cpu"), device=torch.device("cpu"), attn_implementation="eager"),
                      dict(dtype=torch.float32, device=torch.device("cpu"), attn_implementation=None),
-                     dict(dtype=torch.bfloat16, device=accelerator, attn_implementation=None)]
+                     dict(dtype=torch.bfloat16, device=accelerator, attn_implementation=None)]  # (default dtype)
 
 
 def test_load_default_target_sets_the_attention(monkeypatch):
