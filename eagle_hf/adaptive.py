@@ -3,11 +3,13 @@
 Expected tokens per cycle with k drafts, given conditional acceptance a_i of draft position i:
 ``E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i``. A cycle costs one target forward over the verified tokens (k+1 for a
 chain; up to ``1 + top_k + (k-1) * top_k**2`` for a tree of depth k) plus k drafts, all relative to a one-token
-target forward measured on the current device; the drafter's share and the decoding loop's own per-round cost
-are re-measured in the loop. Plain decoding yields 1 token per round. The controller drafts
+target forward on the current device: the verify costs and a drafter step from the cost model
+(`eagle_hf.cost_model`: a prior, refined by the forwards the loop times), the drafter's catch-up and the decoding
+loop's own per-round cost timed in the loop. Plain decoding yields 1 token per round. The controller drafts
 ``argmax_k E(k) / cost(k)`` and falls back to plain decoding (k = 0) when no k beats 1, probing again after
 ``probe_every`` plain steps; each failed probe doubles the wait (up to ``max_probe_every``), so a drafter that
-never helps costs almost nothing. Given the same measurements it makes the same decisions.
+never helps costs almost nothing. A drafter never tried drafts once first. Given the same measurements it makes
+the same decisions.
 
 A batch also keeps a *loss budget*: every round is timed, and a wide round (drafts or copy branches) that emitted
 fewer tokens than plain rounds would have in its time adds the difference to the batch's loss (a wide round that
@@ -21,26 +23,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from .cost_model import CostModel
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class CostModel:
-    """Relative costs on one device: ``verify[n-1]`` = target forward over n tokens / forward over 1 token."""
-
-    verify: list[float]
-    draft_step: float
-    base_seconds: float = 0.0  # the one-token target forward all costs are relative to (0: unknown)
-
-    def forward(self, n: int) -> float:
-        """Target forward over n tokens; extrapolated linearly past the measured range, along the secant of its
-        upper half (single steps of measured times are noisy, and flat where they were made monotone)."""
-        m = len(self.verify)
-        if n <= m:
-            return self.verify[n - 1]
-        half = m // 2
-        slope = (self.verify[-1] - self.verify[half - 1]) / (m - half) if half else 1.0
-        return self.verify[-1] + (n - m) * slope
 
 
 @dataclass
@@ -59,7 +44,6 @@ class DraftLengthController:
     tree: tuple[int, int] | None = None  # (top_k, total_tokens): cost trees of depth k instead of chains of k
     warmup: int = 8  # cycles observed at the first position before `keep_gain` (rather than `min_gain`) applies
     acceptance: list[float] = field(default_factory=list)
-    draft_step: float = -1.0  # drafter cost per draft step, measured in the loop (starts at the offline measurement)
     round_overhead: float = 0.0  # drafter cost per drafting round besides the steps (catch-up, bookkeeping)
     loop_overhead: float = 0.1  # cost of every round outside the target forward and the drafter (the decoding
     # loop itself: logits processing, stopping criteria, cache bookkeeping); re-measured on plain rounds
@@ -74,14 +58,13 @@ class DraftLengthController:
     loss_budget: float = 0.03  # a batch widens rounds only while their measured loss is within this share of its time
     memory: float = 0.9  # weight of the past in the batch's timed drafting rounds: they judge over about ten
     # rounds, as single rounds vary by a quarter on a shared machine
-    verify_scale: float = 1.0  # measured / modelled verify forwards of drafting rounds (a batch's rows each read
-    # their own context, which the one-row measurement does not see)
     _seen: list[int] = field(default_factory=list)
     _cycle_tokens: float = 0.0  # decayed sums over the timed drafting rounds: tokens a row emitted ...
     _cycle_seconds: float = 0.0  # ... and their seconds
     _drafting: bool = True
     _plain_steps: int = 0
     _wait: int = 0
+    _tried: bool = False  # whether a round drafted yet (the first round that does not pay probes instead)
     _since_plain: int = 0  # drafting rounds since the last plain one
     _elapsed: float = 0.0  # a batch's timed rounds: their seconds ...
     _loss: float = 0.0  # ... and the seconds its wide rounds lost against plain rounds (negative: gained)
@@ -91,8 +74,11 @@ class DraftLengthController:
             self.acceptance = [self.prior] * self.max_draft
         self._seen = [0] * len(self.acceptance)
         self._wait = self.probe_every
-        if self.draft_step < 0:
-            self.draft_step = self.cost.draft_step
+
+    @property
+    def draft_step(self) -> float:
+        """A drafter step, relative to the base forward (timed in the loop; the cost model's prior before)."""
+        return self.cost.draft_step_cost
 
     def expected_tokens(self, k: int) -> float:
         total, run = 1.0, 1.0
@@ -113,7 +99,7 @@ class DraftLengthController:
         """One row's share of the target forward when each of the batch's rows verifies n tokens: a forward over
         rows * n tokens costs about what one row's over as many tokens does, so a batch that already fills the
         device gains less from drafting (1 for a single row's plain step)."""
-        return self.verify_scale * self.cost.forward(self.rows * n) / self.rows
+        return self.cost.forward(self.rows * n) / self.rows
 
     def best(self) -> tuple[int, float]:
         """(k, expected speedup over plain decoding) of the best draft length.
@@ -163,10 +149,13 @@ class DraftLengthController:
                 # forward times the rows, and without one the measured verdict would rest on that model
                 self._since_plain, self.rest = 0, True
                 return 0
-            self._drafting, self._plain_steps, self._wait = True, 0, self.probe_every
+            self._drafting, self._plain_steps, self._wait, self._tried = True, 0, self.probe_every, True
             self._since_plain += 1
             return k
         self._drafting = False
+        if not self._tried:  # a drafter never tried is tried at once: its costs and acceptance are priors yet
+            self._tried, self._plain_steps = True, 0
+            return k
         if self._plain_steps >= self._wait * self.relative_cost(k):  # probe: draft once to refresh the estimates
             # (waiting longer the more a probe costs: in a big batch it pads every row's round)
             self._plain_steps, self._wait = 0, min(2 * self._wait, self.max_probe_every)
@@ -190,16 +179,11 @@ class DraftLengthController:
     def observe_drafter(self, overhead_seconds: float, step_seconds: float, steps: int) -> None:
         """Measured drafter time of a regular drafting round: its catch-up on the last cycle's rows, and the
         `steps` drafts (chain tokens or tree levels; the cost is averaged per draft)."""
-        if self.cost.base_seconds <= 0 or steps <= 0:
+        if steps <= 0:
             return
-        self.round_overhead = _ema(self.round_overhead, overhead_seconds / self.cost.base_seconds)
-        self.draft_step = _ema(self.draft_step, step_seconds / steps / self.cost.base_seconds)
-
-    def observe_verify(self, width: int, seconds: float) -> None:
-        """Measured target forward of a drafting round: every row verified `width` tokens."""
-        if self.cost.base_seconds > 0 and width > 1:
-            modelled = self.cost.forward(self.rows * width) * self.cost.base_seconds
-            self.verify_scale = _ema(self.verify_scale, seconds / modelled)
+        self.cost.observe_draft_step(step_seconds / steps)
+        if self.cost.base_seconds > 0:
+            self.round_overhead = _ema(self.round_overhead, overhead_seconds / self.cost.base_seconds)
 
     def observe_cycle_round(self, seconds: float, width: int, steps: int, tokens: float) -> None:
         """Measured wall time of a whole drafting round of the tree loop: every row verified `width` tokens after
@@ -235,6 +219,7 @@ class DraftLengthController:
         if confidences and not self.seeded:
             for i in range(len(self.acceptance)):
                 self.acceptance[i] = min(max(confidences[min(i, len(confidences) - 1)], 0.01), 0.99)
+        self._tried = True
         for i in range(min(drafted, accepted + 1, len(self.acceptance))):
             hit = 1.0 if i < accepted else 0.0
             self._seen[i] += 1

@@ -22,7 +22,6 @@ from tqdm.auto import tqdm
 
 from .devices import input_device
 from .evaluation import batch_chat_inputs, chat_inputs, load_prompt_set
-from .hf.costs import row_costs
 from .hf.stopping import eos_ids
 from .stats import last_stats, merge_stats
 
@@ -139,8 +138,6 @@ def run_benchmark(
     warm = chat_inputs(tokenizer, "Hello!", device)
     for mode in modes:  # warm-up: first-call allocations, lazy inits
         _generate(target, warm, mode, 16, temperature, seed)
-    if batch_size > 1:  # the once-per-process timing of batch sizes, which a batch's first finished row asks for
-        row_costs(target, range(1, batch_size + 1))
     for set_name in prompt_sets:
         prompts = load_prompt_set(set_name, limit=limit)
         batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]

@@ -221,22 +221,21 @@ def _group(rounds: list[Round]) -> dict[str, list[Round]]:
 
 @contextlib.contextmanager
 def _count_syncs(probe: SyncProbe):
-    """Counts eagle_hf's device synchronisations (its timing) and torch.cuda.synchronize."""
-    from . import timing
+    """Counts device synchronisations: torch.cuda.synchronize (and an accelerator's own, where torch has one)."""
+    patched = [(torch.cuda, "synchronize")] + [(getattr(torch, kind), "synchronize") for kind in ("xpu", "mps")
+                                                if hasattr(getattr(torch, kind, None), "synchronize")]
+    originals = [getattr(module, name) for module, name in patched]
 
-    original_sync, original_cuda = timing.device_sync, torch.cuda.synchronize
+    def counted(kind):
+        return lambda *args, **kwargs: probe.count("syncs", f"{kind}.synchronize")
 
-    def device_sync(device):
-        return lambda: probe.count("syncs", "timing")
-
-    def cuda_sync(*args, **kwargs):
-        probe.count("syncs", "torch.cuda.synchronize")
-
-    timing.device_sync, torch.cuda.synchronize = device_sync, cuda_sync
+    for module, name in patched:
+        setattr(module, name, counted(module.__name__))
     try:
         yield
     finally:
-        timing.device_sync, torch.cuda.synchronize = original_sync, original_cuda
+        for (module, name), original in zip(patched, originals):
+            setattr(module, name, original)
 
 
 @contextlib.contextmanager

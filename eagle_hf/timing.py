@@ -6,7 +6,8 @@ measure the work stalls the queue (every round, 3-8 times, before this module). 
 between two marks only after the host has read something the device computed after both: the round's own
 read-back of the verification. Until then a measurement waits in `pending`; `resolve()` after each read-back
 hands the finished ones to their callbacks. So the adaptive schedule learns a round's timings one round late
-(on CUDA; at once on the CPU), and the device never waits for the clock.
+(on CUDA; at once on the CPU), and the device never waits for the clock. Nothing in eagle_hf synchronises a
+device to time it (the cost model learns from these marks; nothing is measured before the first token).
 """
 
 from __future__ import annotations
@@ -15,32 +16,6 @@ import time
 from collections.abc import Callable
 
 import torch
-
-
-def device_sync(device) -> Callable[[], None] | None:
-    """The function that waits for queued work on `device` (None on the CPU, where work is synchronous). Only for
-    measurements outside decoding (the cost sweep), never inside a round."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    accelerator = getattr(torch, device.type, None)
-    if device.type != "cpu" and accelerator is not None and hasattr(accelerator, "synchronize"):
-        return accelerator.synchronize
-    return None
-
-
-class Clock:
-    """``clock()`` returns seconds after all device work queued so far has finished: for measurements outside
-    decoding (`eagle_hf.hf.costs`), where waiting is the point. `time_fn` and `sync_fn` can be injected (tests)."""
-
-    def __init__(self, device="cpu", time_fn: Callable[[], float] = time.perf_counter, sync_fn=...):
-        self.time_fn = time_fn
-        self.sync_fn = device_sync(device) if sync_fn is ... else sync_fn
-
-    def __call__(self) -> float:
-        if self.sync_fn is not None:
-            self.sync_fn()
-        return self.time_fn()
 
 
 class Mark:

@@ -7,8 +7,9 @@ import torch
 from conftest import tiny_drafter, tiny_target
 
 import eagle_hf
-from eagle_hf.adaptive import CostModel, DraftLengthController
-from eagle_hf.hf.costs import measure_costs
+from eagle_hf.adaptive import DraftLengthController
+from eagle_hf.cost_model import CostModel
+from eagle_hf.hf import costs
 
 MEASURED_CPU = CostModel(verify=[1.0] + [1.4] * 15, draft_step=0.023)  # SmolLM2 bf16 on this project's CPU
 CPU_LIKE = CostModel(verify=[1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.4, 1.5], draft_step=0.06)
@@ -187,13 +188,57 @@ def test_expected_tokens():
     assert c.expected_tokens(3) == 1 + 0.5 + 0.25 + 0.125
 
 
-def test_measured_costs_are_relative_and_monotone():
+def test_the_cost_model_starts_from_its_prior_and_learns_from_timed_forwards():
+    cost = CostModel.prior("cpu")
+    assert not cost.observed and cost.forward(1) == 1.0 and cost.forward(16) > cost.forward(4) > 1.0
+    assert CostModel.prior("cuda").forward(64) < 1.3 < cost.forward(64)  # a GPU verifies 64 tokens for about 1
+    cost.observe_forward(16, 0.30)  # the first timed forward is a tree's: the base follows the prior down to it
+    assert cost.forward(16) == pytest.approx(CostModel.prior("cpu").forward(16))
+    cost.observe_forward(1, 0.10)  # a plain round: the base is timed
+    assert cost.base_seconds == 0.10 and cost.forward(16) == pytest.approx(3.0)
+    assert cost.forward(6) == pytest.approx(1 + 5 * 2 / 15)  # between timed sizes: linear
+    assert cost.forward(31) == pytest.approx(5.0)  # beyond: along the secant from the size nearest half of it
+    cost.observe_forward(16, 0.60)  # a round slowed down by another process: the fastest recent one counts
+    assert cost.forward(16) == pytest.approx(3.0)
+    for _ in range(8):  # ... until the slower time is all that is recent
+        cost.observe_forward(16, 0.40)
+    assert cost.forward(16) == pytest.approx(4.0)
+    cost.observe_draft_step(0.02)
+    assert cost.draft_step_cost == pytest.approx(0.2)
+    kept = CostModel.from_dict(cost.as_dict())  # what a later process starts from
+    assert kept.forward(16) == pytest.approx(4.0) and kept.draft_step_cost == pytest.approx(0.2)
+
+
+def test_learnt_costs_are_kept_per_model_and_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE_HF_CACHE", str(tmp_path))
+    target = tiny_target("llama")
+    target.name_or_path = target.config._name_or_path = "tiny/llama"  # a named model: its costs are kept on disk
+    cost = costs.cost_model(target)
+    assert costs.cost_model(target) is cost and not cost.observed  # nothing measured: the prior
+    cost.observe_forward(1, 0.01)
+    cost.observe_forward(8, 0.02)
+    costs.keep_costs(target)
+    costs._COSTS.clear()  # a new process
+    again = costs.cost_model(target)
+    assert again is not cost and again.forward(8) == pytest.approx(2.0)
+    monkeypatch.setenv(costs.COST_CACHE_ENV, "off")
+    costs._COSTS.clear()
+    assert not costs.cost_model(target).observed
+
+
+def test_nothing_is_measured_before_the_first_token():
+    """The first call of a process runs no forward of its own before the prefill: costs are learnt from the
+    rounds that run (the prefill is the first target forward; later ones verify the rounds' drafts)."""
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
-    drafter.bind_target_embedding(target.get_input_embeddings())
-    cost = measure_costs(target, drafter, max_tokens=5, context=16, repeats=2)
-    assert cost.verify[0] == 1.0 and all(b >= a for a, b in zip(cost.verify, cost.verify[1:]))
-    assert cost.draft_step > 0
+    costs._COSTS.pop(target, None)
+    shapes = []
+    forward = target.forward
+    target.forward = lambda *a, **k: (shapes.append(tuple(k["input_ids"].shape)), forward(*a, **k))[1]
+    ids = torch.randint(1, 96, (1, 6))
+    target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter)
+    assert shapes[0] == (1, 6)
+    assert costs.cost_model(target, drafter).observed  # the call's own forwards taught the model
 
 
 @pytest.mark.parametrize("family,mode", [("llama", "chain"), ("gemma3", "chain"), ("llama", "tree"), ("qwen3", "tree")])
@@ -254,7 +299,7 @@ def test_drafter_costs_are_remeasured_in_the_loop():
         c.observe_drafter(0.002, 0.004, 4)
     assert abs(c.draft_step - 0.1) < 1e-3 and abs(c.round_overhead - 0.2) < 1e-3
     assert abs(c.cycle_cost(4) - (1.1 + 0.4 + 0.2)) < 1e-2 and c.cycle_cost(4) > before
-    # without an absolute base time the offline measurement stays
+    # without an absolute base time the prior stays
     c = DraftLengthController(CostModel(verify=[1.0, 1.1], draft_step=0.05), max_draft=2)
     c.observe_drafter(1.0, 1.0, 1)
     assert c.draft_step == 0.05 and c.round_overhead == 0.0

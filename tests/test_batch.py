@@ -118,10 +118,16 @@ def test_rows_finish_on_their_own_at_eos_and_leave_the_batch():
 @pytest.mark.parametrize("full_batch_cheaper", [True, False])
 def test_finished_rows_ride_along_where_the_full_batch_is_cheaper(monkeypatch, full_batch_cheaper):
     """float32 on this project's CPU: a forward of 7 rows costs more than one of 8. A finished row leaves the batch
-    only where the smaller batch was measured cheaper; otherwise it rides along as a passenger. Outputs are the
+    only where the cost model knows the smaller batch as cheaper; otherwise it rides along as a passenger. Outputs are the
     same either way."""
-    monkeypatch.setattr(tree_loop, "row_costs",
-                        lambda target, sizes: {n: 1 / n if full_batch_cheaper else float(n) for n in sizes})
+    class Costs:  # what the cost model knows of plain rounds of each batch size
+        def forward(self, n):
+            return 1 / n if full_batch_cheaper else float(n)
+
+        def observe_forward(self, tokens, seconds):
+            pass
+
+    monkeypatch.setattr(tree_loop, "cost_model", lambda target, drafter=None: Costs())
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     ids, mask = left_padded(seed=3)

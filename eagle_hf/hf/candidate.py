@@ -33,6 +33,7 @@ class EagleCandidateGenerator(CandidateGenerator):
         self.max_length = generation_config.max_length
         self.speculator = speculator
         self.drafter = speculator.drafter
+        self._verify = None  # (the timer's mark where transformers' verify forward starts, tokens it verifies)
 
     @property
     def state(self):
@@ -78,13 +79,25 @@ class EagleCandidateGenerator(CandidateGenerator):
             sp.commit(aux[:, :n_new], input_ids[:, -n_new:].to(device), position=input_ids.shape[1] - 1 - n_new)
             depth = sp.choose_depth(room=self.max_length - input_ids.shape[1] - 1)
             if depth == 0:  # plain decoding this round; the drafter catches up when drafting resumes
-                return input_ids, None
+                return self._verified(input_ids, 1), None
             tree = sp.draft(int(input_ids[0, -1]), depth, depth + 1, self._chooser(input_ids.to(device)))
         if tree.num_drafts == 0:
-            return input_ids, None
+            return self._verified(input_ids, 1), None
+        self._verified(None, tree.size)
         drafts = to_device(tree.tokens[1:], input_ids.device).to(input_ids.dtype)[None]  # [1, k]
         q = tree.q_logits[1:][None] if tree.q_logits is not None else None  # [1, k, V]
         return torch.cat([input_ids, drafts], 1), q
 
+    def _verified(self, input_ids, tokens: int):
+        """Mark where transformers' verify forward over `tokens` tokens starts (timed up to the round's end)."""
+        if self.speculator.controller is not None:
+            self._verify = (self.speculator.timer.mark(), tokens)
+        return input_ids
+
     def update_candidate_strategy(self, input_ids, scores, num_matches):
-        self.speculator.record(int(num_matches), int(input_ids[0, -1]))
+        sp = self.speculator
+        if self._verify is not None:  # the verify forward (and transformers' acceptance) just ran
+            start, tokens = self._verify
+            sp.timer.measure([start, sp.timer.mark()], lambda s: sp.controller.cost.observe_forward(tokens, s))
+            self._verify = None
+        sp.record(int(num_matches), int(input_ids[0, -1]))

@@ -16,7 +16,8 @@ from dataclasses import fields
 from transformers.generation.utils import GenerationMixin
 
 from ..adaptive import choose_tree_size
-from .costs import controller_for, measure_costs
+from .costs import controller_for, cost_model, keep_costs
+from ..devices import input_device
 from ..errors import EagleCompatibilityError
 from ..modeling import EagleDrafter
 from ..settings import CALL_KEYWORDS, OWN_KEYWORDS, DraftSettings
@@ -93,9 +94,9 @@ def generate(self, *args, **kwargs):
     if settings.mode == "chain" and settings.uses_copy and not reason:  # transformers' loop verifies one chain
         logger.info("Copy drafting in chain mode: eagle_hf's loop drafts the chain (a tree with top_k=1).")
         _as_tree_with_top_k_1(settings)
-    if settings.mode == "tree" and settings.total_tokens <= 0:  # -1: size the tree from measured verify costs
-        settings.total_tokens = choose_tree_size(measure_costs(self, drafter, max_tokens=32))
-        logger.info("Tree size chosen from measured verify costs: %d tokens", settings.total_tokens)
+    if settings.mode == "tree" and settings.total_tokens <= 0:  # -1: size the tree from the verify costs
+        settings.total_tokens = choose_tree_size(cost_model(self, drafter))  # (as learnt so far: the prior at first)
+        logger.info("Tree size chosen from the verify costs: %d tokens", settings.total_tokens)
     call.controller = controller_for(self, drafter, settings)
     if settings.mode == "tree":
         kwargs.pop("assistant_model", None)
@@ -121,6 +122,8 @@ def _run(self, kwargs: dict, call: EagleCall):
     finally:
         set_active_call(None)
         call.stats.total_time = time.perf_counter() - start
+    if call.controller is not None:
+        keep_costs(self)  # what this call's timed forwards taught, for the next process
     prompt_len = prompt_length(kwargs)
     if batch_rows(kwargs) == 1:  # a batch was cut per row in eagle_hf's loop, and counted there
         out = trim_at_stopping_criteria(out, prompt_len, kwargs)
@@ -139,7 +142,7 @@ def speculators_for(target, rows: int = 1, stop_tokens=()) -> tuple[EagleCall, l
     call = active_call()
     stats = [call.stats] if rows == 1 else [SpecDecodeStats() for _ in range(rows)]
     state = DraftState(positions=[0] * rows)  # the drafter's cache: one for the batch, drafted together
-    timer = Timer(target.device)  # one for the batch: the loop's read-backs resolve its marks
+    timer = Timer(input_device(target))  # one for the batch: the loop's read-backs resolve its marks
     return call, [Speculator(call.drafter, call.settings, s, call.controller, call.listeners, timer=timer,
                              row=None if rows == 1 else b, state=state, stop_tokens=stop_tokens)
                              for b, s in enumerate(stats)]

@@ -22,6 +22,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..capture import gather_aux, hidden_state_request
+from ..devices import input_device
 from ..ragged import Ragged
 from ..speculation import Speculator, draft_round
 from ..transfer import pack, to_device
@@ -30,7 +31,7 @@ from ..verification import accept_drawn, process_logits, sampling_draws, verify_
 from .cache import (
     check_tree_cache, commit_accepted, regather_cache, select_cache, stacked_ancestor_masks, tree_attention_mask,
 )
-from .costs import row_costs
+from .costs import cost_model
 from .models import head_on_positions
 from .stopping import eos_ids
 from .version import cache_in, cache_kwarg
@@ -84,7 +85,7 @@ class TreeLoop:
     def __init__(self, target, speculators: list[Speculator], aux_ids, cache, logits_processor, stopping_criteria,
                  generation_config, streamer=None):
         self.target, self.speculators, self.aux_ids, self.cache = target, speculators, list(aux_ids), cache
-        self.device = target.device  # (looked up once: the property walks the parameters)
+        self.device = input_device(target)  # where the inputs go (looked up once: it walks the modules)
         self.logits_processor, self.streamer = logits_processor, streamer
         # EOS and max_length are checked directly; the other criteria (stop strings, the user's) on every prefix
         self.criteria = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
@@ -103,6 +104,8 @@ class TreeLoop:
         self.request = True if self.keep_hidden else (hidden_state_request(self.aux_ids) if self.uses_eagle else None)
         self.total_tokens = int(settings.total_tokens)
         self.controller = speculators[0].controller  # shared by the rows: it plans for the whole batch
+        # the target's costs: the timed forwards teach it, a shrinking batch asks it (`cheapest_size`)
+        self.cost = self.controller.cost if self.controller is not None else cost_model(target)
         self.timer = speculators[0].timer  # shared by the rows
         self.ragged = Ragged([], 0)  # which cache slots each active row reads (set by the prefill)
         check_tree_cache(cache)
@@ -199,8 +202,8 @@ class TreeLoop:
         start = self.timer.mark()
         with head_on_positions(self.target, host.get("real"), (len(trees), width)):  # padding needs no logits
             out = self.forward(host["tokens"], attention_mask=mask, position_ids=host["positions"], all_rows=width > 1)
-        if self.controller is not None and width > 1:
-            self.timer.measure([start, self.timer.mark()], lambda s: self.controller.observe_verify(width, s))
+        tokens = len(trees) * width
+        self.timer.measure([start, self.timer.mark()], lambda s: self.cost.observe_forward(tokens, s))
         outcomes, next_tokens = self.accept(active, trees, out.logits, host)  # next_tokens: [B, N] or None
         self.timer.read_back()
         self.commit(active, trees, outcomes, next_tokens, out.hidden_states, past_len)
@@ -317,7 +320,7 @@ class TreeLoop:
 
     def retire(self, rows: list[Row]) -> list[Row]:
         """Finished rows leave the batch (and the cache), but as few as are needed for the cheapest forward that
-        keeps every unfinished row (`row_costs`): the others stay as passengers. Slots no remaining row reads are
+        keeps every unfinished row (`cheapest_size`): the others stay as passengers. Slots no remaining row reads are
         dropped."""
         live = [i for i, r in enumerate(rows) if not r.done]
         if not live:
@@ -338,14 +341,14 @@ class TreeLoop:
         return [rows[i] for i in stay]
 
     def cheapest_size(self, live: int, current: int) -> int:
-        """The batch size between `live` and `current` rows whose one-token forward was measured cheapest (a
-        larger one only where it saves at least 5%: measurements of single forwards are noisy)."""
+        """The batch size between `live` and `current` rows whose plain round the cost model knows as cheapest (a
+        larger one only where it saves at least 5%: single forwards are noisy). Sizes never timed follow the
+        model's prior, which grows with the rows: a batch shrinks unless a larger size was timed cheaper."""
         if live == current:
             return live
-        costs = row_costs(self.target, range(live, current + 1))
         best = live
         for size in range(live + 1, current + 1):
-            if costs[size] < 0.95 * costs[best]:
+            if self.cost.forward(size) < 0.95 * self.cost.forward(best):
                 best = size
         return best
 
