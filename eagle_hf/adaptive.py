@@ -176,12 +176,26 @@ class DraftLengthController:
         if wide and self.plain_seconds:
             self._loss += seconds - tokens * self.plain_seconds
 
-    def observe_drafter(self, overhead_seconds: float, step_seconds: float, steps: int) -> None:
-        """Measured drafter time of a regular drafting round: its catch-up on the last cycle's rows, and the
-        `steps` drafts (chain tokens or tree levels; the cost is averaged per draft)."""
-        if steps <= 0:
+    def observe(self, timing) -> None:
+        """A round's timings (`eagle_hf.rounds.RoundTiming`, one round late on a GPU): the schedule's one entry
+        point for them. Whole rounds teach the loop's own costs (a drafter catching up on plain rounds' rows is
+        neither a regular drafting round nor a plain one) and count against a batch's loss budget (every round:
+        catching up is part of what drafting costs). The verify forward and drafter steps teach the cost model
+        (`CostModel.observe`, called beside this by the loops: it also serves fixed schedules)."""
+        t = timing
+        if t.catch_up is not None and t.drafting_rows and not t.backlog:
+            self.observe_drafter(t.catch_up / t.drafting_rows)
+        if t.seconds is None:
             return
-        self.cost.observe_draft_step(step_seconds / steps)
+        if t.width > 1 and not t.backlog:
+            self.observe_cycle_round(t.seconds, t.width, t.levels, t.tokens)
+        elif not t.wide:
+            self.observe_plain_round(t.seconds)
+        if t.batch:
+            self.account(t.seconds, t.tokens, t.wide)
+
+    def observe_drafter(self, overhead_seconds: float) -> None:
+        """A regular drafting round's drafter catch-up on the last cycle's rows (each drafting row's share)."""
         if self.cost.base_seconds > 0:
             self.round_overhead = _ema(self.round_overhead, overhead_seconds / self.cost.base_seconds)
 

@@ -13,6 +13,7 @@ steer the schedule), and sizes not observed follow the prior's shape, scaled to 
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -56,6 +57,14 @@ class CostModel:
             self._seen.setdefault(tokens, deque(maxlen=WINDOW)).append(seconds)
             self._update_base()
 
+    def observe(self, timing) -> None:
+        """A round's timings (`eagle_hf.rounds.RoundTiming`): its verify forward, and its drafter's level
+        forwards unless the drafter caught up on plain rounds' rows (each drafting row's share of one)."""
+        if timing.verify is not None:
+            self.observe_forward(timing.rows * timing.width, timing.verify)
+        if timing.draft is not None and timing.levels and timing.drafting_rows and not timing.backlog:
+            self.observe_draft_step(timing.draft / timing.drafting_rows / timing.levels)
+
     def observe_draft_step(self, seconds: float) -> None:
         """A timed drafter step (seconds per step of a drafting round)."""
         if seconds > 0:
@@ -76,9 +85,14 @@ class CostModel:
     def forward(self, n: int) -> float:
         """A target forward over n tokens, relative to the base: observed where it was; between observed sizes
         linear; beyond the largest along the secant from the observed size nearest half of it (single sizes'
-        estimates are noisy); below the smallest (with no one-token forward timed) along the prior."""
+        estimates are noisy); below the smallest (with no one-token forward timed) along the prior. Never more
+        than a larger size's estimate: a size timed at a noisy moment (noise only adds time) is capped by it."""
         if not self._seen or self.base_seconds <= 0:
             return self._prior(n)
+        cap = min((self._relative(t) for t in self._seen if t > n), default=math.inf)
+        return min(self._uncapped(n), cap)
+
+    def _uncapped(self, n: int) -> float:
         sizes = sorted(self._seen)
         if n in self._seen:
             return self._relative(n)

@@ -33,6 +33,7 @@ class DraftState:
     keys: torch.Tensor | None = None  # [B, kv_heads, capacity, d]
     values: torch.Tensor | None = None
     ragged: Ragged | None = None
+    steps: int = 0  # drafter forwards over draft levels so far (catch-ups not counted): what a round's levels cost
 
     def __post_init__(self):
         if self.ragged is None:
@@ -278,6 +279,7 @@ def draft_trees(
         mask = _level_mask(host.get("ancestors"), state, k, len(fed[0]))
         out = drafter.step(feed, host["tokens"], (base + level).expand(width, k),
                            past=state.writer(real_len + len(fed[0])), mask=mask)
+        state.steps += 1
         for b, f in enumerate(frontier):
             fed[b] += f + [-1] * (k - len(f))  # padding slots are nobody's ancestors
         growing = [b for b in range(width) if frontier[b]]

@@ -1,9 +1,10 @@
 """One speculation round, as named steps, for chain mode and tree mode alike.
 
-    begin_round -> commit (real rows for the drafter) -> choose_depth (the drafter's depth, the copy branches)
+    commit (real rows for the drafter) -> choose_depth (the drafter's depth, the copy branches)
         -> draft (catch up, grow the tree, graft the copy branches)
         -> [the target verifies: transformers' assisted loop for chains, `eagle_hf.hf.tree_loop` for trees]
-        -> record (stats per source, the adaptive controller and the copy source's estimates, listeners, timings)
+        -> end_round (one `RoundRecord` for the stats, the adaptive controller, the copy source, the listeners;
+           the round's timings follow as one `RoundTiming`)
 
 The `Speculator` owns everything on the drafting side of a `generate()` call: the drafter's cache of real rows,
 the rows it has not read yet, the copy source's index of the context, the schedule (adaptive controller or fixed
@@ -23,10 +24,11 @@ from . import copying
 from .adaptive import DraftLengthController
 from .copying import CopySource
 from .drafting import Chooser, DraftState, draft_trees
+from .rounds import RoundRecord
 from .settings import MAX_DEPTH, DraftSettings
 from .stats import SpecDecodeStats
 from .timing import Timer
-from .tree import EAGLE, SOURCE_NAMES, DraftTree
+from .tree import EAGLE, DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -73,22 +75,12 @@ class Speculator:
         self.depth = settings.depth  # the fixed (or heuristic) schedule's depth
         self.round = "prefill"
         self.eagle_depth = 0  # the drafter's depth this round (0: only copy branches, or a plain step)
+        self.drafter_levels = 0  # drafter forwards this round's levels took (fewer than the depth where pruned)
         self.tree: DraftTree | None = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # real rows the drafter has not read yet
-        self._round_start = None  # the timer's mark where this round began
         self._after_cycle = False  # the last round was a cycle: this round's catch-up is a regular round's cost
 
     # ------------------------------------------------------------------ the steps of a round
-    def begin_round(self) -> None:
-        """Start timing a round; a plain round that just ended teaches the controller the loop's own cost (a
-        batch's loop times its whole rounds itself: one row's round is not the row's cost)."""
-        if self.controller is None or self.row is not None:
-            return
-        now = self.timer.mark()
-        if self.round == "fallback" and self._round_start is not None:
-            self.timer.measure([self._round_start, now], self.controller.observe_plain_round)
-        self._round_start = now
-
     def commit(self, aux: torch.Tensor, next_tokens: torch.Tensor, position: int) -> None:
         """Real rows for the drafter: target taps ``[1, n, A*H_t]`` at positions ``position..position+n-1`` and the
         token after each ``[1, n]``. They are read at the next draft (plain steps pile up; nothing runs now)."""
@@ -107,6 +99,7 @@ class Speculator:
         """This round's drafter depth (returned; 0: the drafter rests) and copy branches; the round is a plain
         step when neither drafts. `room`: drafts that still fit before the length limit; `planned`: the depth
         the controller chose for a whole batch this round (once per round, not once per row)."""
+        self.eagle_depth = self.drafter_levels = 0  # (until the drafter drafts: `draft_round`)
         wanted = self.depth
         if not self.settings.uses_eagle:
             wanted = 0
@@ -133,10 +126,11 @@ class Speculator:
         self.round = "draft" if depth > 0 or branches else ("fallback" if wanted <= 0 else "final")
         return depth
 
-    def draft(self, root_token: int, depth: int, total_tokens: int, choose: Chooser | None = None) -> DraftTree:
+    def draft(self, root_token: int, depth: int, total_tokens: int, choose: Chooser | None = None,
+              marks: dict | None = None) -> DraftTree:
         """Catch up on the committed rows, grow this round's draft tree (a chain when top_k is 1), then graft
         the copy branches onto it (`draft_round` for a single row)."""
-        return draft_round([self], [root_token], [depth], [total_tokens], [choose])[0]
+        return draft_round([self], [root_token], [depth], [total_tokens], [choose], marks)[0]
 
     @property
     def backlog(self) -> bool:
@@ -168,50 +162,38 @@ class Speculator:
                           [[math.log(max(a.first[b.match - 1] if i == 0 else a.later, 1e-6))
                             for i in range(len(b.tokens))] for b in branches], at=[at] * len(branches))
 
-    def record(self, accepted: int, last_token: int, path: list[int] | None = None, cut: bool = False) -> None:
-        """After the target verified (or decoded plainly): stats, schedule, listeners.
+    def end_round(self, accepted: int, last_token: int, path: list[int] | None = None,
+                  cut: bool = False) -> RoundRecord | None:
+        """The round's outcome, after the target verified (or decoded plainly), as one `RoundRecord` for its
+        readers: the stats, the schedule, the copy source, the listeners (None after the prefill).
 
         path: the accepted node path (default: the first `accepted` drafts of a chain); cut: the round's tokens
         were cut at EOS or the length limit, so nothing after the accepted drafts was rejected."""
         if self.round == "prefill":
-            return
-        drafts: list[int] = []
-        sources: list[str] = []
-        if self.round == "draft":
-            tree = self.tree
-            path = path if path is not None else list(range(accepted + 1))
-            depths = tree.depths()
-            self.stats.record_cycle(int(depths.max()), accepted)
-            self.stats.record_sources(_per_source(tree, depths, path))
-            if self.eagle_depth > 0:
-                self._record_eagle(tree, depths, path, accepted)
-            drafter_ran = self.eagle_depth > 0 and copying.ANCHORS > 0  # (what copying below drafts adds)
-            if self.copy is not None and (self.copy.branches or drafter_ran):
-                self.copy.update([int(tree.tokens[n]) for n in path[1:]], drafter_ran=drafter_ran)
-            if self.listeners:  # only displays need the rejected continuation
-                nodes = shown_nodes(tree, path)
-                nodes = nodes[:accepted] if cut else nodes
-                drafts = [int(tree.tokens[n]) for n in nodes]
-                sources = [_source_name(tree.source(n)) for n in nodes]
-        elif self.round == "fallback":
-            self.stats.fallback_steps += 1
-        else:
-            self.stats.final_steps += 1
-        self._after_cycle = self.round == "draft" and self.eagle_depth > 0
-        for listener, keywords in self.listeners:
-            extra = {"sources": sources, "row": self.row}
-            listener(drafts, accepted, last_token, **{k: v for k, v in extra.items() if k in keywords})
+            return None
+        drafting = self.round == "draft"
+        record = RoundRecord(self.round, accepted, last_token, self.row, self.tree if drafting else None,
+                             (path if path is not None else list(range(accepted + 1))) if drafting else [0], cut,
+                             self.eagle_depth if drafting else 0)
+        self.stats.read(record)
+        if drafting and record.eagle_depth > 0:
+            self._learn_drafter(record)
+        drafter_ran = record.eagle_depth > 0 and copying.ANCHORS > 0  # (what copying below drafts adds)
+        if drafting and self.copy is not None and (self.copy.branches or drafter_ran):
+            self.copy.update(record.taken, drafter_ran=drafter_ran)
+        self._after_cycle = drafting and record.eagle_depth > 0
+        if self.listeners:
+            drafts, sources = record.shown()
+            for listener, keywords in self.listeners:
+                extra = {"sources": sources, "row": self.row}
+                listener(drafts, accepted, last_token, **{k: v for k, v in extra.items() if k in keywords})
+        return record
 
-    def _record_eagle(self, tree: DraftTree, depths: torch.Tensor, path: list[int], accepted: int) -> None:
+    def _learn_drafter(self, record: RoundRecord) -> None:
         """The drafter's own outcome (its nodes only) for the adaptive controller and the heuristic schedule."""
-        if tree.sources is None:
-            drafted, mine = int(depths.max()), accepted
-        else:
-            eagle = (tree.sources & EAGLE).bool()
-            drafted = int(depths[eagle].max()) if bool(eagle.any()) else 0
-            mine = next((i for i, n in enumerate(path[1:]) if not tree.source(n) & EAGLE), accepted)
+        drafted, mine = record.drafter_outcome
         if self.controller is not None and drafted:
-            self.controller.update(drafted, mine, None if self.controller.seeded else tree.confidences())
+            self.controller.update(drafted, mine, None if self.controller.seeded else record.tree.confidences())
         if self.settings.schedule.startswith("heuristic"):
             self.depth = min(self.depth + 2, MAX_DEPTH) if mine == drafted else max(1, self.depth - 1)
 
@@ -239,33 +221,33 @@ class Speculator:
 
 
 def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: list[int], total_tokens: list[int],
-                choosers: list[Chooser | None] | None = None) -> list[DraftTree]:
+                choosers: list[Chooser | None] | None = None, marks: dict | None = None) -> list[DraftTree]:
     """Step "draft" of one round for the rows of a batch that share a drafter cache, in its row order (a single
     row: `Speculator.draft`). Every row with committed rows catches them up in one drafter forward; the rows with
     a depth grow their trees together, one drafter forward per level; then each row grafts its copy branches.
-    A row not in a drafting round (`round` is not ``"draft"``) keeps the root alone."""
+    A row not in a drafting round (`round` is not ``"draft"``) keeps the root alone. `marks`: the round's named
+    marks on the timer (`eagle_hf.rounds.RoundTiming`), where the drafter's start, catch-up and levels end."""
     first = speculators[0]
     state, timer, s = first.state, first.timer, first.settings
     drafting = [i for i, sp in enumerate(speculators) if sp.round == "draft" and depths[i] > 0]
     trees = [DraftTree.root(r) for r in roots]
     if drafting:
-        start = timer.mark()
+        if marks is not None:
+            marks["draft"] = timer.mark()
         logits, hidden = _catch_up(speculators)  # [B, Vd], [B, 1, H]
-        caught_up = timer.mark()
+        if marks is not None:
+            marks["caught_up"] = timer.mark()
+        steps = state.steps
         slots = [speculators[i].slot for i in drafting]
         grown = draft_trees(first.drafter, state, [roots[i] for i in drafting], logits, hidden,
                             [depths[i] for i in drafting], s.branching, [total_tokens[i] for i in drafting],
                             s.confidence_threshold, [choosers[i] for i in drafting] if choosers else None,
                             prune=s.mode == "tree", rows=slots)
-        end = timer.mark()
+        if marks is not None:
+            marks["drafted"] = timer.mark()
         for i, tree in zip(drafting, grown):
             trees[i] = tree
-        rows = [speculators[i] for i in drafting]
-        c = first.controller  # each row's share; a backlog after plain steps is not a round's cost
-        learn = c is not None and not any(sp.backlog for sp in rows)
-        depth = max(depths[i] for i in drafting)
-        timer.measure([start, caught_up, end], lambda catch_up, steps: _drafter_timed(
-            rows, c if learn else None, catch_up, steps, depth))
+            speculators[i].drafter_levels = state.steps - steps
     for i, sp in enumerate(speculators):
         sp.eagle_depth = depths[i] if i in drafting else 0
         if sp.round != "draft":
@@ -274,15 +256,6 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
         if sp.tree.num_drafts == 0:  # every branch was below the confidence threshold: a plain step
             sp.round = "fallback"
     return trees
-
-
-def _drafter_timed(rows: Sequence[Speculator], controller, catch_up: float, steps: float, depth: int) -> None:
-    """A drafting round's drafter time, once measured: each row's share in its stats, and the controller's
-    estimates of the catch-up and of a draft step (None: the round teaches it nothing)."""
-    for sp in rows:
-        sp.stats.drafter_time += (catch_up + steps) / len(rows)
-    if controller is not None:
-        controller.observe_drafter(catch_up / len(rows), steps / len(rows), depth)
 
 
 def _catch_up(speculators: Sequence[Speculator]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,32 +272,6 @@ def _catch_up(speculators: Sequence[Speculator]) -> tuple[torch.Tensor, torch.Te
             tokens[b, : counts[b]] = torch.cat([t for _, t in sp._pending], 1)[0].to(w.device)
             sp._pending.clear()
     return speculators[0].state.extend(speculators[0].drafter, aux, tokens, counts)
-
-
-def shown_nodes(tree: DraftTree, path: list[int]) -> list[int]:
-    """For displays: the accepted draft nodes, then the best-scoring rejected continuation below the last
-    accepted node (for a chain: every draft)."""
-    nodes = list(path[1:])
-    node = path[-1]
-    while children := tree.children(node):
-        node = max(children, key=lambda i: float(tree.scores[i]))
-        nodes.append(node)
-    return nodes
-
-
-def _per_source(tree: DraftTree, depths: torch.Tensor, path: list[int]) -> dict[str, tuple[int, list[int], list[int]]]:
-    """Per source: (nodes drafted, depths it drafted at, depths of accepted nodes it proposed); depths from 1."""
-    out = {}
-    for bit, name in SOURCE_NAMES.items():
-        mine = [n for n in range(1, tree.size) if tree.source(n) & bit]
-        if mine:
-            reached = sorted({int(depths[n]) for n in mine})
-            out[name] = (len(mine), reached, [i + 1 for i, n in enumerate(path[1:]) if tree.source(n) & bit])
-    return out
-
-
-def _source_name(bits: int) -> str:
-    return "+".join(name for bit, name in SOURCE_NAMES.items() if bits & bit)
 
 
 def _keywords(listener) -> set[str]:

@@ -34,6 +34,16 @@ class SpecDecodeStats:
     per_row: list[SpecDecodeStats] = field(default_factory=list)  # a batch's rows (these stats are their merge)
     total_time: float = 0.0  # wall time of the whole generate() call
 
+    def read(self, record) -> None:
+        """One row's round (a `eagle_hf.rounds.RoundRecord`)."""
+        if record.kind == "draft":
+            self.record_cycle(record.depth, record.accepted)
+            self.record_sources(record.per_source)
+        elif record.kind == "fallback":
+            self.fallback_steps += 1
+        else:
+            self.final_steps += 1
+
     def record_cycle(self, drafted: int, accepted: int) -> None:
         self.cycles += 1
         self.drafted += drafted

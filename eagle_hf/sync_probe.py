@@ -83,7 +83,9 @@ class Round:
     async_copies: int = 0  # host-to-device copies that do not block the host (pinned, ``non_blocking``)
     syncs: int = 0
     mixed: int = 0
+    bytes: int = 0  # bytes eagle_hf's own ops wrote outside the models' forwards (with ``count_bytes``)
     where: Counter = field(default_factory=Counter)  # "kind:function" -> count, to find the culprits
+    bytes_by_op: Counter = field(default_factory=Counter)  # aten op -> bytes written (with ``count_bytes``)
 
     @property
     def kind(self) -> str:
@@ -150,8 +152,9 @@ def _names_device(args, kwargs) -> bool:
 class SyncProbe:
     """Counts per round while active (a context manager); `rounds[0]` is what ran before the first round."""
 
-    def __init__(self, *models, inputs=()):
+    def __init__(self, *models, inputs=(), count_bytes: bool = False):
         self.models, self.inputs = [m for m in models if m is not None], inputs
+        self.count_bytes = count_bytes  # also the bytes written outside the models' forwards (`Round.bytes`)
         self.rounds: list[Round] = [Round()]
 
     def count(self, kind: str, where: str) -> None:
@@ -175,6 +178,8 @@ class SyncProbe:
             stack.enter_context(_count_syncs(self))
             stack.enter_context(_round_markers(self))
             stack.enter_context(_Provenance(self))
+            if self.count_bytes:
+                stack.enter_context(_ByteCounter(self))
             try:
                 yield self
             finally:
@@ -267,9 +272,48 @@ def _round_markers(probe: SyncProbe):
         TreeLoop.plan, EagleCandidateGenerator.get_candidates = plan, get_candidates
 
 
-def probe_generate(target, inputs: dict, **generate_kwargs) -> SyncProbe:
+class _ByteCounter(TorchDispatchMode):
+    """Bytes that every aten op writes (its outputs; an in-place op's view) outside the models' forwards: the
+    target's forward and the drafter's layers are the models' work, the rest (drafter cache writes, masks, cache
+    commits, gathers) eagle_hf's own."""
+
+    def __init__(self, probe: SyncProbe):
+        super().__init__()
+        self.probe, self.inside, self.handles = probe, 0, []
+
+    def __enter__(self):
+        modules = [m for model in self.probe.models
+                   for m in ([model] if hasattr(model, "generate") else list(model.children()))]
+        for m in modules:
+            self.handles.append(m.register_forward_pre_hook(lambda *a: self._enter_model()))
+            self.handles.append(m.register_forward_hook(lambda *a: self._leave_model()))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        return super().__exit__(*exc)
+
+    def _enter_model(self):
+        self.inside += 1
+
+    def _leave_model(self):
+        self.inside -= 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.inside:
+            written = sum(t.numel() * t.element_size() for t in _tensors(out))
+            r = self.probe.rounds[-1]
+            r.bytes += written
+            r.bytes_by_op[str(func.overloadpacket)] += written
+        return out
+
+
+def probe_generate(target, inputs: dict, count_bytes: bool = False, **generate_kwargs) -> SyncProbe:
     """Run ``target.generate(**inputs, **generate_kwargs)`` under a probe and return it (its rounds counted)."""
-    probe = SyncProbe(target, generate_kwargs.get("assistant_model"), inputs=list(_tensors(inputs)))
+    probe = SyncProbe(target, generate_kwargs.get("assistant_model"), inputs=list(_tensors(inputs)),
+                      count_bytes=count_bytes)
     with probe.active(), torch.no_grad():
         target.generate(**inputs, **generate_kwargs)
     return probe

@@ -57,6 +57,20 @@ class Timer:
             return
         self.pending.append((marks, callback))
 
+    def measure_marks(self, marks: dict[str, Mark], callback: Callable[[dict[str, float]], None]) -> None:
+        """``callback({name: seconds since the first mark})`` for named marks made in this (insertion) order,
+        once they are all done (`measure`)."""
+        names = list(marks)
+
+        def elapsed(*gaps: float) -> None:
+            out, t = {names[0]: 0.0}, 0.0
+            for name, gap in zip(names[1:], gaps):
+                t += gap
+                out[name] = t
+            callback(out)
+
+        self.measure([marks[n] for n in names], elapsed)
+
     def read_back(self) -> None:
         """The host just read a device result queued after every mark made so far: they are all done."""
         self.epoch += 1

@@ -4,6 +4,7 @@ of a round outside the target's forward, on a tiny random Llama target.
     python scripts/sync_probe.py                 # the table of docs/benchmarks.md, "GPU-grade round"
     python scripts/sync_probe.py --time          # also host milliseconds per round (one thread; quiet machine)
     python scripts/sync_probe.py --culprits      # which functions read / copy, per scenario
+    python scripts/sync_probe.py --bytes         # bytes eagle_hf writes per round, 256 vs 4,096 tokens of context
 
 Counts are deterministic (a constant schedule); times are not: they are reported, never asserted.
 """
@@ -14,6 +15,7 @@ import argparse
 import json
 import statistics
 import time
+from collections import Counter
 
 import torch
 import transformers as tf
@@ -29,7 +31,7 @@ def tiny_pair(seed: int = 0):
     torch.manual_seed(seed)
     target = tf.LlamaForCausalLM(tf.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=None, eos_token_id=None, pad_token_id=0))
+        num_key_value_heads=2, max_position_embeddings=8192, bos_token_id=None, eos_token_id=None, pad_token_id=0))
     target.generation_config.pad_token_id = 0
     drafter = EagleDrafter.for_target(target).float().eval()
     return target.eval(), drafter
@@ -92,6 +94,27 @@ def plain_step_probe(target):
     return p
 
 
+def bytes_per_round(target, drafter, contexts=(256, 4096), new_tokens: int = 16) -> dict:
+    """Per scenario and context length: the median bytes eagle_hf's own ops write per drafting round outside the
+    models' forwards (`SyncProbe` with ``count_bytes``), and the ops that write the most."""
+    out = {}
+    for name in ("tree, depth 5, top-k 4, 16 tokens, one row", "same, batch of 4", "chain of 5 (transformers' loop)"):
+        rows, kwargs = SCENARIOS[name]
+        kwargs = dict(kwargs, num_assistant_tokens_schedule="constant")
+        for context in contexts:
+            torch.manual_seed(0)
+            p = probe_generate(target, inputs_for(rows, length=context), count_bytes=True, assistant_model=drafter,
+                               max_new_tokens=new_tokens, **kwargs)
+            rounds = [r for r in p.rounds[1:-1] if r.kind == "draft"]
+            ops = Counter()
+            for r in rounds:
+                ops.update(r.bytes_by_op)
+            out[f"{name}, context {context}"] = {
+                "median_bytes": statistics.median(r.bytes for r in rounds),
+                "top_ops": {op: n // len(rounds) for op, n in ops.most_common(4)}}
+    return out
+
+
 def host_times(target, drafter, repeats: int = 5, new_tokens: int = 48) -> dict[str, float]:
     """Per scenario: host milliseconds per round outside the target's forwards (median over repeats)."""
     out = {}
@@ -130,6 +153,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--time", action="store_true", help="also time the host's share of a round")
     parser.add_argument("--culprits", action="store_true", help="list the functions behind the counts")
+    parser.add_argument("--bytes", action="store_true", help="bytes written per round at two context lengths")
     parser.add_argument("--json", default=None, help="write the table as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -163,6 +187,11 @@ def main():
         for name, ms in times.items():
             print(f"  {name}: {ms:.2f} ms")
         table["host_ms_per_round"] = times
+    if args.bytes:
+        print("\nbytes eagle_hf writes per drafting round outside the models' forwards (median; top ops per round):")
+        table["bytes_per_round"] = bytes_per_round(target, drafter)
+        for name, row in table["bytes_per_round"].items():
+            print(f"  {name}: {row['median_bytes']:,} B  {row['top_ops']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(table, f, indent=1)

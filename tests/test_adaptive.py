@@ -10,6 +10,7 @@ import eagle_hf
 from eagle_hf.adaptive import DraftLengthController
 from eagle_hf.cost_model import CostModel
 from eagle_hf.hf import costs
+from eagle_hf.rounds import RoundTiming
 
 MEASURED_CPU = CostModel(verify=[1.0] + [1.4] * 15, draft_step=0.023)  # SmolLM2 bf16 on this project's CPU
 CPU_LIKE = CostModel(verify=[1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.4, 1.5], draft_step=0.06)
@@ -296,12 +297,17 @@ def test_drafter_costs_are_remeasured_in_the_loop():
     c = DraftLengthController(cost, max_draft=8)
     before = c.cycle_cost(4)
     for _ in range(30):  # rounds whose drafter work really costs 0.2 (catch-up) + 0.1 per step
-        c.observe_drafter(0.002, 0.004, 4)
+        timing = RoundTiming(catch_up=0.002, draft=0.004, width=9, drafting_rows=1, levels=4)
+        cost.observe(timing)
+        c.observe(timing)
     assert abs(c.draft_step - 0.1) < 1e-3 and abs(c.round_overhead - 0.2) < 1e-3
     assert abs(c.cycle_cost(4) - (1.1 + 0.4 + 0.2)) < 1e-2 and c.cycle_cost(4) > before
     # without an absolute base time the prior stays
-    c = DraftLengthController(CostModel(verify=[1.0, 1.1], draft_step=0.05), max_draft=2)
-    c.observe_drafter(1.0, 1.0, 1)
+    cost = CostModel(verify=[1.0, 1.1], draft_step=0.05)
+    c = DraftLengthController(cost, max_draft=2)
+    timing = RoundTiming(catch_up=1.0, draft=1.0, width=2, drafting_rows=1, levels=1)
+    cost.observe(timing)
+    c.observe(timing)
     assert c.draft_step == 0.05 and c.round_overhead == 0.0
 
 

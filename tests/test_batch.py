@@ -124,7 +124,7 @@ def test_finished_rows_ride_along_where_the_full_batch_is_cheaper(monkeypatch, f
         def forward(self, n):
             return 1 / n if full_batch_cheaper else float(n)
 
-        def observe_forward(self, tokens, seconds):
+        def observe(self, timing):
             pass
 
     monkeypatch.setattr(tree_loop, "cost_model", lambda target, drafter=None: Costs())
@@ -155,8 +155,10 @@ def test_holes_are_compacted_without_changing_the_output(monkeypatch):
     plain = dict(attention_mask=mask, max_new_tokens=40, do_sample=False)
     ref = target.generate(ids, **plain)
     compactions = []
-    original = tree_loop.regather_cache
-    monkeypatch.setattr(tree_loop, "regather_cache", lambda c, i: (compactions.append(i.shape), original(c, i)))
+    from eagle_hf.hf import cache as tree_cache
+
+    original = tree_cache.regather_cache
+    monkeypatch.setattr(tree_cache, "regather_cache", lambda c, i: (compactions.append(i.shape), original(c, i)))
     with batch_oracle(truths_of(ids, mask, ref)):
         out = target.generate(ids, assistant_model=drafter, **plain, **MODES["tree"])
     assert torch.equal(out, ref)
@@ -364,8 +366,8 @@ def test_rounds_that_catch_the_drafter_up_do_not_teach_the_controller(monkeypatc
     events = []
     plan = tree_loop.TreeLoop.plan
 
-    def logged_plan(self, active, planned=None):
-        trees = plan(self, active, planned)
+    def logged_plan(self, active, planned=None, marks=None):
+        trees = plan(self, active, planned, marks)
         events.append("backlog" if any(r.sp.backlog for r in active) else "round")
         return trees
 

@@ -22,6 +22,7 @@ from eagle_hf.drafting import DraftState, draft_tree
 from eagle_hf.hf.version import CACHE_KEY, output_cache
 from eagle_hf.speculation import Speculator
 from eagle_hf.stats import SpecDecodeStats
+from eagle_hf.rounds import RoundTiming
 from eagle_hf.timing import Timer
 from eagle_hf.tree import DraftTree
 from eagle_hf.verification import accept_sampling
@@ -244,18 +245,32 @@ def test_drafter_costs_are_timed_on_the_device_without_a_sync(monkeypatch):
     sp = Speculator(drafter, DraftSettings(), stats, controller, timer=timer)
     sp.state = state
     aux = torch.zeros(1, 1, drafter.fc.weight.shape[1])
+    timings = []
+
+    def observe(at):  # what the decoding loops do with a round's marks
+        timing = RoundTiming.from_marks(at, width=5, drafting_rows=1, levels=levels, backlog=backlog)
+        timings.append(timing)
+        cost.observe(timing)
+        controller.observe(timing)
+
     for i in range(40):  # regular cycles: commit one real row, draft 4, all rejected
-        sp.begin_round()
         sp.commit(aux, torch.tensor([[5]]), position=sp.state.next_position)
+        sp.choose_depth(room=8)
         sp.round = "draft"
-        sp.draft(root, 4, 5)
-        assert stats.drafter_time == pytest.approx(i * 4 * 0.002)  # not before the read-back
+        marks = {"start": timer.mark()}
+        sp.draft(root, 4, 5, marks=marks)
+        backlog, levels = sp.backlog, sp.drafter_levels
+        marks["end"] = timer.mark()
+        timer.measure_marks(marks, observe)
+        assert len(timings) == i  # not before the read-back
         timer.read_back()
-        sp.record(0, 7)
-    # 3 drafter steps per chain of 4 (the last draft needs no step) + 1 catch-up step, 0.002 s each
-    assert controller.draft_step == pytest.approx(3 * 0.002 / 4 / 0.01, rel=1e-3)
+        sp.end_round(0, 7)
+    # a chain of 4: 1 catch-up step (its logits give the first draft), then 3 level forwards (the last draft needs
+    # none), 0.002 s each; the first round's catch-up read the prompt's rows (a backlog: not a regular round's cost)
+    assert timings[0].backlog and not timings[1].backlog and timings[1].levels == 3
+    assert timings[1].catch_up == pytest.approx(0.002) and timings[1].draft == pytest.approx(0.006)
+    assert controller.draft_step == pytest.approx(0.002 / 0.01, rel=1e-3)
     assert controller.round_overhead == pytest.approx(0.002 / 0.01, rel=1e-3)
-    assert stats.drafter_time == pytest.approx(40 * 4 * 0.002)
     assert not timer.pending
 
 

@@ -1,4 +1,5 @@
-"""The target's KV cache and attention masks in tree mode: what the tree loop needs from transformers' cache."""
+"""The target's KV cache in tree mode: the tree-cache protocol (`TreeCache`) over transformers' cache, and the
+attention masks of a verify forward."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from ..ragged import Ragged
 from ..tree import DraftTree
+from .version import cache_kwarg
 
 logger = logging.getLogger(__name__)
 
@@ -54,16 +57,11 @@ def commit_accepted(cache, past_len: int, index: torch.Tensor | None, width: int
             layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
 
 
-def select_cache(cache, rows: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> None:
-    """Keep the given batch rows and/or cache slots (both index tensors) in every layer."""
+def select_cache(cache, rows: torch.Tensor) -> None:
+    """Keep the given batch rows (an index tensor) in every layer."""
     for layer in cache.layers:
-        for name in ("keys", "values"):
-            t = getattr(layer, name)
-            if rows is not None:
-                t = t.index_select(0, rows.to(t.device))
-            if slots is not None:
-                t = t.index_select(2, slots.to(t.device))
-            setattr(layer, name, t)
+        layer.keys = layer.keys.index_select(0, rows.to(layer.keys.device))
+        layer.values = layer.values.index_select(0, rows.to(layer.values.device))
 
 
 def regather_cache(cache, index: torch.Tensor) -> None:
@@ -95,6 +93,62 @@ def tree_attention_mask(tree: torch.Tensor, valid: torch.Tensor | None, past_len
     if valid is not None:
         mask[:, 0, :, :past_len].masked_fill_(~valid[:, None, :], low)
     return mask
+
+
+class TreeCache:
+    """The tree-cache protocol: what the tree loop does with the target's cache, for every row of a batch.
+
+    * write: a verify forward writes each row's N tree nodes after the committed slots (`forward_kwargs`; its
+      mask from `tree_mask`, whose width comes from the cache);
+    * `commit`: each row's accepted nodes move in place into the slots after the committed ones, the rest is
+      cropped (O(rows x accepted) per layer; the committed prefix is never copied);
+    * `select_rows`: rows leave the batch; `compact`: the holes that shorter paths left go, once worth it.
+
+    `ragged` says which committed slots each row reads (`eagle_hf.ragged`). Implemented here for transformers'
+    dynamic cache, which grows by concatenation on every forward (plain decoding's too) and is cropped to a
+    view; a cache with fixed buffers implements the same operations with a write position instead."""
+
+    def __init__(self, cache, ragged: Ragged | None = None):
+        check_tree_cache(cache)
+        self.cache = cache
+        self.ragged = ragged or Ragged([], 0)
+
+    @property
+    def length(self) -> int:
+        """Committed slots (every row has as many; a row's holes among them are hidden by its mask)."""
+        return self.cache.get_seq_length()
+
+    def forward_kwargs(self) -> dict:
+        return cache_kwarg(self.cache)
+
+    def tree_mask(self, tree: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The verify forward's additive mask [B, 1, N, L + N] for trees `tree` [B, N, N] (bool, device)."""
+        return tree_attention_mask(tree, self.ragged.valid, self.length, dtype)
+
+    def padding_mask(self, rows: int) -> torch.Tensor | None:
+        """A plain step's 2D mask [B, L + 1] (as plain generate() passes padding), or None without holes."""
+        if not self.ragged.holes:
+            return None
+        return torch.cat([self.ragged.valid, self.ragged.valid.new_ones(rows, 1)], 1).long()
+
+    def commit(self, past_len: int, index: torch.Tensor | None, lengths: list[int], valid: torch.Tensor | None,
+               device) -> None:
+        """Keep row b's accepted nodes ``index[b]`` ([B, K] relative to `past_len`; None: the first K) in place;
+        row b's first ``lengths[b]`` of the K new slots are real (`valid` [B, K] says so on the device, None when
+        every row kept K)."""
+        width = max(lengths)
+        commit_accepted(self.cache, past_len, index, width)
+        self.ragged.append(lengths, width, valid, device)
+
+    def select_rows(self, rows: list[int], index: torch.Tensor) -> None:
+        """Keep these batch rows (`index`: the same on the device); slots no row reads go at the next compaction."""
+        self.ragged.select(rows, index)
+        select_cache(self.cache, rows=index)
+
+    def compact(self) -> None:
+        """Move each row's real slots to the front of a shorter cache, once every row has many holes."""
+        if self.ragged.worth_compacting():
+            regather_cache(self.cache, self.ragged.compact())
 
 
 def new_cache(target):

@@ -7,6 +7,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..capture import gather_aux, hidden_state_request
 from ..drafting import Choice
+from ..rounds import RoundTiming
 from ..speculation import Speculator
 from ..transfer import to_device
 from ..verification import process_logits
@@ -33,7 +34,8 @@ class EagleCandidateGenerator(CandidateGenerator):
         self.max_length = generation_config.max_length
         self.speculator = speculator
         self.drafter = speculator.drafter
-        self._verify = None  # (the timer's mark where transformers' verify forward starts, tokens it verifies)
+        self._marks: dict | None = None  # the current round's named marks (`RoundTiming`), ended by the next round
+        self._facts: dict = {}  # ... and what the round did
 
     @property
     def state(self):
@@ -71,7 +73,8 @@ class EagleCandidateGenerator(CandidateGenerator):
             sp.round = "prefill"
             return input_ids, None  # the target prefills; drafting starts from its hidden states
         sp.timer.read_back()  # transformers' loop has read the last verification back: its marks are done
-        sp.begin_round()
+        self._end_timing()
+        self._marks = {"start": sp.timer.mark()}
         device = self.drafter.fc.weight.device
         with torch.no_grad():
             aux = gather_aux(model_outputs.hidden_states, self.aux_ids, device)  # [1, t, A*H_t]
@@ -80,7 +83,7 @@ class EagleCandidateGenerator(CandidateGenerator):
             depth = sp.choose_depth(room=self.max_length - input_ids.shape[1] - 1)
             if depth == 0:  # plain decoding this round; the drafter catches up when drafting resumes
                 return self._verified(input_ids, 1), None
-            tree = sp.draft(int(input_ids[0, -1]), depth, depth + 1, self._chooser(input_ids.to(device)))
+            tree = sp.draft(int(input_ids[0, -1]), depth, depth + 1, self._chooser(input_ids.to(device)), self._marks)
         if tree.num_drafts == 0:
             return self._verified(input_ids, 1), None
         self._verified(None, tree.size)
@@ -88,16 +91,36 @@ class EagleCandidateGenerator(CandidateGenerator):
         q = tree.q_logits[1:][None] if tree.q_logits is not None else None  # [1, k, V]
         return torch.cat([input_ids, drafts], 1), q
 
-    def _verified(self, input_ids, tokens: int):
-        """Mark where transformers' verify forward over `tokens` tokens starts (timed up to the round's end)."""
-        if self.speculator.controller is not None:
-            self._verify = (self.speculator.timer.mark(), tokens)
+    def _verified(self, input_ids, width: int):
+        """Mark where transformers' verify forward over `width` tokens starts."""
+        sp = self.speculator
+        self._marks["verify"] = sp.timer.mark()
+        self._facts = dict(width=width, levels=sp.drafter_levels, drafting_rows=int(sp.eagle_depth > 0),
+                           backlog=sp.backlog)
         return input_ids
+
+    def _end_timing(self) -> None:
+        """The last round's timings, from its marks to now (the next round's start), to the cost model and the
+        schedule (as the tree loop's `observe`)."""
+        marks, sp = self._marks, self.speculator
+        self._marks = None
+        if marks is None or "verified" not in marks:
+            return
+        marks["end"] = sp.timer.mark()
+        facts = self._facts
+
+        def observe(at):
+            timing = RoundTiming.from_marks(at, **facts)
+            if sp.controller is not None:
+                sp.controller.cost.observe(timing)
+                sp.controller.observe(timing)
+            sp.stats.drafter_time += (timing.catch_up or 0.0) + (timing.draft or 0.0)
+
+        sp.timer.measure_marks(marks, observe)
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         sp = self.speculator
-        if self._verify is not None:  # the verify forward (and transformers' acceptance) just ran
-            start, tokens = self._verify
-            sp.timer.measure([start, sp.timer.mark()], lambda s: sp.controller.cost.observe_forward(tokens, s))
-            self._verify = None
-        sp.record(int(num_matches), int(input_ids[0, -1]))
+        if self._marks is not None:  # the verify forward (and transformers' acceptance) just ran
+            self._marks["verified"] = sp.timer.mark()
+            self._facts["tokens"] = float(num_matches) + 1.0
+        sp.end_round(int(num_matches), int(input_ids[0, -1]))

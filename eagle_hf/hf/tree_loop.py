@@ -24,13 +24,12 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..capture import gather_aux, hidden_state_request
 from ..devices import input_device
 from ..ragged import Ragged
+from ..rounds import RoundTiming
 from ..speculation import Speculator, draft_round
 from ..transfer import pack, to_device
 from ..tree import DraftTree
 from ..verification import accept_drawn, process_logits, sampling_draws, verify_greedy
-from .cache import (
-    check_tree_cache, commit_accepted, regather_cache, select_cache, stacked_ancestor_masks, tree_attention_mask,
-)
+from .cache import TreeCache, stacked_ancestor_masks
 from .costs import cost_model
 from .models import head_on_positions
 from .stopping import eos_ids
@@ -84,7 +83,8 @@ class TreeLoop:
 
     def __init__(self, target, speculators: list[Speculator], aux_ids, cache, logits_processor, stopping_criteria,
                  generation_config, streamer=None):
-        self.target, self.speculators, self.aux_ids, self.cache = target, speculators, list(aux_ids), cache
+        self.target, self.speculators, self.aux_ids = target, speculators, list(aux_ids)
+        self.cache = TreeCache(cache)  # the tree-cache protocol over the call's cache
         self.device = input_device(target)  # where the inputs go (looked up once: it walks the modules)
         self.logits_processor, self.streamer = logits_processor, streamer
         # EOS and max_length are checked directly; the other criteria (stop strings, the user's) on every prefix
@@ -107,13 +107,11 @@ class TreeLoop:
         # the target's costs: the timed forwards teach it, a shrinking batch asks it (`cheapest_size`)
         self.cost = self.controller.cost if self.controller is not None else cost_model(target)
         self.timer = speculators[0].timer  # shared by the rows
-        self.ragged = Ragged([], 0)  # which cache slots each active row reads (set by the prefill)
-        check_tree_cache(cache)
 
     @property
     def valid(self) -> torch.Tensor | None:
         """[B, L] which cache slots each active row reads (None: all)."""
-        return self.ragged.valid
+        return self.cache.ragged.valid
 
     @torch.no_grad()
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
@@ -126,23 +124,25 @@ class TreeLoop:
         self.prefill(rows, ids, mask)
         active = self.retire(rows) if any(r.done for r in rows) else rows
         while live := sum(not r.done for r in active):
-            start = self.timer.mark() if self.controller is not None else None
+            marks = {"start": self.timer.mark()}  # the round's named marks (`RoundTiming`)
             if self.controller is not None:
                 self.controller.rows = len(active)
             planned = self.controller.choose() if self.controller is not None and len(rows) > 1 else None
-            trees = self.plan(active, planned)
-            steps, backlog = max(r.sp.eagle_depth for r in active), any(r.sp.backlog for r in active)
+            trees = self.plan(active, planned, marks)
+            drafting = [r.sp for r in active if r.sp.eagle_depth > 0]
+            facts = dict(rows=len(active), width=max(t.size for t in trees), drafting_rows=len(drafting),
+                         levels=max((sp.drafter_levels for sp in drafting), default=0),
+                         backlog=any(sp.backlog for sp in drafting), batch=len(rows) > 1)
             before = sum(r.length for r in active)  # the rows' tokens before the round
-            self.verify_and_commit(active, trees)
-            if self.controller is not None:
-                tokens = (sum(r.length for r in active) - before) / live
-                width, batch = max(t.size for t in trees), len(rows) > 1
-                self.timer.measure([start, self.timer.mark()], lambda s, w=width, k=steps, bl=backlog, n=tokens:
-                                   self.observe(s, w, k, bl, batch, n))
+            self.verify_and_commit(active, trees, marks)
+            marks["end"] = self.timer.mark()
+            facts["tokens"] = (sum(r.length for r in active) - before) / live
+            self.timer.measure_marks(marks, lambda at, f=facts, d=drafting:
+                                     self.observe(RoundTiming.from_marks(at, **f), d))
             if sum(not r.done for r in active) < live:
                 active = self.retire(active)
             else:
-                self.compact_holes()
+                self.cache.compact()
         if self.streamer is not None:
             self.streamer.end()
         return self.sequences(rows), rows
@@ -150,7 +150,7 @@ class TreeLoop:
     # ------------------------------------------------------------------ steps
     def prefill(self, rows: list[Row], ids: torch.Tensor, mask: torch.Tensor) -> None:
         """The target reads the uncached prompts; each row's drafter gets its real rows (read at its first draft)."""
-        cached = self.cache.get_seq_length()  # a past_key_values passed in already holds this prefix
+        cached = self.cache.length  # a past_key_values passed in already holds this prefix
         host_mask = mask.tolist()  # [B, T] (the prompts' layout, read once)
         for b, row in enumerate(rows):
             row.sp.extend_context([t for t, m in zip(ids[b].tolist(), host_mask[b]) if m])
@@ -161,7 +161,7 @@ class TreeLoop:
         raw = out.logits[:, -1].float()  # [B, V]
         aux = gather_aux(out.hidden_states, self.aux_ids) if self.uses_eagle else None  # [B, T - cached, A*H_t]
         counts = [sum(m) for m in host_mask]
-        self.ragged = Ragged(counts, ids.shape[1], mask.clone() if padded else None)
+        self.cache.ragged = Ragged(counts, ids.shape[1], mask.clone() if padded else None)
         for b, row in enumerate(rows):
             scores = process_logits(self.logits_processor, row.seq, [[]], raw[b : b + 1])
             token = int(torch.multinomial(torch.softmax(scores, -1), 1)) if self.do_sample else int(scores.argmax(-1))
@@ -176,7 +176,7 @@ class TreeLoop:
             self.keep_outputs(row, scores, raw[b : b + 1], out.hidden_states, b, None)
             self.append(row, self.cut(row, [token]))
 
-    def plan(self, active: list[Row], planned: int | None = None) -> list[DraftTree]:
+    def plan(self, active: list[Row], planned: int | None = None, marks: dict | None = None) -> list[DraftTree]:
         """Each row's tree this round: its drafter's and copy source's, or the root alone for a plain step (or a
         fully pruned tree). The rows draft together: one drafter forward per level. `planned`: the drafter depth
         the shared controller chose for the batch's round."""
@@ -186,24 +186,22 @@ class TreeLoop:
                 depths.append(0)
                 sizes.append(1)
                 continue
-            row.sp.begin_round()
             room = self.max_length - row.length - 1
             depths.append(row.sp.choose_depth(room, planned))
             sizes.append(min(self.total_tokens, room + 1))
-        return draft_round([r.sp for r in active], [r.token for r in active], depths, sizes)
+        return draft_round([r.sp for r in active], [r.token for r in active], depths, sizes, marks=marks)
 
-    def verify_and_commit(self, active: list[Row], trees: list[DraftTree]) -> None:
+    def verify_and_commit(self, active: list[Row], trees: list[DraftTree], marks: dict) -> None:
         """One target forward over every row's tree; each row accepts a path (the round's one read-back), keeps
         its nodes' KV in place and commits its rows to the drafter."""
-        past_len = self.cache.get_seq_length()
+        past_len = self.cache.length
         width = max(t.size for t in trees)  # N: the trees are padded to the largest
         host = pack(self.device, **self.verify_layout(active, trees, width))
         mask = self.verify_mask(host.get("tree"), len(trees), width)
-        start = self.timer.mark()
+        marks["verify"] = self.timer.mark()
         with head_on_positions(self.target, host.get("real"), (len(trees), width)):  # padding needs no logits
             out = self.forward(host["tokens"], attention_mask=mask, position_ids=host["positions"], all_rows=width > 1)
-        tokens = len(trees) * width
-        self.timer.measure([start, self.timer.mark()], lambda s: self.cost.observe_forward(tokens, s))
+        marks["verified"] = self.timer.mark()
         outcomes, next_tokens = self.accept(active, trees, out.logits, host)  # next_tokens: [B, N] or None
         self.timer.read_back()
         self.commit(active, trees, outcomes, next_tokens, out.hidden_states, past_len)
@@ -228,10 +226,8 @@ class TreeLoop:
         """The verify forward's attention mask: a 4D float mask over the cache and the trees (drafting rounds),
         the 2D padding mask (plain steps with holes), or None (plain steps without)."""
         if tree is not None:
-            return tree_attention_mask(tree.bool(), self.ragged.valid, self.cache.get_seq_length(), self.target.dtype)
-        if self.ragged.holes:  # plain steps with holes: a 2D mask, as plain generate() passes padding
-            return torch.cat([self.ragged.valid, self.ragged.valid.new_ones(rows, 1)], 1).long()  # [B, L + 1]
-        return None
+            return self.cache.tree_mask(tree.bool(), self.target.dtype)
+        return self.cache.padding_mask(rows)
 
     def accept(self, active: list[Row], trees: list[DraftTree], logits: torch.Tensor, host: dict):
         """Each row's accepted path from the target's logits [B, N, V], read back once for all rows: (outcomes,
@@ -286,8 +282,7 @@ class TreeLoop:
             arrays["valid"] = [[i < n for i in range(width)] for n in lengths]
         host = pack(self.device, **arrays) if arrays else {}
         index = host.get("index")  # [B, K] or None: the first K nodes
-        commit_accepted(self.cache, past_len, index, width)
-        self.ragged.append(lengths, width, host["valid"].bool() if "valid" in host else None, self.device)
+        self.cache.commit(past_len, index, lengths, host["valid"].bool() if "valid" in host else None, self.device)
         if chosen is not None:  # greedy: the emitted token after node n is the target's choice there
             new_tokens = chosen[:, :width] if index is None else chosen.gather(1, index)  # [B, K]
         else:
@@ -304,19 +299,16 @@ class TreeLoop:
             self.keep_outputs(row, o.scores, o.raw, hidden_states, b, o.keep)
             row.position += n
             self.append(row, o.new, new_tokens[b, :n])
-            row.sp.record(n - 1, row.token, path=o.keep, cut=o.cut)
+            row.sp.end_round(n - 1, row.token, path=o.keep, cut=o.cut)
 
-    def observe(self, seconds: float, width: int, steps: int, backlog: bool, batch: bool, tokens: float) -> None:
-        """Whole rounds teach the controller the loop's own costs (a drafter catching up on plain rounds' rows is
-        neither a regular drafting round nor a plain one) and count against a batch's loss budget (every round:
-        catching up is part of what drafting costs). `tokens`: what each live row emitted on average."""
-        wide = width > 1 or steps > 0  # (a drafter whose every draft was pruned ran all the same)
-        if width > 1 and not backlog:
-            self.controller.observe_cycle_round(seconds, width, steps, tokens)
-        elif batch and not wide:  # (one row's plain rounds are timed by its speculator)
-            self.controller.observe_plain_round(seconds)
-        if batch:
-            self.controller.account(seconds, tokens, wide)
+    def observe(self, timing: RoundTiming, drafting: list[Speculator]) -> None:
+        """A round's timings, once measured: the cost model, the schedule, the drafting rows' stats (each its
+        share of the drafter's time)."""
+        self.cost.observe(timing)
+        if self.controller is not None:
+            self.controller.observe(timing)
+        for sp in drafting:
+            sp.stats.drafter_time += ((timing.catch_up or 0.0) + (timing.draft or 0.0)) / len(drafting)
 
     def retire(self, rows: list[Row]) -> list[Row]:
         """Finished rows leave the batch (and the cache), but as few as are needed for the cheapest forward that
@@ -333,8 +325,7 @@ class TreeLoop:
             return rows
         stay = sorted(live + passengers)
         index = to_device(torch.tensor(stay), self.device)
-        self.ragged.select(stay, index)
-        select_cache(self.cache, rows=index)  # (slots no remaining row reads go at the next compaction)
+        self.cache.select_rows(stay, index)
         rows[0].sp.state.select(stay)  # the drafter's cache, shared by the rows
         for slot, b in enumerate(stay):
             rows[b].sp.slot = slot
@@ -352,15 +343,10 @@ class TreeLoop:
                 best = size
         return best
 
-    def compact_holes(self) -> None:
-        """Move each row's valid slots to the end of a shorter cache once every row has many holes."""
-        if self.ragged.worth_compacting():
-            regather_cache(self.cache, self.ragged.compact())
-
     # ------------------------------------------------------------------ helpers
     def forward(self, ids: torch.Tensor, all_rows: bool = False, **kwargs):
         hidden = {} if self.request is None else {"output_hidden_states": self.request}
-        return self.target(input_ids=ids, **cache_kwarg(self.cache), use_cache=True,
+        return self.target(input_ids=ids, **self.cache.forward_kwargs(), use_cache=True,
                            logits_to_keep=0 if all_rows else 1, **hidden, **kwargs)
 
     def cut(self, row: Row, new: list[int]) -> list[int]:

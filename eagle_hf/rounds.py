@@ -1,0 +1,131 @@
+"""The record of one round: what every reader of a round's outcome and timing reads, and nothing else.
+
+A round ends in one place per row (`Speculator.end_round`), with a `RoundRecord`: its kind, the verified tree,
+the accepted path, the drafter's levels. The stats, the adaptive schedule, the copy source and the listeners
+read that record. A round's timings come later, as one `RoundTiming` (device marks are read after the round's
+read-back, one round late on a GPU) through one entry point of the schedule (`DraftLengthController.observe`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from .tree import EAGLE, SOURCE_NAMES, DraftTree
+
+#: kinds of rounds after the prefill: a draft-and-verify cycle; a plain step chosen by the schedule (or a fully
+#: pruned tree); a plain step because no room was left for drafts
+KINDS = ("draft", "fallback", "final")
+
+
+@dataclass
+class RoundRecord:
+    """One row's round. `path`: the accepted node path of `tree`, root first (drafting rounds); `accepted`: the
+    drafts accepted (the round emitted accepted + 1 tokens, the last `last_token`); `cut`: the round's tokens
+    were cut at EOS or the length limit (nothing after the accepted drafts was rejected); `eagle_depth`: the
+    drafter's levels this round (0: copies alone, or a plain step)."""
+
+    kind: str
+    accepted: int
+    last_token: int
+    row: int | None = None
+    tree: DraftTree | None = None
+    path: list[int] = field(default_factory=lambda: [0])
+    cut: bool = False
+    eagle_depth: int = 0
+
+    @property
+    def drafting(self) -> bool:
+        return self.kind == "draft"
+
+    @functools.cached_property
+    def depths(self) -> list[int]:
+        """Each node's depth (root 0)."""
+        return self.tree.host.depths
+
+    @property
+    def depth(self) -> int:
+        """The deepest draft verified."""
+        return max(self.depths)
+
+    @functools.cached_property
+    def per_source(self) -> dict[str, tuple[int, list[int], list[int]]]:
+        """Per source that drafted: (nodes drafted, depths it drafted at, depths of the accepted nodes it
+        proposed), depths from 1."""
+        tree, out = self.tree, {}
+        for bit, name in SOURCE_NAMES.items():
+            mine = [n for n in range(1, tree.size) if tree.source(n) & bit]
+            if mine:
+                out[name] = (len(mine), sorted({self.depths[n] for n in mine}),
+                             [i + 1 for i, n in enumerate(self.path[1:]) if tree.source(n) & bit])
+        return out
+
+    @functools.cached_property
+    def drafter_outcome(self) -> tuple[int, int]:
+        """(the deepest level of the drafter's own nodes, how many of the accepted drafts it proposed in a row
+        from the root): what the schedule learns the drafter's acceptance from."""
+        tree = self.tree
+        if tree.sources is None:
+            return self.depth, self.accepted
+        drafted = max((self.depths[n] for n in range(1, tree.size) if tree.source(n) & EAGLE), default=0)
+        mine = next((i for i, n in enumerate(self.path[1:]) if not tree.source(n) & EAGLE), self.accepted)
+        return drafted, mine
+
+    @property
+    def taken(self) -> list[int]:
+        """The accepted drafts' tokens."""
+        return [self.tree.host.tokens[n] for n in self.path[1:]]
+
+    def shown(self) -> tuple[list[int], list[str]]:
+        """For displays: the accepted drafts, then the best-scoring rejected continuation below the last accepted
+        node (a chain: every draft; none after a cut), with who proposed each ("eagle", "copy", "eagle+copy")."""
+        if not self.drafting:
+            return [], []
+        tree = self.tree
+        nodes, node = list(self.path[1:]), self.path[-1]
+        while children := tree.children(node):
+            node = max(children, key=lambda i: tree.host.scores[i])
+            nodes.append(node)
+        nodes = nodes[: self.accepted] if self.cut else nodes
+        return [tree.host.tokens[n] for n in nodes], [source_name(tree.source(n)) for n in nodes]
+
+
+@dataclass
+class RoundTiming:
+    """One round's timings in seconds (None: not timed), read by the cost model, the schedule and the stats.
+    `rows` verified `width` tokens each (1: a plain round); `drafting_rows` shared the drafter, whose draft
+    levels took `levels` forwards after its catch-up (fewer than the depth where a tree was pruned);
+    `tokens`: what each live row emitted on average; `backlog`: the drafter caught up on plain rounds' rows
+    (not a regular round's cost); `batch`: the call decodes several rows."""
+
+    seconds: float | None = None  # the whole round
+    catch_up: float | None = None  # the drafter reading the rows committed since its last round
+    draft: float | None = None  # the drafter's levels
+    verify: float | None = None  # the target's verify forward
+    rows: int = 1
+    width: int = 1
+    drafting_rows: int = 0
+    levels: int = 0
+    tokens: float = 1.0
+    backlog: bool = False
+    batch: bool = False
+
+    @classmethod
+    def from_marks(cls, at: dict[str, float], **facts) -> RoundTiming:
+        """From the seconds of a round's named marks (`Timer.measure_marks`): ``start``, then where present
+        ``draft``, ``caught_up``, ``drafted`` (the drafter), ``verify``, ``verified`` (the target), ``end``."""
+
+        def between(a: str, b: str) -> float | None:
+            return at[b] - at[a] if a in at and b in at else None
+
+        return cls(seconds=between("start", "end"), catch_up=between("draft", "caught_up"),
+                   draft=between("caught_up", "drafted"), verify=between("verify", "verified"), **facts)
+
+    @property
+    def wide(self) -> bool:
+        """Whether the round verified drafts or copy branches (or ran the drafter, even if all was pruned)."""
+        return self.width > 1 or self.drafting_rows > 0
+
+
+def source_name(bits: int) -> str:
+    return "+".join(name for bit, name in SOURCE_NAMES.items() if bits & bit)
