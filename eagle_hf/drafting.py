@@ -19,6 +19,10 @@ from .transfer import pack, to_device
 from .tree import DraftTree
 
 
+#: catch-ups of at most this many rows per row use the kept attention mask (a prompt's build their own)
+KEPT_MASK_ROWS = 64
+
+
 @dataclass
 class DraftState:
     """The drafter's cache of real rows for the rows of a batch, preallocated: keys and values
@@ -34,6 +38,10 @@ class DraftState:
     values: torch.Tensor | None = None
     ragged: Ragged | None = None
     steps: int = 0  # drafter forwards over draft levels so far (catch-ups not counted): what a round's levels cost
+    # [B, 1, R, C] bool, the draft levels' attention mask kept between levels and rounds: columns below `length`
+    # hold each row's slot validity for every query row (written as real rows arrive), the tree block after them
+    # is rewritten per level: O(new slots), never O(context), per level
+    _mask: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.ragged is None:
@@ -97,16 +105,20 @@ class DraftState:
         new_valid = None if full else host["new_valid"].bool()  # [B, n]
         mask = None  # every slot real and every row full: the plain causal layout
         if self.ragged.holes or not full:
-            past = self.valid if self.ragged.holes else torch.ones(rows, self.length, dtype=torch.bool, device=device)
             own = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(rows, n, n)  # [B, n, n]
             if new_valid is not None:
                 own = own & new_valid[:, None, :]
             own = own | torch.eye(n, dtype=torch.bool, device=device)  # a padding row sees itself: no empty softmax
-            mask = torch.cat([past[:, None, :].expand(rows, n, self.length), own], 2)[:, None]  # [B, 1, n, L + n]
+            if n <= KEPT_MASK_ROWS:  # a round's catch-up: [B, 1, n, L + n], a view of the kept mask
+                mask = self._kept_mask(own)
+            else:  # (a prompt's: not worth keeping n query rows)
+                past = self.valid if self.ragged.holes else own.new_ones(rows, self.length)  # [B, L]
+                mask = torch.cat([past[:, None, :].expand(rows, n, self.length), own], 2)[:, None]
         fused = drafter.fuse(aux)  # [B, n, H]
         self.reserve(drafter, n, fused)
         out = drafter.step(fused, next_tokens, host["positions"], past=self.writer(self.length), mask=mask,
                            compute_logits=False)
+        self._mask_columns(self.length, n, new_valid)
         self.ragged.append(counts, n, new_valid, device)
         self.positions = [p + c for p, c in zip(self.positions, counts)]
         last = host["last"][:, None, None]  # [B, 1, 1] each row's last new row
@@ -115,12 +127,50 @@ class DraftState:
         self.compact()
         return drafter.lm_head(normed[:, 0]), hidden
 
+    def level_mask(self, ancestors: torch.Tensor | None, k: int, fed_width: int) -> torch.Tensor | None:
+        """[B, 1, k, length + fed + k] bool (a view of the kept mask): each of a level's k frontier nodes sees its
+        row's real rows, its fed ancestors and itself (`ancestors` [B, k, fed + k] on the device; None: a chain,
+        which sees every fed row). None for a chain over a cache without holes (the plain causal layout)."""
+        if ancestors is None and not self.ragged.holes:
+            return None
+        if ancestors is None:  # a chain over a cache with holes: every fed row is an ancestor
+            ancestors = torch.ones(self.rows, k, fed_width + k, dtype=torch.bool, device=self.keys.device)
+        return self._kept_mask(ancestors)
+
+    def _kept_mask(self, tail: torch.Tensor) -> torch.Tensor:
+        """[B, 1, q, length + t] bool, a view of the kept mask: the real rows' validity, then `tail` [B, q, t]
+        (device; any dtype, nonzero = attend) for the q rows being fed after them."""
+        rows, q, t = tail.shape
+        length = self.length
+        m = self._mask
+        if m is None or m.shape[0] != rows or m.shape[2] < q or m.shape[3] < length + t:
+            queries = max(q, m.shape[2] if m is not None else 0)
+            m = self._mask = torch.ones(rows, 1, queries, -(-2 * (length + t) // 64) * 64, dtype=torch.bool,
+                                        device=tail.device)
+            if self.ragged.holes:
+                m[:, 0, :, :length] = self.valid[:, None, :]
+        m[:, 0, :q, length : length + t].copy_(tail)
+        return m[:, :, :q, : length + t]
+
+    def _mask_columns(self, at: int, n: int, valid: torch.Tensor | None) -> None:
+        """Real rows arrive in slots ``at .. at+n-1`` (`valid` [B, n] which are real; None: all): the kept mask's
+        columns for them."""
+        m = self._mask
+        if m is None or at + n > m.shape[3]:
+            self._mask = None
+            return
+        if valid is None:
+            m[:, 0, :, at : at + n] = True
+        else:
+            m[:, 0, :, at : at + n] = valid[:, None, :]
+
     def select(self, rows: list[int]) -> None:
         """Keep these rows of the batch (finished rows leave); their holes go at the next compaction."""
         if self.keys is not None:
             index = to_device(torch.tensor(rows), self.keys.device)
             self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
             self.ragged.select(rows, index)
+            self._mask = None if self._mask is None else self._mask.index_select(0, index)
         else:
             self.ragged.counts = [self.ragged.counts[b] for b in rows]
         self.positions = [self.positions[b] for b in rows]
@@ -130,6 +180,7 @@ class DraftState:
         if not self.ragged.worth_compacting():
             return
         index = self.ragged.compact()  # [B, W]
+        self._mask = None  # (rebuilt at the next level: amortised like the compaction)
         b, h, _, d = self.keys.shape
         gather = index[:, None, :, None].expand(b, h, index.shape[1], d)
         keys, values = self.keys.gather(2, gather), self.values.gather(2, gather)
@@ -276,7 +327,7 @@ def draft_trees(
         if base is None:
             base = host.pop("base")[:, None]  # [B, 1]
         feed = parent_out.gather(1, host["slot"][..., None].expand(width, k, parent_out.shape[-1]))  # [B, k, H]
-        mask = _level_mask(host.get("ancestors"), state, k, len(fed[0]))
+        mask = state.level_mask(host.get("ancestors"), k, len(fed[0]))
         out = drafter.step(feed, host["tokens"], (base + level).expand(width, k),
                            past=state.writer(real_len + len(fed[0])), mask=mask)
         state.steps += 1
@@ -337,19 +388,6 @@ def _level_layout(cands, frontier, parent_slot, fed, k, positions) -> dict:
         anc[:, :, fed_width:] |= torch.eye(k, dtype=torch.bool)  # itself (a padding node: only itself)
         out["ancestors"] = anc
     return out
-
-
-def _level_mask(ancestors: torch.Tensor | None, state: DraftState, k: int, fed_width: int) -> torch.Tensor | None:
-    """[B, 1, k, real + fed + k] bool: each frontier node sees its row's real rows, its fed ancestors and itself;
-    None for one row's chain over a cache without holes (the plain causal layout)."""
-    if ancestors is None and not state.ragged.holes:
-        return None
-    rows, real_len = state.rows, state.length
-    device = state.keys.device
-    if ancestors is None:  # a chain over a cache with holes: every fed row is an ancestor
-        ancestors = torch.ones(rows, k, fed_width + k, dtype=torch.bool, device=device)
-    real = state.valid if state.ragged.holes else torch.ones(rows, real_len, dtype=torch.bool, device=device)
-    return torch.cat([real[:, None, :].expand(rows, k, real_len), ancestors.bool()], 2)[:, None]
 
 
 @torch.no_grad()

@@ -38,6 +38,18 @@ class Ragged:
         """[B, L] bool: which slots each row reads (None: all of them)."""
         return None if self._storage is None else self._storage[:, : self.length]
 
+    def with_next(self, n: int) -> torch.Tensor:
+        """[B, L + n] (a view): the validity, then `n` real slots (a plain step's 2D mask while holes exist)."""
+        self._room(n)
+        self._storage[:, self.length : self.length + n] = True
+        return self._storage[:, : self.length + n]
+
+    def _room(self, width: int) -> None:
+        if self.length + width > self._storage.shape[1]:
+            grown = self._storage.new_ones(self.rows, 2 * (self.length + width))
+            grown[:, : self.length] = self._storage[:, : self.length]
+            self._storage = grown
+
     def append(self, lengths: list[int], width: int, new_valid: torch.Tensor | None, device) -> None:
         """Every row gets `width` slots, row b's first ``lengths[b]`` real; `new_valid` [B, width] says so on the
         device (may be None where every length is `width`)."""
@@ -45,10 +57,7 @@ class Ragged:
         if self._storage is None and not full:
             self._storage = torch.ones(self.rows, 2 * (self.length + width), dtype=torch.bool, device=device)
         if self._storage is not None:
-            if self.length + width > self._storage.shape[1]:
-                grown = self._storage.new_ones(self.rows, 2 * (self.length + width))
-                grown[:, : self.length] = self._storage[:, : self.length]
-                self._storage = grown
+            self._room(width)
             if not full:
                 self._storage[:, self.length : self.length + width] = new_valid
             else:

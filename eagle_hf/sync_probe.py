@@ -302,7 +302,7 @@ class _ByteCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not self.inside:
+        if not self.inside and not func.is_view:  # (a view writes nothing)
             written = sum(t.numel() * t.element_size() for t in _tensors(out))
             r = self.probe.rounds[-1]
             r.bytes += written

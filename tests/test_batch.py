@@ -426,3 +426,73 @@ def test_per_step_outputs_are_kept_only_when_asked_for(monkeypatch):
         assert (out.scores is not None) == scores
     assert all(not r.emitted.scores and not r.emitted.logits for r in kept[0])
     assert all(len(r.emitted.scores) == 6 for r in kept[1])
+
+
+def test_the_kept_verify_mask_equals_one_built_from_scratch(monkeypatch):
+    """The tree cache keeps the verify mask between rounds (only the new slots' columns and the tree block are
+    written, never the whole context): through rounds of commits with holes, a row leaving and a compaction, it
+    equals the mask built from the rows' validity every round."""
+    from transformers import DynamicCache
+
+    from eagle_hf.hf.cache import TreeCache, tree_attention_mask
+    from eagle_hf.hf.version import cache_kwarg
+    from eagle_hf.ragged import Ragged
+
+    monkeypatch.setattr(ragged, "MIN_HOLES_TO_COMPACT", 4)
+    monkeypatch.setattr(ragged, "HOLE_FRACTION", 0.1)
+    target = tiny_target("llama")
+    g = torch.Generator().manual_seed(0)
+    rows, prompt = 3, 6
+    cache = DynamicCache(config=target.config)
+    target(torch.randint(1, 96, (rows, prompt), generator=g), **cache_kwarg(cache), use_cache=True)
+    tc = TreeCache(cache, Ragged([prompt] * rows, prompt))
+    compacted = False
+    for step in range(24):
+        width = int(torch.randint(1, 7, (1,), generator=g))
+        b = tc.ragged.rows
+        tree = torch.rand(b, width, width, generator=g).lt(0.5).tril() | torch.eye(width, dtype=torch.bool)
+        if width > 1:
+            kept = tc.tree_mask(tree, torch.float32)
+            assert torch.equal(kept, tree_attention_mask(tree, tc.ragged.valid, tc.length, torch.float32)), step
+        past = tc.length
+        target(torch.randint(1, 96, (b, width), generator=g), **cache_kwarg(cache), use_cache=True,
+               attention_mask=kept if width > 1 else tc.padding_mask(b))
+        lengths = [int(torch.randint(1, width + 1, (1,), generator=g)) for _ in range(tc.ragged.rows)]
+        k = max(lengths)
+        valid = None if all(n == k for n in lengths) else torch.tensor([[i < n for i in range(k)] for n in lengths])
+        tc.commit(past, None, lengths, valid, "cpu")
+        if step == 6:  # a row leaves
+            tc.select_rows([0, 2], torch.tensor([0, 2]))
+        if tc.ragged.worth_compacting():
+            tc.compact()
+            compacted = True
+    assert compacted
+
+
+def test_the_drafters_kept_level_mask_equals_one_built_from_scratch(monkeypatch):
+    """The drafter's level mask is kept between levels and rounds (the new real rows' columns and each level's
+    tree block are written, never the whole context): through catch-ups with holes, a row leaving and a compaction,
+    it equals the mask built from the rows' validity."""
+    from eagle_hf.drafting import DraftState
+
+    monkeypatch.setattr(ragged, "MIN_HOLES_TO_COMPACT", 2)
+    monkeypatch.setattr(ragged, "HOLE_FRACTION", 0.1)
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, seed=3)
+    drafter.bind_target_embedding(target.get_input_embeddings())
+    state = DraftState(positions=[0, 0, 0])
+    g = torch.Generator().manual_seed(0)
+    compacted = False
+    for step, counts in enumerate([[1, 4, 6], [6, 1, 1], [1, 1, 6], [3, 1, 1], [1, 2, 3], [1, 1, 4]]):
+        counts = counts[: state.rows]
+        before = state.length
+        state.extend(drafter, *_padded(_taps(target, drafter, counts, seed=step)))
+        compacted |= state.length < before + max(counts)
+        for k, fed in ((2, 0), (3, 2)):
+            anc = torch.rand(state.rows, k, fed + k, generator=g) < 0.5
+            real = state.valid if state.ragged.holes else torch.ones(state.rows, state.length, dtype=torch.bool)
+            expected = torch.cat([real[:, None, :].expand(-1, k, -1), anc], 2)[:, None]
+            assert torch.equal(state.level_mask(anc, k, fed), expected), (step, k)
+        if step == 3:
+            state.select([0, 2])
+    assert compacted

@@ -5,6 +5,8 @@ are deterministic on a constant schedule, so they are pinned here as upper bound
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
@@ -86,3 +88,28 @@ def test_aten_ops_of_a_drafter_step_are_counted(models):
     ops, by_op = count_aten_ops(drafter.step, torch.zeros(1, 4, h), torch.zeros(1, 4, dtype=torch.long),
                                 torch.full((1, 4), 3))
     assert 20 < ops < 400 and by_op
+
+
+@pytest.mark.parametrize("name", ["tree", "tree batch of 4"])
+def test_bytes_written_per_round_do_not_grow_with_the_context(models, name):
+    """eagle_hf's own writes per drafting round outside the models' forwards (masks, cache commits, drafter
+    cache writes, gathers) do not grow with the context (32 vs 480 tokens): the verify mask and the drafter's
+    level masks are kept between rounds (only new slots' columns and tree blocks are written), cache commits move
+    only the accepted nodes. One row's rounds write exactly the same; a batch's depend on what each row accepted
+    (a mask rebuilt every round would add ~70% here)."""
+    target, drafter = models
+    rows, kwargs, _ = SCENARIOS[name]
+    medians = []
+    for context in (32, 480):
+        ids = torch.randint(1, 96, (rows, context), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones_like(ids)
+        mask[1:, :3] = 0  # some left padding: holes in every cache
+        torch.manual_seed(0)
+        p = probe_generate(target, {"input_ids": ids, "attention_mask": mask}, count_bytes=True,
+                           assistant_model=drafter, max_new_tokens=16, do_sample=False,
+                           num_assistant_tokens_schedule="constant", **kwargs)
+        medians.append(statistics.median(r.bytes for r in p.rounds[2:-1] if r.kind == "draft"))
+    if rows == 1:
+        assert medians[0] == medians[1]
+    else:
+        assert medians[1] < 1.2 * medians[0], medians

@@ -85,7 +85,8 @@ def tree_attention_mask(tree: torch.Tensor, valid: torch.Tensor | None, past_len
                         dtype: torch.dtype) -> torch.Tensor:
     """Additive float mask [B, 1, N, L + N] for one verify forward of B trees padded to N nodes: each row's valid
     cache slots (`valid` [B, L]; None: all `past_len` of them), plus each node's ancestors and itself (`tree`
-    [B, N, N] bool on the device; padding nodes see only themselves). Built on the device."""
+    [B, N, N] bool on the device; padding nodes see only themselves). Built from scratch: what `TreeCache`
+    keeps between rounds equals it (tests compare them)."""
     rows, width = tree.shape[0], tree.shape[1]
     mask = torch.zeros(rows, 1, width, past_len + width, dtype=dtype, device=tree.device)
     low = torch.finfo(dtype).min
@@ -112,6 +113,10 @@ class TreeCache:
         check_tree_cache(cache)
         self.cache = cache
         self.ragged = ragged or Ragged([], 0)
+        # [B, 1, R, C] the verify forward's additive mask, kept between rounds: columns below `length` hold each
+        # row's slot validity (0 or the dtype's min) for every query row, written as slots are committed; the
+        # tree block after them is rewritten each round. Capacity doubles: O(new slots x R) per round
+        self._mask: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -122,14 +127,33 @@ class TreeCache:
         return cache_kwarg(self.cache)
 
     def tree_mask(self, tree: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The verify forward's additive mask [B, 1, N, L + N] for trees `tree` [B, N, N] (bool, device)."""
-        return tree_attention_mask(tree, self.ragged.valid, self.length, dtype)
+        """The verify forward's additive mask [B, 1, N, L + N] for trees `tree` [B, N, N] (bool, device): each
+        row's valid slots, then each node's ancestors and itself. A view of the kept mask: only the tree block is
+        written (O(N x N) per row), the committed slots' part was written as they were committed."""
+        rows, width, length = tree.shape[0], tree.shape[1], self.length
+        m = self._mask
+        if m is None or m.dtype != dtype or m.shape[0] != rows or m.shape[2] < width or m.shape[3] < length + width:
+            m = self._mask = self._fresh_mask(rows, width, length, dtype, tree.device)
+        block = m[:, 0, :width, length : length + width]  # [B, N, N]
+        block.zero_()
+        block.masked_fill_(~tree, torch.finfo(dtype).min)
+        return m[:, :, :width, : length + width]
+
+    def _fresh_mask(self, rows: int, width: int, length: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """A kept mask with room to grow (rows of queries, and columns in multiples of 64: kernels that read
+        the mask want its rows aligned), its committed slots' part written from `ragged`."""
+        old = self._mask
+        queries = max(width, old.shape[2] if old is not None else 0)
+        columns = -(-2 * (length + width) // 64) * 64
+        m = torch.zeros(rows, 1, queries, columns, dtype=dtype, device=device)
+        if self.ragged.holes:
+            m[:, 0, :, :length].masked_fill_(~self.ragged.valid[:, None, :], torch.finfo(dtype).min)
+        return m
 
     def padding_mask(self, rows: int) -> torch.Tensor | None:
-        """A plain step's 2D mask [B, L + 1] (as plain generate() passes padding), or None without holes."""
-        if not self.ragged.holes:
-            return None
-        return torch.cat([self.ragged.valid, self.ragged.valid.new_ones(rows, 1)], 1).long()
+        """A plain step's 2D mask [B, L + 1] (bool, as plain generate() passes padding), or None without holes:
+        a view of the rows' validity (`Ragged.with_next`)."""
+        return self.ragged.with_next(1) if self.ragged.holes else None
 
     def commit(self, past_len: int, index: torch.Tensor | None, lengths: list[int], valid: torch.Tensor | None,
                device) -> None:
@@ -139,16 +163,27 @@ class TreeCache:
         width = max(lengths)
         commit_accepted(self.cache, past_len, index, width)
         self.ragged.append(lengths, width, valid, device)
+        m = self._mask
+        if m is not None and past_len + width <= m.shape[3]:  # the new slots' columns, for every query row
+            columns = m[:, 0, :, past_len : past_len + width]  # [B, R, K]
+            columns.zero_()
+            if valid is not None:
+                columns.masked_fill_(~valid[:, None, :], torch.finfo(m.dtype).min)
+        else:
+            self._mask = None
 
     def select_rows(self, rows: list[int], index: torch.Tensor) -> None:
         """Keep these batch rows (`index`: the same on the device); slots no row reads go at the next compaction."""
         self.ragged.select(rows, index)
         select_cache(self.cache, rows=index)
+        if self._mask is not None:
+            self._mask = self._mask.index_select(0, index)
 
     def compact(self) -> None:
         """Move each row's real slots to the front of a shorter cache, once every row has many holes."""
         if self.ragged.worth_compacting():
             regather_cache(self.cache, self.ragged.compact())
+            self._mask = None  # (rebuilt at the next drafting round: amortised like the compaction)
 
 
 def new_cache(target):
