@@ -32,7 +32,7 @@ from eagle_hf import (
     ragged,
 )
 from eagle_hf.evaluation import batch_chat_inputs, load_prompt_set
-from eagle_hf.hf import tree_loop
+from eagle_hf.hf.cache import TreeCache
 
 POLICIES = {"every round": (0, 0.0), "lazy (default)": (ragged.MIN_HOLES_TO_COMPACT, ragged.HOLE_FRACTION),
             "never": (10**9, 1.0)}
@@ -51,15 +51,16 @@ def main() -> None:
     batches = [[t for _, t in prompts[i : i + args.batch_size]] for i in range(0, len(prompts), args.batch_size)]
     holes: dict[str, list[float]] = {name: [] for name in POLICIES}
     seconds: dict[str, list[float]] = {name: [] for name in POLICIES}
-    original = tree_loop.TreeLoop.compact_holes
+    original = TreeCache.compact
     current = [""]
     differing = 0
 
     def spying(self):
-        holes[current[0]].append(1.0 - float(self.valid.float().mean()))
+        valid = self.ragged.valid
+        holes[current[0]].append(0.0 if valid is None else 1.0 - float(valid.float().mean()))
         return original(self)
 
-    tree_loop.TreeLoop.compact_holes = spying
+    TreeCache.compact = spying
     for i, texts in enumerate([batches[0][:2]] + batches):  # the first: warm-up
         enc = batch_chat_inputs(tok, texts, target.device)
         names = list(POLICIES) if i % 2 == 0 else list(reversed(POLICIES))
