@@ -19,6 +19,10 @@ EAGLE, COPY = 1, 2
 SOURCE_NAMES = {EAGLE: "eagle", COPY: "copy"}
 
 
+#: the parents and scores of every root-only tree (read only: a tree's tensors are never written in place)
+_ROOT_PARENTS, _ROOT_SCORES = torch.tensor([-1]), torch.zeros(1)
+
+
 @dataclass
 class DraftTree:
     tokens: torch.Tensor  # [N+1] target ids; tokens[0] is the root
@@ -30,8 +34,11 @@ class DraftTree:
 
     @classmethod
     def root(cls, token: int) -> DraftTree:
-        """The tree of a plain step: the root alone (the target decodes one token)."""
-        return cls(torch.tensor([token]), torch.tensor([-1]), torch.zeros(1))
+        """The tree of a plain step: the root alone (the target decodes one token). Its host lists are given (a
+        plain round builds one per row: nothing to read back)."""
+        tree = cls(torch.tensor([token]), _ROOT_PARENTS, _ROOT_SCORES)
+        tree.__dict__["host"] = _HostTree([token], [-1], [0.0], [EAGLE], [[]], [0])
+        return tree
 
     @functools.cached_property
     def host(self) -> _HostTree:

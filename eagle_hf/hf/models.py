@@ -36,8 +36,11 @@ def head_on_positions(target, keep: torch.Tensor | None, shape: tuple[int, int])
     the head is a fifth of a forward's compute. The head itself runs (once, on the kept rows), so quantized or
     hooked heads work, and the model's elementwise steps after it (soft-capping, scaling) still apply. Inputs of
     any other shape pass through unchanged."""
+    if keep is None:  # (a plain step, or trees of one size: nothing to look up)
+        yield
+        return
     head = target.get_output_embeddings()
-    if keep is None or head is None:
+    if head is None:
         yield
         return
     own = head.__dict__.get("forward")  # an instance-level forward (e.g. accelerate's hooks) to restore
