@@ -40,6 +40,7 @@ class CostModel:
     _seen: dict[int, deque] = field(default_factory=dict, repr=False)  # tokens -> seconds of its latest forwards
     _draft_seen: deque = field(default_factory=lambda: deque(maxlen=WINDOW), repr=False)  # seconds per step
     _given_base: float = field(default=0.0, repr=False)
+    _memo: dict[int, float] = field(default_factory=dict, repr=False)  # n -> forward(n) since the last observation
 
     def __post_init__(self):
         self._given_base = self.base_seconds
@@ -56,6 +57,7 @@ class CostModel:
         if tokens >= 1 and seconds > 0:
             self._seen.setdefault(tokens, deque(maxlen=WINDOW)).append(seconds)
             self._update_base()
+            self._memo.clear()
 
     def observe(self, timing) -> None:
         """A round's timings (`eagle_hf.rounds.RoundTiming`): its verify forward, and its drafter's level
@@ -89,8 +91,10 @@ class CostModel:
         than a larger size's estimate: a size timed at a noisy moment (noise only adds time) is capped by it."""
         if not self._seen or self.base_seconds <= 0:
             return self._prior(n)
-        cap = min((self._relative(t) for t in self._seen if t > n), default=math.inf)
-        return min(self._uncapped(n), cap)
+        if n not in self._memo:  # (the schedule asks for a dozen sizes a round; observations change them)
+            cap = min((self._relative(t) for t in self._seen if t > n), default=math.inf)
+            self._memo[n] = min(self._uncapped(n), cap)
+        return self._memo[n]
 
     def _uncapped(self, n: int) -> float:
         sizes = sorted(self._seen)
