@@ -55,9 +55,12 @@ class CostModel:
     def observe_forward(self, tokens: int, seconds: float) -> None:
         """A timed target forward over `tokens` tokens (all rows together)."""
         if tokens >= 1 and seconds > 0:
-            self._seen.setdefault(tokens, deque(maxlen=WINDOW)).append(seconds)
-            self._update_base()
-            self._memo.clear()
+            seen = self._seen.setdefault(tokens, deque(maxlen=WINDOW))
+            before = min(seen) if seen else None
+            seen.append(seconds)
+            if min(seen) != before:  # (most observations change no estimate: the costs stay as they were)
+                self._update_base()
+                self._memo.clear()
 
     def observe(self, timing) -> None:
         """A round's timings (`eagle_hf.rounds.RoundTiming`): its verify forward, and its drafter's level

@@ -22,13 +22,31 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 def pack(device: torch.device, **arrays) -> dict[str, torch.Tensor]:
     """Integer (or bool) host arrays (nested lists or host tensors) in one copy: name -> int64 device tensor of
     the array's shape."""
+    flat, shapes = [], {}
+    for name, a in arrays.items():  # lists of up to two levels: flattened here (a plain round's are one element)
+        if isinstance(a, torch.Tensor) or (a and isinstance(a[0], list) and a[0] and isinstance(a[0][0], list)):
+            return _pack_tensors(device, arrays)
+        if a and isinstance(a[0], list):
+            shapes[name] = (len(a), len(a[0]))
+            for row in a:
+                flat.extend(row)
+        else:
+            shapes[name] = (len(a),)
+            flat.extend(a)
+    return _views(to_device(torch.tensor(flat, dtype=torch.long), device), shapes)
+
+
+def _pack_tensors(device: torch.device, arrays: dict) -> dict[str, torch.Tensor]:
     hosts = {name: a if isinstance(a, torch.Tensor) else torch.tensor(a, dtype=torch.long)
              for name, a in arrays.items()}
     flat = torch.cat([h.reshape(-1).long() for h in hosts.values()]) if hosts else torch.zeros(0, dtype=torch.long)
-    on_device = to_device(flat, device)
+    return _views(to_device(flat, device), {name: tuple(h.shape) for name, h in hosts.items()})
+
+
+def _views(on_device: torch.Tensor, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     out, at = {}, 0
-    for name, h in hosts.items():
-        n = math.prod(h.shape)
-        out[name] = on_device[at : at + n].view(h.shape)
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        out[name] = on_device[at : at + n].view(shape)
         at += n
     return out

@@ -156,12 +156,14 @@ class TreeCache:
         return self.ragged.with_next(1) if self.ragged.holes else None
 
     def commit(self, past_len: int, index: torch.Tensor | None, lengths: list[int], valid: torch.Tensor | None,
-               device) -> None:
+               device, written: int | None = None) -> None:
         """Keep row b's accepted nodes ``index[b]`` ([B, K] relative to `past_len`; None: the first K) in place;
         row b's first ``lengths[b]`` of the K new slots are real (`valid` [B, K] says so on the device, None when
-        every row kept K)."""
+        every row kept K). `written`: the nodes the verify forward wrote (None: unknown; K with no index: nothing
+        to move or crop, as in a plain step)."""
         width = max(lengths)
-        commit_accepted(self.cache, past_len, index, width)
+        if index is not None or written != width:
+            commit_accepted(self.cache, past_len, index, width)
         self.ragged.append(lengths, width, valid, device)
         m = self._mask
         if m is not None and past_len + width <= m.shape[3]:  # the new slots' columns, for every query row

@@ -282,23 +282,28 @@ class TreeLoop:
             arrays["valid"] = [[i < n for i in range(width)] for n in lengths]
         host = pack(self.device, **arrays) if arrays else {}
         index = host.get("index")  # [B, K] or None: the first K nodes
-        self.cache.commit(past_len, index, lengths, host["valid"].bool() if "valid" in host else None, self.device)
+        written = max(t.size for t in trees)  # N: the nodes the verify forward wrote
+        self.cache.commit(past_len, index, lengths, host["valid"].bool() if "valid" in host else None, self.device,
+                          written)
         if chosen is not None:  # greedy: the emitted token after node n is the target's choice there
-            new_tokens = chosen[:, :width] if index is None else chosen.gather(1, index)  # [B, K]
+            new_tokens = (chosen if width == written else chosen[:, :width]) if index is None \
+                else chosen.gather(1, index)  # [B, K]
         else:
             new_tokens = host["new"]
         aux = gather_aux(hidden_states, self.aux_ids) if self.uses_eagle else None  # [B, N, A*H_t]
-        if aux is not None:
+        if aux is not None and (index is not None or width < written):
             aux = aux[:, :width] if index is None else aux.gather(1, index[..., None].expand(-1, -1, aux.shape[-1]))
+        whole = len(active) == 1  # one row keeping every kept node: its tensors need no slicing
         for b, (row, o) in enumerate(zip(active, outcomes)):
             if row.done and not o.new:  # a passenger
                 continue
             n = len(o.new)
+            mine = new_tokens if whole and n == width else new_tokens[b : b + 1, :n]  # [1, n]
             if aux is not None:  # the kept nodes' features, each with the token that follows it
-                row.sp.commit(aux[b : b + 1, :n], new_tokens[b : b + 1, :n], position=row.position)
+                row.sp.commit(aux if whole and n == width else aux[b : b + 1, :n], mine, position=row.position)
             self.keep_outputs(row, o.scores, o.raw, hidden_states, b, o.keep)
             row.position += n
-            self.append(row, o.new, new_tokens[b, :n])
+            self.append(row, o.new, mine[0])
             row.sp.end_round(n - 1, row.token, path=o.keep, cut=o.cut)
 
     def observe(self, timing: RoundTiming, drafting: list[Speculator]) -> None:
