@@ -319,9 +319,10 @@ def draft_trees(
             keep = [i for i, c in enumerate(frontier[b])
                     if level < depth_of[b] and (c_b.score[c] if prune else c_b.own[c]) >= min_logp]
             frontier[b], parent_slot[b] = [frontier[b][i] for i in keep], [parent_slot[b][i] for i in keep]
-        k = max(len(f) for f in frontier)
-        if k == 0:
+        if not any(frontier):
             break
+        k = top_k  # every level's drafter step has the shape [B, top_k]: frontiers pruned below it are padded
+        # (padding slots are nobody's ancestors), so a captured step (a CUDA graph) would not see a new shape
         layout = _level_layout(cands, frontier, parent_slot, fed, k, base is None and state.positions)
         host = pack(device, **layout)
         if base is None:
