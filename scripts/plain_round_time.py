@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import sync_probe  # noqa: E402  (this folder's: the tiny target and its inputs)
+import sync_probe  # (this folder's: the tiny target and its inputs)
 
-import eagle_hf  # noqa: E402
-from eagle_hf.adaptive import DraftLengthController  # noqa: E402
+import eagle_hf
+from eagle_hf.adaptive import DraftLengthController
 
 
 def main(repeats: int = 15, new_tokens: int = 64) -> None:
