@@ -11,6 +11,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..ragged import Ragged
 from ..tree import DraftTree
+from .attention import kernel_name, kernel_unsupported_reason
 from .version import cache_kwarg
 
 logger = logging.getLogger(__name__)
@@ -19,9 +20,9 @@ logger = logging.getLogger(__name__)
 def tree_unsupported_reason(target) -> str | None:
     """Why tree verification cannot run on `target` (None when it can): it needs a plain causal mask to replace."""
     text = target.config.get_text_config()
-    attn = getattr(text, "_attn_implementation", "sdpa")
-    if attn not in ("sdpa", "eager"):
-        return f"its {attn} attention reads a 4D float mask differently (use sdpa or eager attention)"
+    reason = kernel_unsupported_reason(kernel_name(target))
+    if reason:
+        return reason
     types = getattr(text, "layer_types", None)
     if (types and any(t != "full_attention" for t in types)) or (
         getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True)

@@ -29,6 +29,7 @@ from .call import (
     EagleCall, active_call, as_keywords, batch_rows, check_call, check_compatible, prepare_drafter, prompt_length,
     set_active_call,
 )
+from .attention import unroute_all
 from .cache import tree_unsupported_reason
 from .candidate import EagleCandidateGenerator
 from .stopping import eos_ids, trim_at_stopping_criteria
@@ -202,3 +203,4 @@ def uninstall() -> None:
     GenerationMixin.generate = _original_generate
     GenerationMixin._get_candidate_generator = _original_get_candidate_generator
     GenerationMixin._eagle_hf_installed = False
+    unroute_all()

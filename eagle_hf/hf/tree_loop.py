@@ -29,6 +29,7 @@ from ..speculation import Speculator, draft_round
 from ..transfer import pack, to_device
 from ..tree import DraftTree
 from ..verification import accept_drawn, process_logits, sampling_draws, verify_greedy
+from .attention import routed_kernel
 from .cache import TreeCache, stacked_ancestor_masks
 from .costs import cost_model
 from .models import head_on_positions
@@ -85,6 +86,7 @@ class TreeLoop:
                  generation_config, streamer=None):
         self.target, self.speculators, self.aux_ids = target, speculators, list(aux_ids)
         self.cache = TreeCache(cache)  # the tree-cache protocol over the call's cache
+        self.tree_kwargs = routed_kernel(target)  # a drafting round's verify forward: eagle_hf's tree attention
         self.device = input_device(target)  # where the inputs go (looked up once: it walks the modules)
         self.logits_processor, self.streamer = logits_processor, streamer
         # EOS and max_length are checked directly; the other criteria (stop strings, the user's) on every prefix
@@ -200,7 +202,8 @@ class TreeLoop:
         mask = self.verify_mask(host.get("tree"), len(trees), width)
         marks["verify"] = self.timer.mark()
         with head_on_positions(self.target, host.get("real"), (len(trees), width)):  # padding needs no logits
-            out = self.forward(host["tokens"], attention_mask=mask, position_ids=host["positions"], all_rows=width > 1)
+            out = self.forward(host["tokens"], attention_mask=mask, position_ids=host["positions"], all_rows=width > 1,
+                               **(self.tree_kwargs if "tree" in host else {}))
         marks["verified"] = self.timer.mark()
         outcomes, next_tokens = self.accept(active, trees, out.logits, host)  # next_tokens: [B, N] or None
         self.timer.read_back()
