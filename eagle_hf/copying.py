@@ -180,6 +180,22 @@ class CopySource:
         self.branches.append(branch)
         return branch
 
+    def keep_within(self, tree) -> None:
+        """This round's branches cut to the nodes `tree` kept (a tree cut to fit a static cache): a branch teaches
+        only what was verified."""
+        host = tree.host
+        kept = []
+        for branch in self.branches:
+            node = 0 if branch.anchor is None else next(
+                (c for c in tree.children(0) if host.tokens[c] == branch.anchor), None)
+            n = 0
+            while node is not None and n < len(branch.tokens):
+                node = next((c for c in tree.children(node) if host.tokens[c] == branch.tokens[n]), None)
+                n += node is not None
+            if n:
+                kept.append(Branch(branch.tokens[:n], branch.match, branch.anchor))
+        self.branches = kept
+
     def update(self, taken: list[int], drafter_ran: bool = False) -> None:
         """Outcome of this round's branches given the accepted draft tokens `taken` (root excluded). A branch
         below a draft teaches only when its draft was accepted (its acceptance is conditional on it);

@@ -154,6 +154,15 @@ class Speculator:
                 tree = self._graft(tree, [branch], at=anchor)
         return tree
 
+    def fit(self, size: int) -> DraftTree:
+        """This round's tree cut to its first `size` nodes (a static cache's free slots: copy branches are not
+        sized by the tree's budget); the copy branches keep, and learn from, only what is left."""
+        if self.tree is not None and self.tree.size > size:
+            self.tree = self.tree.first(size)
+            if self.copy is not None:
+                self.copy.keep_within(self.tree)
+        return self.tree
+
     def _graft(self, tree: DraftTree, branches: list, at: int = 0) -> DraftTree:
         if not branches:
             return tree

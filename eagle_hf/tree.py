@@ -72,6 +72,14 @@ class DraftTree:
         return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores),
                          None if q_rows is None else torch.stack(q_rows), torch.tensor(sources, dtype=torch.uint8))
 
+    def first(self, n: int) -> DraftTree:
+        """The tree of its first `n` nodes (a node's parent comes before it: a prefix is a tree)."""
+        if n >= self.size:
+            return self
+        return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n],
+                         None if self.q_logits is None else self.q_logits[:n],
+                         None if self.sources is None else self.sources[:n])
+
     @property
     def num_drafts(self) -> int:
         return self.size - 1

@@ -7,7 +7,7 @@ import logging
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from ..ragged import Ragged
 from ..tree import DraftTree
@@ -33,13 +33,35 @@ def tree_unsupported_reason(target) -> str | None:
     return None
 
 
-def check_tree_cache(cache) -> None:
-    for layer in cache.layers:
-        if not isinstance(layer, DynamicLayer) or type(layer) is not DynamicLayer:
-            raise NotImplementedError(
-                f"Tree mode needs a plain DynamicCache; this cache has {type(layer).__name__} layers. "
-                "Use draft_mode='chain' (or cache_implementation='dynamic')."
-            )
+def cache_unsupported_reason(cache=None, implementation: str | None = None) -> str | None:
+    """Why the tree loop cannot hold draft trees in this cache (None when it can): transformers' dynamic and
+    static caches only. `cache`: a cache object passed in; `implementation`: generate()'s `cache_implementation`."""
+    if cache is not None:
+        kinds = {type(layer) for layer in cache.layers}
+        if kinds and not (kinds <= {DynamicLayer} or kinds <= {StaticLayer}):
+            names = ", ".join(sorted(k.__name__ for k in kinds))
+            return f"its cache ({names} layers) cannot hold draft trees (dynamic and static caches can)"
+    elif implementation not in (None, "dynamic", "static"):
+        return f"its {implementation!r} cache cannot hold draft trees (dynamic and static caches can)"
+    return None
+
+
+def tree_cache(cache, ragged: Ragged | None = None) -> "TreeCache":
+    """The tree-cache protocol over `cache`: `StaticTreeCache` for transformers' static cache, else `TreeCache`."""
+    reason = cache_unsupported_reason(cache)
+    if reason:  # (generate() falls back to chain mode before this: a cache passed some other way)
+        raise NotImplementedError(f"Tree mode: {reason}. Use draft_mode='chain' or cache_implementation='dynamic'.")
+    static = cache.layers and all(type(layer) is StaticLayer for layer in cache.layers)
+    return (StaticTreeCache if static else TreeCache)(cache, ragged)
+
+
+def _move_accepted(layer, past_len: int, index: torch.Tensor, width: int) -> None:
+    """Row b's nodes ``index[b]`` ([B, K] relative to `past_len`) to slots ``past_len .. past_len+K-1``, in place."""
+    b, h, _, d = layer.keys.shape
+    gather = index[:, None, :, None].expand(b, h, width, d)  # [B, H, K, D]
+    end = past_len + width
+    layer.keys[:, :, past_len:end] = layer.keys[:, :, past_len:].gather(2, gather)
+    layer.values[:, :, past_len:end] = layer.values[:, :, past_len:].gather(2, gather)
 
 
 def commit_accepted(cache, past_len: int, index: torch.Tensor | None, width: int) -> None:
@@ -50,10 +72,7 @@ def commit_accepted(cache, past_len: int, index: torch.Tensor | None, width: int
     end = past_len + width
     for layer in cache.layers:
         if index is not None:
-            b, h, _, d = layer.keys.shape
-            gather = index[:, None, :, None].expand(b, h, width, d)  # [B, H, K, D]
-            layer.keys[:, :, past_len:end] = layer.keys[:, :, past_len:].gather(2, gather)
-            layer.values[:, :, past_len:end] = layer.values[:, :, past_len:].gather(2, gather)
+            _move_accepted(layer, past_len, index, width)
         if layer.keys.shape[2] > end:  # (a view: the next update concatenates after it)
             layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
 
@@ -70,7 +89,12 @@ def regather_cache(cache, index: torch.Tensor) -> None:
     for layer in cache.layers:
         b, h, _, d = layer.keys.shape
         gather = index.to(layer.keys.device)[:, None, :, None].expand(b, h, index.shape[1], d)
-        layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
+        keys, values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
+        if isinstance(layer, StaticLayer):  # the buffers stay: the first L' slots are rewritten
+            layer.keys[:, :, : index.shape[1]], layer.values[:, :, : index.shape[1]] = keys, values
+            layer.cumulative_length.fill_(index.shape[1])
+        else:
+            layer.keys, layer.values = keys, values
 
 
 def stacked_ancestor_masks(trees: list[DraftTree]) -> torch.Tensor:
@@ -111,7 +135,6 @@ class TreeCache:
     view; a cache with fixed buffers implements the same operations with a write position instead."""
 
     def __init__(self, cache, ragged: Ragged | None = None):
-        check_tree_cache(cache)
         self.cache = cache
         self.ragged = ragged or Ragged([], 0)
         # [B, 1, R, C] the verify forward's additive mask, kept between rounds: columns below `length` hold each
@@ -140,16 +163,21 @@ class TreeCache:
         block.masked_fill_(~tree, torch.finfo(dtype).min)
         return m[:, :, :width, : length + width]
 
-    def _fresh_mask(self, rows: int, width: int, length: int, dtype: torch.dtype, device) -> torch.Tensor:
+    def _fresh_mask(self, rows: int, width: int, length: int, dtype: torch.dtype, device,
+                    columns: int | None = None) -> torch.Tensor:
         """A kept mask with room to grow (rows of queries, and columns in multiples of 64: kernels that read
         the mask want its rows aligned), its committed slots' part written from `ragged`."""
         old = self._mask
         queries = max(width, old.shape[2] if old is not None else 0)
-        columns = -(-2 * (length + width) // 64) * 64
+        columns = columns or -(-2 * (length + width) // 64) * 64
         m = torch.zeros(rows, 1, queries, columns, dtype=dtype, device=device)
         if self.ragged.holes:
             m[:, 0, :, :length].masked_fill_(~self.ragged.valid[:, None, :], torch.finfo(dtype).min)
         return m
+
+    def room(self, width: int) -> int | None:
+        """How many nodes a verify forward may write now, `width` wanted (None: any number, a dynamic cache grows)."""
+        return None
 
     def padding_mask(self, rows: int) -> torch.Tensor | None:
         """A plain step's 2D mask [B, L + 1] (bool, as plain generate() passes padding), or None without holes:
@@ -185,8 +213,78 @@ class TreeCache:
     def compact(self) -> None:
         """Move each row's real slots to the front of a shorter cache, once every row has many holes."""
         if self.ragged.worth_compacting():
-            regather_cache(self.cache, self.ragged.compact())
-            self._mask = None  # (rebuilt at the next drafting round: amortised like the compaction)
+            self._compact()
+
+    def _compact(self) -> None:
+        regather_cache(self.cache, self.ragged.compact())
+        self._mask = None  # (rebuilt at the next drafting round: amortised like the compaction)
+
+
+class StaticTreeCache(TreeCache):
+    """The tree-cache protocol over transformers' static cache: fixed buffers [B, H, capacity, D] that a forward
+    writes at a position kept on the device (`cumulative_length`). Nothing is cropped or reallocated (a compiled
+    forward keeps its buffers): a commit moves the accepted nodes in place and sets the write position after them,
+    and a compaction rewrites the first slots. A verify forward attends over the whole buffer, so its mask spans
+    every slot: the committed ones as the rows read them, the tree block, and the rest hidden (the slots of
+    earlier rounds' rejected nodes among them). The committed length is the rows' layout (`ragged.length`), a
+    host number: the device's write position is never read in the loop."""
+
+    def __init__(self, cache, ragged: Ragged | None = None):
+        super().__init__(cache, ragged)
+        self._start = int(cache.get_seq_length())  # (once, before the prefill: a static cache passed in may hold a
+        # prefix; transformers keeps the position as a tensor)
+        self._dirty = 0  # the kept mask's tree-block columns end here at most (cleared before the next block)
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.layers[0].max_cache_len
+
+    @property
+    def length(self) -> int:
+        return self.ragged.length if self.ragged.rows else self._start
+
+    def room(self, width: int) -> int:
+        """The nodes a verify forward may write now: the buffer's free slots, after compacting the holes of a
+        ragged batch once they stand in the way."""
+        if self.length + width > self.capacity and self.ragged.holes:
+            self._compact()
+        return max(1, min(width, self.capacity - self.length))
+
+    def tree_mask(self, tree: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, N, capacity]: the kept mask's first N query rows (see `TreeCache.tree_mask`); the columns after
+        the tree block stay hidden (the previous block's are cleared first)."""
+        rows, width, length = tree.shape[0], tree.shape[1], self.length
+        m = self._mask
+        if m is None or m.dtype != dtype or m.shape[0] != rows or m.shape[2] < width:
+            m = self._mask = self._fresh_mask(rows, width, length, dtype, tree.device, columns=self.capacity)
+            m[:, 0, :, length:] = torch.finfo(dtype).min
+            self._dirty = length
+        low = torch.finfo(dtype).min
+        if self._dirty > length:
+            m[:, 0, :, length : self._dirty] = low
+        block = m[:, 0, :width, length : length + width]  # [B, N, N]
+        block.zero_()
+        block.masked_fill_(~tree, low)
+        self._dirty = length + width
+        return m[:, :, :width]
+
+    def commit(self, past_len: int, index: torch.Tensor | None, lengths: list[int], valid: torch.Tensor | None,
+               device, written: int | None = None) -> None:
+        """As `TreeCache.commit`; the write position moves back to after the accepted nodes when the forward
+        wrote more (in place: the device keeps it)."""
+        width = max(lengths)
+        for layer in self.cache.layers:
+            if index is not None:
+                _move_accepted(layer, past_len, index, width)
+            if written != width:
+                layer.cumulative_length.fill_(past_len + width)
+        self.ragged.append(lengths, width, valid, device)
+        m = self._mask
+        if m is not None:
+            columns = m[:, 0, :, past_len : past_len + width]  # [B, R, K]
+            columns.zero_()
+            if valid is not None:
+                columns.masked_fill_(~valid[:, None, :], torch.finfo(m.dtype).min)
 
 
 def new_cache(target):

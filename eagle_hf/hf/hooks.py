@@ -30,7 +30,7 @@ from .call import (
     set_active_call,
 )
 from .attention import unroute_all
-from .cache import tree_unsupported_reason
+from .cache import cache_unsupported_reason, tree_unsupported_reason
 from .candidate import EagleCandidateGenerator
 from .stopping import eos_ids, trim_at_stopping_criteria
 from .tree_loop import tree_custom_generate
@@ -165,7 +165,9 @@ def _tree_unsupported(target, kwargs: dict) -> str | None:
     special = [k for k in CHAIN_ONLY_INPUTS if kwargs.get(k) is not None]
     if special:
         return f"tree mode does not take {', '.join(special)} yet"
-    reason = tree_unsupported_reason(target)
+    config = kwargs.get("generation_config") or target.generation_config
+    reason = tree_unsupported_reason(target) or cache_unsupported_reason(
+        cache_in(kwargs), kwargs.get("cache_implementation", config.cache_implementation))
     return f"{type(target).__name__}: {reason}" if reason else None
 
 

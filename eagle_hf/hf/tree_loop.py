@@ -30,7 +30,7 @@ from ..transfer import pack, to_device
 from ..tree import DraftTree
 from ..verification import accept_drawn, process_logits, sampling_draws, verify_greedy
 from .attention import routed_kernel
-from .cache import TreeCache, stacked_ancestor_masks
+from .cache import stacked_ancestor_masks, tree_cache
 from .costs import cost_model
 from .models import head_on_positions
 from .stopping import eos_ids
@@ -85,7 +85,7 @@ class TreeLoop:
     def __init__(self, target, speculators: list[Speculator], aux_ids, cache, logits_processor, stopping_criteria,
                  generation_config, streamer=None):
         self.target, self.speculators, self.aux_ids = target, speculators, list(aux_ids)
-        self.cache = TreeCache(cache)  # the tree-cache protocol over the call's cache
+        self.cache = tree_cache(cache)  # the tree-cache protocol over the call's cache (dynamic or static)
         self.tree_kwargs = routed_kernel(target)  # a drafting round's verify forward: eagle_hf's tree attention
         self.device = input_device(target)  # where the inputs go (looked up once: it walks the modules)
         self.logits_processor, self.streamer = logits_processor, streamer
@@ -183,6 +183,7 @@ class TreeLoop:
         fully pruned tree). The rows draft together: one drafter forward per level. `planned`: the drafter depth
         the shared controller chose for the batch's round."""
         depths, sizes = [], []
+        fits = self.cache.room(self.total_tokens)  # a static cache's free slots (None: a dynamic cache grows)
         for row in active:
             if row.done:  # a passenger: its root alone
                 depths.append(0)
@@ -190,8 +191,11 @@ class TreeLoop:
                 continue
             room = self.max_length - row.length - 1
             depths.append(row.sp.choose_depth(room, planned))
-            sizes.append(min(self.total_tokens, room + 1))
-        return draft_round([r.sp for r in active], [r.token for r in active], depths, sizes, marks=marks)
+            sizes.append(min(self.total_tokens, room + 1, fits or room + 1))
+        trees = draft_round([r.sp for r in active], [r.token for r in active], depths, sizes, marks=marks)
+        if fits is not None and any(t.size > fits for t in trees):
+            trees = [row.sp.fit(fits) if t.size > fits else t for row, t in zip(active, trees)]
+        return trees
 
     def verify_and_commit(self, active: list[Row], trees: list[DraftTree], marks: dict) -> None:
         """One target forward over every row's tree; each row accepts a path (the round's one read-back), keeps

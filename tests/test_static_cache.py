@@ -1,0 +1,96 @@
+"""Tree mode on transformers' static cache (`cache_implementation="static"`): the tree-cache protocol over fixed
+buffers (eagle_hf.hf.cache.StaticTreeCache). The oracle is plain generate() on the same cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_drafter, tiny_target
+from test_batch import LENGTHS, MODES, NEW, batch_oracle, left_padded, truths_of
+from test_copying import REPEAT
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+import eagle_hf
+from eagle_hf import ragged
+from eagle_hf.hf import cache as tree_cache
+from eagle_hf.hf.cache import StaticTreeCache, cache_unsupported_reason, tree_attention_mask
+from eagle_hf.hf.version import cache_kwarg
+from eagle_hf.speculation import Speculator
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+STATIC = dict(cache_implementation="static")
+
+
+def test_default_mode_runs_on_a_static_cache(caplog, monkeypatch):
+    cuts = []
+    fit = Speculator.fit
+    monkeypatch.setattr(Speculator, "fit", lambda self, n: (cuts.append((self.tree.size, n)), fit(self, n))[1])
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ref = target.generate(REPEAT, max_new_tokens=40, do_sample=False)
+    assert torch.equal(target.generate(REPEAT, max_new_tokens=40, do_sample=False, **STATIC), ref)
+    with caplog.at_level("INFO", logger="eagle_hf"):
+        out = target.generate(REPEAT, max_new_tokens=40, do_sample=False, assistant_model=drafter, **STATIC)
+        assert torch.equal(out, ref)
+        assert "EAGLE generate (tree)" in caplog.text and "falling back" not in caplog.text
+        out = target.generate(REPEAT, max_new_tokens=40, do_sample=False, draft_sources="copy", **STATIC)
+    assert torch.equal(out, ref)
+    s = eagle_hf.last_stats()
+    assert s.accepted_by_source["copy"] > 10 and s.cycles > 0
+    assert cuts  # near the end, copy branches longer than the buffer's free slots were cut to fit
+
+
+def test_a_ragged_batch_on_a_static_cache_equals_the_plain_batch(monkeypatch):
+    """Long, ragged accepted paths in a left-padded batch: commits move nodes inside the fixed buffers, holes are
+    compacted in place (also when the next tree would not fit), trees are cut to the free slots near the end; the
+    kept verify mask spans the whole buffer and equals one built from scratch up to the tree, hidden after."""
+    monkeypatch.setattr(ragged, "MIN_HOLES_TO_COMPACT", 4)
+    monkeypatch.setattr(ragged, "HOLE_FRACTION", 0.1)
+    masks, compactions = [], []
+    tree_mask = StaticTreeCache.tree_mask
+
+    def checked(self, tree, dtype):
+        kept = tree_mask(self, tree, dtype)
+        end = self.length + tree.shape[1]
+        assert kept.shape[-1] == self.capacity
+        assert torch.equal(kept[..., :end], tree_attention_mask(tree, self.ragged.valid, self.length, dtype))
+        assert bool((kept[..., end:] == torch.finfo(dtype).min).all())
+        masks.append(end)
+        return kept
+
+    monkeypatch.setattr(StaticTreeCache, "tree_mask", checked)
+    regather = tree_cache.regather_cache
+    monkeypatch.setattr(tree_cache, "regather_cache", lambda c, i: (compactions.append(i.shape), regather(c, i)))
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids, mask = left_padded()
+    plain = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    ref = target.generate(ids, **plain, **STATIC)
+    assert torch.equal(ref, target.generate(ids, **plain))
+    with batch_oracle(truths_of(ids, mask, ref)):
+        out = target.generate(ids, assistant_model=drafter, **plain, **STATIC, **MODES["tree"])
+    assert torch.equal(out, ref)
+    stats = eagle_hf.last_stats()
+    assert stats.mean_acceptance_length > 2.0 and stats.new_tokens == len(LENGTHS) * NEW, stats.summary()
+    assert masks and compactions
+    out = target.generate(ids, assistant_model=drafter, **plain, **STATIC, **MODES["eagle+copy"])
+    assert torch.equal(out, ref)
+
+
+def test_a_cache_that_cannot_hold_trees_falls_back_to_chain_mode(caplog):
+    class Layer(DynamicLayer):  # some other kind of cache layer
+        pass
+
+    assert cache_unsupported_reason(implementation="quantized")
+    assert cache_unsupported_reason(implementation="static") is None
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ref = target.generate(REPEAT, max_new_tokens=12, do_sample=False)
+    cache = DynamicCache(config=target.config)
+    cache.layers = [Layer() for _ in cache.layers]
+    with caplog.at_level("WARNING", logger="eagle_hf"):
+        out = target.generate(REPEAT, max_new_tokens=12, do_sample=False, assistant_model=drafter,
+                              draft_mode="tree", **cache_kwarg(cache))
+    assert torch.equal(out, ref)
+    assert "falling back to chain" in caplog.text and "Layer layers" in caplog.text
