@@ -5,17 +5,20 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from transformers.generation.utils import GenerationMixin
 
 from ..capture import num_decoder_layers, resolve_aux_layer_ids
+from ..devices import input_device
+from ..drafting import DraftState
 from ..errors import EagleCompatibilityError
 from ..modeling import EagleDrafter
 from ..settings import DraftSettings
-from ..speculation import DraftListener
-from ..stats import SpecDecodeStats
+from ..speculation import DraftListener, Speculator
+from ..stats import SpecDecodeStats, merge_stats
+from ..timing import Timer
 from .version import cache_in
 
 logger = logging.getLogger(__name__)
@@ -176,3 +179,28 @@ def prepare_drafter(target, drafter: EagleDrafter) -> None:
     if drafter.embed_tokens is None:
         drafter.bind_target_embedding(emb)
     drafter.eval()
+
+
+def speculators_for(target, rows: int = 1, stop_tokens=()) -> tuple[EagleCall, list[Speculator]]:
+    """The active call and a fresh speculator per batch row (one set per decoding loop); a batch's rows record
+    into stats of their own (merged by `finish_rows`) and share the call's controller. `stop_tokens`: the EOS
+    ids, where copy branches end."""
+    call = active_call()
+    stats = [call.stats] if rows == 1 else [SpecDecodeStats() for _ in range(rows)]
+    state = DraftState(positions=[0] * rows)  # the drafter's cache: one for the batch, drafted together
+    timer = Timer(input_device(target))  # one for the batch: the loop's read-backs resolve its marks
+    return call, [Speculator(call.drafter, call.settings, s, call.controller, call.listeners, timer=timer,
+                             row=None if rows == 1 else b, state=state, stop_tokens=stop_tokens)
+                             for b, s in enumerate(stats)]
+
+
+def finish_rows(call: EagleCall, speculators: list[Speculator], new_tokens: list[int]) -> None:
+    """The call's stats after the loop: a batch's are the rows' merged, each row's kept in ``per_row``."""
+    for sp, n in zip(speculators, new_tokens):
+        sp.stats.new_tokens = n
+    if len(speculators) > 1:
+        per_row = [sp.stats for sp in speculators]
+        merged = merge_stats(per_row)
+        for f in fields(SpecDecodeStats):
+            setattr(call.stats, f.name, getattr(merged, f.name))
+        call.stats.per_row = per_row

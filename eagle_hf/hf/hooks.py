@@ -11,23 +11,18 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import fields
 
 from transformers.generation.utils import GenerationMixin
 
 from ..adaptive import choose_tree_size
 from .costs import controller_for, cost_model, keep_costs
-from ..devices import input_device
 from ..errors import EagleCompatibilityError
 from ..modeling import EagleDrafter
 from ..settings import CALL_KEYWORDS, OWN_KEYWORDS, DraftSettings
-from ..drafting import DraftState
-from ..speculation import Speculator
-from ..stats import SpecDecodeStats, _set_last, merge_stats
-from ..timing import Timer
+from ..stats import _set_last
 from .call import (
     EagleCall, active_call, as_keywords, batch_rows, check_call, check_compatible, prepare_drafter, prompt_length,
-    set_active_call,
+    set_active_call, speculators_for,
 )
 from .attention import unroute_all
 from .cache import cache_unsupported_reason, tree_unsupported_reason
@@ -134,31 +129,6 @@ def _run(self, kwargs: dict, call: EagleCall):
     _set_last(call.stats)
     logger.info("EAGLE generate (%s): %s", call.settings.mode, call.stats.summary())
     return out
-
-
-def speculators_for(target, rows: int = 1, stop_tokens=()) -> tuple[EagleCall, list[Speculator]]:
-    """The active call and a fresh speculator per batch row (one set per decoding loop); a batch's rows record
-    into stats of their own (merged by `finish_rows`) and share the call's controller. `stop_tokens`: the EOS
-    ids, where copy branches end."""
-    call = active_call()
-    stats = [call.stats] if rows == 1 else [SpecDecodeStats() for _ in range(rows)]
-    state = DraftState(positions=[0] * rows)  # the drafter's cache: one for the batch, drafted together
-    timer = Timer(input_device(target))  # one for the batch: the loop's read-backs resolve its marks
-    return call, [Speculator(call.drafter, call.settings, s, call.controller, call.listeners, timer=timer,
-                             row=None if rows == 1 else b, state=state, stop_tokens=stop_tokens)
-                             for b, s in enumerate(stats)]
-
-
-def finish_rows(call: EagleCall, speculators: list[Speculator], new_tokens: list[int]) -> None:
-    """The call's stats after the loop: a batch's are the rows' merged, each row's kept in ``per_row``."""
-    for sp, n in zip(speculators, new_tokens):
-        sp.stats.new_tokens = n
-    if len(speculators) > 1:
-        per_row = [sp.stats for sp in speculators]
-        merged = merge_stats(per_row)
-        for f in fields(SpecDecodeStats):
-            setattr(call.stats, f.name, getattr(merged, f.name))
-        call.stats.per_row = per_row
 
 
 def _tree_unsupported(target, kwargs: dict) -> str | None:

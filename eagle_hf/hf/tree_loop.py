@@ -30,6 +30,7 @@ from ..transfer import pack, to_device
 from ..tree import DraftTree
 from ..verification import accept_drawn, process_logits, sampling_draws, verify_greedy
 from .attention import routed_kernel
+from .call import finish_rows, speculators_for
 from .cache import stacked_ancestor_masks, tree_cache
 from .costs import cost_model
 from .models import head_on_positions
@@ -420,8 +421,6 @@ def stack_steps(per_row: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
 
 def tree_custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
     """`custom_generate` callable: generate() has prepared processors, criteria, the cache and the batch."""
-    from .hooks import finish_rows, speculators_for
-
     cache = cache_in(model_kwargs)
     call, speculators = speculators_for(model, input_ids.shape[0], eos_ids(generation_config))
     loop = TreeLoop(model, speculators, call.aux_ids, cache, logits_processor, stopping_criteria, generation_config,
