@@ -299,3 +299,19 @@ def test_the_drafters_draft_starts_a_copied_span_exactly(monkeypatch):
     assert torch.equal(out, ref) and sum(b is not None for b in made) > 3
     s = eagle_hf.last_stats()
     assert len(s.accepted_per_position_by_source["copy"]) > 2  # copy tokens accepted below depth 1
+
+
+def test_a_branch_cut_to_fit_teaches_only_what_was_verified():
+    """A tree cut to a static cache's free slots keeps a prefix of each copy branch: the branch is shortened to
+    what the tree kept (gone if nothing), so its acceptance learns nothing about the tokens never verified."""
+    from eagle_hf.copying import Branch
+
+    src = _source()
+    tree = DraftTree.root(7).graft([[1, 2, 3, 4], [5, 6]], [[-0.1] * 4, [-0.1] * 2])  # nodes: 7 | 1 2 3 4 | 5 6
+    src.branches = [Branch([1, 2, 3, 4], 2), Branch([5, 6], 2)]
+    src.keep_within(tree.first(3))  # the root and the first branch's first two tokens
+    assert [b.tokens for b in src.branches] == [[1, 2]]
+    uncut = _source()
+    uncut.branches = [Branch([1, 2, 3, 4], 2)]
+    src.update([1, 2]), uncut.update([1, 2])  # a full hit of a 2-token branch, not a miss at the third of four
+    assert vars(src.acceptance) != vars(uncut.acceptance)
