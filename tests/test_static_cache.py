@@ -8,14 +8,16 @@ import torch
 from conftest import tiny_drafter, tiny_target
 from test_batch import LENGTHS, MODES, NEW, batch_oracle, left_padded, truths_of
 from test_copying import REPEAT
-from transformers import DynamicCache
+from transformers import CompileConfig, DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer
 
 import eagle_hf
 from eagle_hf import ragged
 from eagle_hf.hf import cache as tree_cache
+from eagle_hf.hf import tree_loop
 from eagle_hf.hf.cache import StaticTreeCache, cache_unsupported_reason, tree_attention_mask
-from eagle_hf.hf.version import cache_kwarg
+from eagle_hf.hf.hooks import STATIC_CACHE_ROOM
+from eagle_hf.hf.version import cache_kwarg, output_cache
 from eagle_hf.speculation import Speculator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,10 +33,15 @@ def test_default_mode_runs_on_a_static_cache(caplog, monkeypatch):
     ref = target.generate(REPEAT, max_new_tokens=40, do_sample=False)
     assert torch.equal(target.generate(REPEAT, max_new_tokens=40, do_sample=False, **STATIC), ref)
     with caplog.at_level("INFO", logger="eagle_hf"):
-        out = target.generate(REPEAT, max_new_tokens=40, do_sample=False, assistant_model=drafter, **STATIC)
-        assert torch.equal(out, ref)
+        out = target.generate(REPEAT, max_new_tokens=40, do_sample=False, assistant_model=drafter, **STATIC,
+                              return_dict_in_generate=True)
+        assert torch.equal(out.sequences, ref)
         assert "EAGLE generate (tree)" in caplog.text and "falling back" not in caplog.text
-        out = target.generate(REPEAT, max_new_tokens=40, do_sample=False, draft_sources="copy", **STATIC)
+    # the cache generate() built has room for one more verify forward of the widest bucket after the output
+    assert output_cache(out).layers[0].max_cache_len == ref.shape[1] - 1 + STATIC_CACHE_ROOM
+    assert not cuts
+    exact = StaticCache(config=target.config, max_cache_len=ref.shape[1] - 1)  # a cache passed in: no room
+    out = target.generate(REPEAT, max_new_tokens=40, do_sample=False, draft_sources="copy", **cache_kwarg(exact))
     assert torch.equal(out, ref)
     s = eagle_hf.last_stats()
     assert s.accepted_by_source["copy"] > 10 and s.cycles > 0
@@ -94,3 +101,28 @@ def test_a_cache_that_cannot_hold_trees_falls_back_to_chain_mode(caplog):
                               draft_mode="tree", **cache_kwarg(cache))
     assert torch.equal(out, ref)
     assert "falling back to chain" in caplog.text and "Layer layers" in caplog.text
+
+
+def test_a_compiled_forward_verifies_trees_in_a_few_shapes():
+    """transformers' automatic compile (a static cache; here forced on the CPU): the verify forwards run the
+    compiled forward on widths padded to a few buckets, so it compiles once per bucket, not once per tree size;
+    output equal to plain compiled decoding."""
+    import torch._dynamo
+
+    target = tiny_target("llama", layers=2)
+    drafter = tiny_drafter(target)
+    config = CompileConfig()
+    config._compile_all_devices = True  # (transformers compiles on accelerators only unless told)
+    call = dict(max_new_tokens=30, do_sample=False, compile_config=config, **STATIC)
+    ref = target.generate(REPEAT, **call)
+    assert torch.equal(ref, target.generate(REPEAT, max_new_tokens=30, do_sample=False))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    widths = []
+    forward = tree_loop.TreeLoop.verify_width
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tree_loop.TreeLoop, "verify_width", lambda self, n: (widths.append(w := forward(self, n)), w)[1])
+        for _ in range(2):
+            out = target.generate(REPEAT, assistant_model=drafter, tree_total_tokens=12, **call)
+            assert torch.equal(out, ref)
+    assert set(widths) <= set(tree_loop.VERIFY_BUCKETS) and len(set(widths)) >= 2
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= len(set(widths))

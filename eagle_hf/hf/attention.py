@@ -111,6 +111,8 @@ def _tiled(mask: torch.Tensor, groups: int) -> torch.Tensor:
     global _last_tiled
     if groups == 1:
         return mask
+    if torch.compiler.is_compiling():  # (a compiled forward fuses the tiling; no memo to trace)
+        return mask.repeat(1, 1, groups, 1)
     seen, seen_groups, tiled = _last_tiled
     if seen is not None and seen() is mask and seen_groups == groups:
         return tiled

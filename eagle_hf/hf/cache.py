@@ -97,9 +97,10 @@ def regather_cache(cache, index: torch.Tensor) -> None:
             layer.keys, layer.values = keys, values
 
 
-def stacked_ancestor_masks(trees: list[DraftTree]) -> torch.Tensor:
-    """bool [B, N, N] (host): each tree's ancestor mask, padded to the largest; a padding node sees itself."""
-    width = max(t.size for t in trees)
+def stacked_ancestor_masks(trees: list[DraftTree], width: int | None = None) -> torch.Tensor:
+    """bool [B, N, N] (host): each tree's ancestor mask, padded to `width` nodes (None: the largest tree's); a
+    padding node sees itself."""
+    width = width or max(t.size for t in trees)
     out = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
     for b, t in enumerate(trees):
         out[b, : t.size, : t.size] = t.ancestor_mask()

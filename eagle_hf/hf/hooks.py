@@ -28,13 +28,16 @@ from .attention import unroute_all
 from .cache import cache_unsupported_reason, tree_unsupported_reason
 from .candidate import EagleCandidateGenerator
 from .stopping import eos_ids, trim_at_stopping_criteria
-from .tree_loop import tree_custom_generate
+from .tree_loop import VERIFY_BUCKETS, tree_custom_generate
 from .version import cache_in, check_transformers_version
 
 logger = logging.getLogger(__name__)
 
 _original_generate = GenerationMixin.generate
 _original_get_candidate_generator = GenerationMixin._get_candidate_generator
+
+#: the slots a static cache gets beyond the output in tree mode: one verify forward of the widest bucket
+STATIC_CACHE_ROOM = VERIFY_BUCKETS[-1]
 
 #: inputs tree mode cannot take yet: the call runs in chain mode
 CHAIN_ONLY_INPUTS = ("pixel_values", "image_grid_thw", "token_type_ids", "inputs_embeds")
@@ -95,11 +98,25 @@ def generate(self, *args, **kwargs):
         logger.info("Tree size chosen from the verify costs: %d tokens", settings.total_tokens)
     call.controller = controller_for(self, drafter, settings)
     if settings.mode == "tree":
+        _room_for_trees(self, kwargs)
         kwargs.pop("assistant_model", None)
         kwargs["custom_generate"] = tree_custom_generate
     for key in OWN_KEYWORDS:
         kwargs.pop(key, None)
     return _run(self, kwargs, call)
+
+
+def _room_for_trees(target, kwargs: dict) -> None:
+    """A static cache that generate() builds is sized to the output (`max_length - 1` slots): ask for room for
+    one more verify forward of the largest padded width after it, so that trees near the end are not cut."""
+    config = kwargs.get("generation_config") or target.generation_config
+    if kwargs.get("cache_implementation", config.cache_implementation) != "static" or cache_in(kwargs) is not None:
+        return
+    new, prompt = kwargs.get("max_new_tokens", config.max_new_tokens), prompt_length(kwargs)
+    if new is None or prompt is None:  # (generate() derives the length some other way: trees may be cut)
+        return
+    wanted = prompt + new - 1 + STATIC_CACHE_ROOM
+    kwargs["max_cache_len"] = max(wanted, kwargs.get("max_cache_len") or config.max_cache_len or 0)
 
 
 def _as_tree_with_top_k_1(settings: DraftSettings) -> None:

@@ -80,12 +80,19 @@ class Outcome:
     cut: bool = False
 
 
+#: the verify forward's widths with a compiled forward (beyond the last: multiples of 64)
+VERIFY_BUCKETS = (1, 4, 8, 16, 32, 64)
+
+
 class TreeLoop:
     """Decode a batch with draft trees. `run()` returns (sequences [B, T'], the rows)."""
 
     def __init__(self, target, speculators: list[Speculator], aux_ids, cache, logits_processor, stopping_criteria,
-                 generation_config, streamer=None):
+                 generation_config, streamer=None, compiled=None):
         self.target, self.speculators, self.aux_ids = target, speculators, list(aux_ids)
+        # transformers' compiled forward (static cache, automatic compile): the verify forwards run it, on widths
+        # padded to a few buckets (`verify_width`), so that it compiles once per bucket; the prefill does not
+        self.compiled = compiled
         self.cache = tree_cache(cache)  # the tree-cache protocol over the call's cache (dynamic or static)
         self.tree_kwargs = routed_kernel(target)  # a drafting round's verify forward: eagle_hf's tree attention
         self.device = input_device(target)  # where the inputs go (looked up once: it walks the modules)
@@ -160,7 +167,7 @@ class TreeLoop:
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T] as generate() numbers a left-padded batch
         padded = not all(all(m) for m in host_mask)
         out = self.forward(ids[:, cached:], attention_mask=mask.long() if padded else None,
-                           position_ids=positions[:, cached:])
+                           position_ids=positions[:, cached:], prefill=True)
         raw = out.logits[:, -1].float()  # [B, V]
         aux = gather_aux(out.hidden_states, self.aux_ids) if self.uses_eagle else None  # [B, T - cached, A*H_t]
         counts = [sum(m) for m in host_mask]
@@ -202,7 +209,7 @@ class TreeLoop:
         """One target forward over every row's tree; each row accepts a path (the round's one read-back), keeps
         its nodes' KV in place and commits its rows to the drafter."""
         past_len = self.cache.length
-        width = max(t.size for t in trees)  # N: the trees are padded to the largest
+        width = self.verify_width(max(t.size for t in trees))  # N: the trees are padded to the largest (or more)
         host = pack(self.device, **self.verify_layout(active, trees, width))
         mask = self.verify_mask(host.get("tree"), len(trees), width)
         marks["verify"] = self.timer.mark()
@@ -212,7 +219,15 @@ class TreeLoop:
         marks["verified"] = self.timer.mark()
         outcomes, next_tokens = self.accept(active, trees, out.logits, host)  # next_tokens: [B, N] or None
         self.timer.read_back()
-        self.commit(active, trees, outcomes, next_tokens, out.hidden_states, past_len)
+        self.commit(active, trees, outcomes, next_tokens, out.hidden_states, past_len, width)
+
+    def verify_width(self, largest: int) -> int:
+        """The verify forward's width for trees of at most `largest` nodes: that, or with a compiled forward the
+        next of a few buckets (1, 4, 8, 16, 32, 64, then multiples of 64) where the cache has the room."""
+        if self.compiled is None or largest == 1:
+            return largest
+        bucket = next((b for b in VERIFY_BUCKETS if b >= largest), -(-largest // 64) * 64)
+        return bucket if self.cache.room(bucket) in (None, bucket) else largest
 
     def verify_layout(self, active: list[Row], trees: list[DraftTree], width: int) -> dict:
         """The verify forward's host arrays, copied at once: tokens and positions [B, N], each tree's ancestor
@@ -223,8 +238,8 @@ class TreeLoop:
                "positions": [[r.position + d for d in t.host.depths] + [r.position] * p
                              for r, t, p in zip(active, trees, pad)]}
         if width > 1:
-            out["tree"] = stacked_ancestor_masks(trees)  # [B, N, N]
-            if any(pad):
+            out["tree"] = stacked_ancestor_masks(trees, width)  # [B, N, N]
+            if any(pad) and self.compiled is None:  # (a compiled forward keeps one shape: every node's logits)
                 out["real"] = [b * width + n for b, t in enumerate(trees) for n in range(t.size)]
         if self.do_sample:
             out["parents"] = [t.host.parents + [0] * p for t, p in zip(trees, pad)]
@@ -275,9 +290,9 @@ class TreeLoop:
         return Outcome(new, path[: len(new)], raw, scores, len(new) < len(proposed))
 
     def commit(self, active: list[Row], trees: list[DraftTree], outcomes: list[Outcome], chosen, hidden_states,
-               past_len: int) -> None:
+               past_len: int, written: int) -> None:
         """Keep each row's accepted nodes in the cache (in place), hand them to the drafter with the tokens that
-        follow them, and append the emitted tokens."""
+        follow them, and append the emitted tokens. `written`: the nodes the verify forward wrote per row (N)."""
         keeps = [o.keep for o in outcomes]
         lengths = [len(k) for k in keeps]
         width = max(lengths)  # K: every row's cache grows by the longest path
@@ -290,7 +305,6 @@ class TreeLoop:
             arrays["valid"] = [[i < n for i in range(width)] for n in lengths]
         host = pack(self.device, **arrays) if arrays else {}
         index = host.get("index")  # [B, K] or None: the first K nodes
-        written = max(t.size for t in trees)  # N: the nodes the verify forward wrote
         self.cache.commit(past_len, index, lengths, host["valid"].bool() if "valid" in host else None, self.device,
                           written)
         if chosen is not None:  # greedy: the emitted token after node n is the target's choice there
@@ -357,10 +371,11 @@ class TreeLoop:
         return best
 
     # ------------------------------------------------------------------ helpers
-    def forward(self, ids: torch.Tensor, all_rows: bool = False, **kwargs):
+    def forward(self, ids: torch.Tensor, all_rows: bool = False, prefill: bool = False, **kwargs):
         hidden = {} if self.request is None else {"output_hidden_states": self.request}
-        return self.target(input_ids=ids, **self.cache.forward_kwargs(), use_cache=True,
-                           logits_to_keep=0 if all_rows else 1, **hidden, **kwargs)
+        model = self.target if prefill or self.compiled is None else self.compiled
+        return model(input_ids=ids, **self.cache.forward_kwargs(), use_cache=True,
+                     logits_to_keep=0 if all_rows else 1, **hidden, **kwargs)
 
     def cut(self, row: Row, new: list[int]) -> list[int]:
         """The tokens of `new` plain decoding emits before it stops (EOS, max_length, the stopping criteria on
@@ -423,8 +438,10 @@ def tree_custom_generate(model, input_ids, logits_processor, stopping_criteria, 
     """`custom_generate` callable: generate() has prepared processors, criteria, the cache and the batch."""
     cache = cache_in(model_kwargs)
     call, speculators = speculators_for(model, input_ids.shape[0], eos_ids(generation_config))
+    compiled = (model.get_compiled_call(generation_config.compile_config)
+                if model._valid_auto_compile_criteria(model_kwargs, generation_config) else None)
     loop = TreeLoop(model, speculators, call.aux_ids, cache, logits_processor, stopping_criteria, generation_config,
-                    call.streamer)
+                    call.streamer, compiled)
     seq, rows = loop.run(input_ids, model_kwargs.get("attention_mask"))
     finish_rows(call, speculators, [r.length - input_ids.shape[1] for r in rows])
     emitted = [r.emitted for r in rows]
