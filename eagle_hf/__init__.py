@@ -13,13 +13,12 @@ import logging
 from .checkpoint import DrafterLoadError
 from .config import EagleConfig
 from .default import DEFAULT_DRAFTER, DEFAULT_TARGET_NAME, load_default_target, load_drafter, load_target
+from .config import __version__
 from .errors import EagleCompatibilityError
 from .hf import install, write_custom_generate
 from .modeling import EagleDrafter
 from .settings import DraftSettings
 from .stats import SpecDecodeStats, last_stats
-
-__version__ = "0.1.0"
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 install()

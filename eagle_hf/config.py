@@ -6,6 +6,9 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+#: eagle_hf's version (the package's `__version__`; a saved drafter's config records it in its provenance)
+__version__ = "0.1.0"
+
 #: Architecture names that vLLM / SGLang map to the Llama-style EAGLE-3 drafter.
 EAGLE3_ARCHITECTURES = (
     "LlamaForCausalLMEagle3",

@@ -19,8 +19,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
-from .config import EagleConfig
-from .hf.models import rope_init
+from .compat import rope_init
+from .config import EagleConfig, __version__
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +82,6 @@ class KV:
     @property
     def length(self) -> int:
         return self.keys.shape[2]
-
-    def crop(self, length: int) -> KV:
-        return KV(self.keys[:, :, :length], self.values[:, :, :length])
 
     def append(self, other: KV) -> KV:
         return KV(torch.cat([self.keys, other.keys], 2), torch.cat([self.values, other.values], 2))
@@ -293,8 +290,6 @@ class EagleDrafter(PreTrainedModel):
         The EAGLE-3.1 flags are top-level keys; our provenance (library version, aux-id convention, target) sits in
         an ``eagle_hf`` block that engines ignore.
         """
-        from . import __version__
-
         if target_model is not None:
             self.config.target_model = target_model
         self.config.eagle_hf = {

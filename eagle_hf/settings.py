@@ -21,7 +21,6 @@ transformers already has a name for the same thing:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -139,9 +138,6 @@ class DraftSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
-
-    def replace(self, **changes) -> DraftSettings:
-        return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ building and checking
     @classmethod

@@ -44,8 +44,10 @@ DEFAULT_MARGINAL_COST = 0.05
 
 class Speculator:
     """The drafter's side of one `generate()` call. Rounds are ``"prefill"``, ``"draft"`` (a draft-and-verify
-    cycle), ``"fallback"`` (a plain step chosen by the schedule, or a fully pruned tree) or ``"final"`` (a plain
-    step because no room is left for a draft)."""
+    cycle), ``"fallback"`` (a plain step chosen by the schedule, or a fully pruned tree), ``"final"`` (a plain
+    step because no room is left for a draft) or ``"passenger"`` (a finished batch row kept in the batch because
+    the forward is cheaper with it: its root alone, never drafting again). Only this class writes its round and
+    its slot; the loops say what happened (`prefill`, `ride_along`, `move_to`)."""
 
     def __init__(
         self,
@@ -153,6 +155,18 @@ class Speculator:
             if branch is not None:
                 tree = self._graft(tree, [branch], at=anchor)
         return tree
+
+    def prefill(self) -> None:
+        """The target reads the prompt this round: nothing to draft."""
+        self.round = "prefill"
+
+    def ride_along(self) -> None:
+        """This row has finished but stays in the batch (a cheaper forward): its root alone from now on."""
+        self.round = "passenger"
+
+    def move_to(self, slot: int) -> None:
+        """Rows left the batch: this row is now `slot` in the shared drafter cache."""
+        self.slot = slot
 
     def fit(self, size: int) -> DraftTree:
         """This round's tree cut to its first `size` nodes (a static cache's free slots: copy branches are not

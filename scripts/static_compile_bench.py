@@ -50,6 +50,10 @@ def main():
     logging.basicConfig(level=logging.WARNING)
     target, tok = eagle_hf.load_target("default", dtype=getattr(torch, args.dtype))
     drafter = EagleDrafter.from_pretrained(eagle_hf.DEFAULT_DRAFTER)
+    # one compiled call serves every mode here (transformers keeps one per model): allow a graph per mode's kwargs
+    # and per verify width bucket (torch's default, 8 per function, suits one mode at a time)
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 1024
     compiled = CompileConfig()
     compiled._compile_all_devices = True  # (transformers compiles on accelerators only unless told)
     chosen = modes(drafter, compiled)

@@ -49,7 +49,7 @@ def main():
                 target(ids, attention_mask=mask, position_ids=positions, **cache_kwarg(cache), use_cache=True,
                        logits_to_keep=0, **kwargs)
                 seconds = time.perf_counter() - start
-                cache.crop(context)
+                cache.crop(-n)  # (back to the context)
                 if r:  # (the first round warms up)
                     times[name].append(seconds)
         row = {"context": context, "width": n,

@@ -16,6 +16,7 @@ from eagle_hf import ragged
 from eagle_hf.hf import cache as tree_cache
 from eagle_hf.hf import tree_loop
 from eagle_hf.hf.cache import StaticTreeCache, cache_unsupported_reason, tree_attention_mask
+from eagle_hf.hf.costs import cost_model
 from eagle_hf.hf.hooks import STATIC_CACHE_ROOM
 from eagle_hf.hf.version import cache_kwarg, output_cache
 from eagle_hf.speculation import Speculator
@@ -125,4 +126,9 @@ def test_a_compiled_forward_verifies_trees_in_a_few_shapes():
             out = target.generate(REPEAT, assistant_model=drafter, tree_total_tokens=12, **call)
             assert torch.equal(out, ref)
     assert set(widths) <= set(tree_loop.VERIFY_BUCKETS) and len(set(widths)) >= 2
+    # the compiled forward's costs are kept apart, and a round that compiled a shape taught none (a compile takes
+    # seconds; a forward of this model, milliseconds)
+    compiled_costs = cost_model(target, drafter, compiled=True)
+    assert compiled_costs.observed and not cost_model(target, drafter).observed
+    assert max(compiled_costs.as_dict()["seconds"].values()) < 0.5
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= len(set(widths))

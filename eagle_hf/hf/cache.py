@@ -257,7 +257,9 @@ class StaticTreeCache(TreeCache):
         rows, width, length = tree.shape[0], tree.shape[1], self.length
         m = self._mask
         if m is None or m.dtype != dtype or m.shape[0] != rows or m.shape[2] < width:
-            m = self._mask = self._fresh_mask(rows, width, length, dtype, tree.device, columns=self.capacity)
+            m = self._mask = self._fresh_mask(rows, -(-max(width, 64) // 64) * 64, length, dtype, tree.device,
+                                              columns=self.capacity)  # (64 query rows at least: the views
+            # of every tree width share one stride, which a compiled forward's guards check)
             m[:, 0, :, length:] = torch.finfo(dtype).min
             self._dirty = length
         low = torch.finfo(dtype).min

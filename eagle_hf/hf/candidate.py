@@ -70,7 +70,7 @@ class EagleCandidateGenerator(CandidateGenerator):
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, n_last_matches=0):
         sp = self.speculator
         if is_first_iteration or model_outputs is None:
-            sp.round = "prefill"
+            sp.prefill()
             return input_ids, None  # the target prefills; drafting starts from its hidden states
         sp.timer.read_back()  # transformers' loop has read the last verification back: its marks are done
         self._end_timing()

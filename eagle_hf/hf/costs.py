@@ -29,12 +29,13 @@ _COST_FORMAT = 2
 _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def cost_model(target, drafter=None) -> CostModel:
+def cost_model(target, drafter=None, compiled: bool = False) -> CostModel:
     """The cost model of `target` (with `drafter`'s steps) on its device: nothing is measured here. It starts
     from what an earlier process learnt on this machine (`COST_CACHE_ENV`), else from its device kind's prior,
     and learns from the forwards the decoding loops time; kept per model object (weakly) for later calls, and
-    on disk by `keep_costs` after each call."""
-    key = _cost_key(target, drafter)
+    on disk by `keep_costs` after each call. `compiled`: the costs of transformers' compiled forward (a static
+    cache), kept apart from the uncompiled forward's."""
+    key = _cost_key(target, drafter, compiled)
     known = _COSTS.setdefault(target, {})
     if key not in known:
         known[key] = _read_persisted(target, key) or CostModel.prior(input_device(target).type)
@@ -58,9 +59,9 @@ def keep_costs(target) -> None:
         logger.info("Could not keep the learnt costs in %s: %s", path, e)
 
 
-def _cost_key(target, drafter) -> str:
+def _cost_key(target, drafter, compiled: bool = False) -> str:
     return json.dumps(["costs", drafter.config.hidden_size if drafter is not None else 0,
-                       str(drafter.fc.weight.dtype) if drafter is not None else ""])
+                       str(drafter.fc.weight.dtype) if drafter is not None else ""] + (["compiled"] if compiled else []))
 
 
 def _cost_file(target) -> Path | None:
@@ -97,13 +98,14 @@ def _read_persisted(target, key: str) -> CostModel | None:
         return None
 
 
-def controller_for(target, drafter, settings: DraftSettings) -> DraftLengthController | None:
-    """The per-call controller of the "adaptive" schedule (None for fixed schedules), chain or tree."""
+def controller_for(target, drafter, settings: DraftSettings, compiled: bool = False) -> DraftLengthController | None:
+    """The per-call controller of the "adaptive" schedule (None for fixed schedules), chain or tree, on the costs
+    of the forward that verifies (`compiled`: transformers' compiled one)."""
     if not settings.adaptive:
         return None
     tree = settings.mode == "tree"
     return DraftLengthController(
-        cost_model(target, drafter),
+        cost_model(target, drafter, compiled),
         max_draft=settings.depth,
         probe_every=settings.probe_every,
         min_gain=settings.min_gain,

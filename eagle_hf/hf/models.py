@@ -21,11 +21,11 @@ def final_norm_scale(target) -> torch.Tensor:
     return w
 
 
-def rope_init(config) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies, attention scaling) of a scaled RoPE type, from transformers' RoPE menu."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+def compiled_graphs() -> int:
+    """How many graphs torch.compile has compiled in this process (read on the host: no device work)."""
+    from torch._dynamo.utils import counters
 
-    return ROPE_INIT_FUNCTIONS[config.rope_parameters["rope_type"]](config, None)
+    return counters["stats"]["unique_graphs"]
 
 
 @contextmanager

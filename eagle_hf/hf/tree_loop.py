@@ -30,10 +30,10 @@ from ..transfer import pack, to_device
 from ..tree import DraftTree
 from ..verification import accept_drawn, process_logits, sampling_draws, verify_greedy
 from .attention import routed_kernel
-from .call import finish_rows, speculators_for
+from .call import active_call, finish_rows, speculators_for
 from .cache import stacked_ancestor_masks, tree_cache
-from .costs import cost_model
-from .models import head_on_positions
+from .costs import controller_for, cost_model
+from .models import compiled_graphs, head_on_positions
 from .stopping import eos_ids
 from .version import cache_in, cache_kwarg
 
@@ -115,7 +115,9 @@ class TreeLoop:
         self.total_tokens = int(settings.total_tokens)
         self.controller = speculators[0].controller  # shared by the rows: it plans for the whole batch
         # the target's costs: the timed forwards teach it, a shrinking batch asks it (`cheapest_size`)
-        self.cost = self.controller.cost if self.controller is not None else cost_model(target)
+        self.cost = (self.controller.cost if self.controller is not None
+                     else cost_model(target, compiled=compiled is not None))
+        self.compiling = False  # whether this round's verify forward compiled a graph
         self.timer = speculators[0].timer  # shared by the rows
 
     @property
@@ -147,8 +149,9 @@ class TreeLoop:
             self.verify_and_commit(active, trees, marks)
             marks["end"] = self.timer.mark()
             facts["tokens"] = (sum(r.length for r in active) - before) / live
-            self.timer.measure_marks(marks, lambda at, f=facts, d=drafting:
-                                     self.observe(RoundTiming.from_marks(at, **f), d))
+            if not self.compiling:  # (a round that compiled a shape teaches no cost)
+                self.timer.measure_marks(marks, lambda at, f=facts, d=drafting:
+                                         self.observe(RoundTiming.from_marks(at, **f), d))
             if sum(not r.done for r in active) < live:
                 active = self.retire(active)
             else:
@@ -213,10 +216,12 @@ class TreeLoop:
         host = pack(self.device, **self.verify_layout(active, trees, width))
         mask = self.verify_mask(host.get("tree"), len(trees), width)
         marks["verify"] = self.timer.mark()
+        graphs = compiled_graphs()
         with head_on_positions(self.target, host.get("real"), (len(trees), width)):  # padding needs no logits
             out = self.forward(host["tokens"], attention_mask=mask, position_ids=host["positions"], all_rows=width > 1,
                                **(self.tree_kwargs if "tree" in host else {}))
         marks["verified"] = self.timer.mark()
+        self.compiling = compiled_graphs() != graphs  # (a forward that compiled a graph: its time is no cost)
         outcomes, next_tokens = self.accept(active, trees, out.logits, host)  # next_tokens: [B, N] or None
         self.timer.read_back()
         self.commit(active, trees, outcomes, next_tokens, out.hidden_states, past_len, width)
@@ -228,6 +233,8 @@ class TreeLoop:
             return largest
         bucket = next((b for b in VERIFY_BUCKETS if b >= largest), -(-largest // 64) * 64)
         return bucket if self.cache.room(bucket) in (None, bucket) else largest
+
+
 
     def verify_layout(self, active: list[Row], trees: list[DraftTree], width: int) -> dict:
         """The verify forward's host arrays, copied at once: tokens and positions [B, N], each tree's ancestor
@@ -347,7 +354,7 @@ class TreeLoop:
         size = self.cheapest_size(len(live), len(rows))
         passengers = [i for i, r in enumerate(rows) if r.done][: size - len(live)]
         for i in passengers:
-            rows[i].sp.round = "passenger"  # (never a drafting round again)
+            rows[i].sp.ride_along()
         if size == len(rows):
             return rows
         stay = sorted(live + passengers)
@@ -355,7 +362,7 @@ class TreeLoop:
         self.cache.select_rows(stay, index)
         rows[0].sp.state.select(stay)  # the drafter's cache, shared by the rows
         for slot, b in enumerate(stay):
-            rows[b].sp.slot = slot
+            rows[b].sp.move_to(slot)
         return [rows[i] for i in stay]
 
     def cheapest_size(self, live: int, current: int) -> int:
@@ -437,9 +444,12 @@ def stack_steps(per_row: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
 def tree_custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
     """`custom_generate` callable: generate() has prepared processors, criteria, the cache and the batch."""
     cache = cache_in(model_kwargs)
-    call, speculators = speculators_for(model, input_ids.shape[0], eos_ids(generation_config))
+    call = active_call()
     compiled = (model.get_compiled_call(generation_config.compile_config)
                 if model._valid_auto_compile_criteria(model_kwargs, generation_config) else None)
+    if compiled is not None and call.controller is not None:  # the schedule plans on the compiled forward's costs
+        call.controller = controller_for(model, call.drafter, call.settings, compiled=True)
+    call, speculators = speculators_for(model, input_ids.shape[0], eos_ids(generation_config))
     loop = TreeLoop(model, speculators, call.aux_ids, cache, logits_processor, stopping_criteria, generation_config,
                     call.streamer, compiled)
     seq, rows = loop.run(input_ids, model_kwargs.get("attention_mask"))

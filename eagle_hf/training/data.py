@@ -362,24 +362,3 @@ def _atomic_write_json(path: Path, obj) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(obj, indent=1))
     tmp.replace(path)
-
-
-def read_responses(path: str | Path) -> list[tuple[str, str]]:
-    """`(prompt, response)` pairs from JSONL: `{"prompt", "response"}` or `messages`/`conversations` turns."""
-    pairs = []
-    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        rec = json.loads(line)
-        if "prompt" in rec and "response" in rec:
-            pairs.append((rec["prompt"], rec["response"]))
-            continue
-        turns = rec.get("messages") or rec.get("conversations") or []
-        user = next((t.get("content", t.get("value")) for t in turns if t.get("role", t.get("from")) in ("user", "human")), None)
-        reply = next((t.get("content", t.get("value")) for t in turns if t.get("role", t.get("from")) in ("assistant", "gpt")), None)
-        if user is None or reply is None:
-            raise ValueError(f"{path}:{lineno}: expected prompt/response or a user and an assistant turn.")
-        pairs.append((user, reply))
-    if not pairs:
-        raise ValueError(f"{path} holds no responses.")
-    return pairs
