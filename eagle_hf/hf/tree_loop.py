@@ -216,12 +216,13 @@ class TreeLoop:
         host = pack(self.device, **self.verify_layout(active, trees, width))
         mask = self.verify_mask(host.get("tree"), len(trees), width)
         marks["verify"] = self.timer.mark()
-        graphs = compiled_graphs()
+        graphs = compiled_graphs() if self.compiled is not None else 0
         with head_on_positions(self.target, host.get("real"), (len(trees), width)):  # padding needs no logits
             out = self.forward(host["tokens"], attention_mask=mask, position_ids=host["positions"], all_rows=width > 1,
                                **(self.tree_kwargs if "tree" in host else {}))
         marks["verified"] = self.timer.mark()
-        self.compiling = compiled_graphs() != graphs  # (a forward that compiled a graph: its time is no cost)
+        self.compiling = self.compiled is not None and compiled_graphs() != graphs  # (a forward that compiled a
+        # graph: its time is no cost)
         outcomes, next_tokens = self.accept(active, trees, out.logits, host)  # next_tokens: [B, N] or None
         self.timer.read_back()
         self.commit(active, trees, outcomes, next_tokens, out.hidden_states, past_len, width)
