@@ -127,7 +127,7 @@ def test_finished_rows_ride_along_where_the_full_batch_is_cheaper(monkeypatch, f
         def observe(self, timing):
             pass
 
-    monkeypatch.setattr(tree_loop, "cost_model", lambda target, drafter=None: Costs())
+    monkeypatch.setattr(tree_loop, "cost_model", lambda target, drafter=None, compiled=False: Costs())
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     ids, mask = left_padded(seed=3)
