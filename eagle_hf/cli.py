@@ -196,8 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--assistant", default=None, help="a small draft model for transformers' assisted generation")
     b.add_argument("--early-exit-layer", type=int, default=None, help="enable transformers' early-exit mode at this layer")
     b.add_argument("--prompts", default="mt_bench,humaneval,gsm8k,sum,qa,code_edit,multi_turn",
-                   help="comma-separated prompt sets (shipped: mt_bench, humaneval, gsm8k, sum, qa, and the copy-heavy "
-                        "code_edit, multi_turn) or JSONL files")
+                   help="comma-separated prompt sets (shipped: mt_bench, humaneval, gsm8k, sum, qa, the copy-heavy "
+                        "code_edit, multi_turn, and one per kind of text: translation, questions, math_word, rag, "
+                        "extraction) or JSONL files")
     b.add_argument("--modes", default=None,
                    help=f"comma-separated subset of modes (plain always runs); one of: {', '.join(MODE_NAMES)}")
     b.add_argument("--mode", action="append", default=[], metavar="NAME=JSON",

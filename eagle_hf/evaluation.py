@@ -19,12 +19,16 @@ PROMPT_SETS = ("mt_bench", "humaneval", "gsm8k", "sum", "qa")
 #: sets whose answers copy their context (scripts/make_copy_sets.py): code edits of HumanEval functions, and
 #: MT-bench second turns after the default target's own first answer (`messages` records: the text is a chat)
 COPY_SETS = ("code_edit", "multi_turn")
+#: one set per kind of text a user brings (issue #35), written for eagle_hf: translation of short news items
+#: from six languages, general questions, math word problems, questions over retrieved passages, extraction
+#: from a document
+KIND_SETS = ("translation", "questions", "math_word", "rag", "extraction")
 
 
 def load_prompt_set(name_or_path: str, limit: int | None = None, turn: int = 0) -> list[tuple[str, str | list]]:
     """`(prompt id, text)` pairs of a shipped set (mt_bench, humaneval, gsm8k, sum, qa, code_edit, multi_turn) or a
     JSONL file. For `messages` records the text is the list of chat messages."""
-    known = PROMPT_SETS + COPY_SETS
+    known = PROMPT_SETS + COPY_SETS + KIND_SETS
     path = PROMPT_DIR / f"{name_or_path}.jsonl" if name_or_path in known else Path(name_or_path)
     if not path.is_file():
         raise FileNotFoundError(f"No prompt set {name_or_path!r}: use one of {known} or a JSONL file path.")

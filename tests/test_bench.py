@@ -83,3 +83,13 @@ def test_every_cli_option_has_help_text():
     assert "generate, bench, demo, train" in root.description
     assert "eagle chain adaptive" in parsers["eagle-hf bench"].format_help()
     assert "(default: 128)" in parsers["eagle-hf generate"].format_help()
+
+
+def test_every_shipped_prompt_set_loads_with_its_licence_noted():
+    from eagle_hf.evaluation import COPY_SETS, KIND_SETS, PROMPT_DIR, PROMPT_SETS, load_prompt_set
+
+    readme = (PROMPT_DIR / "README.md").read_text()
+    for name in PROMPT_SETS + COPY_SETS + KIND_SETS:
+        prompts = load_prompt_set(name)
+        assert len(prompts) >= (9 if name == "multi_turn" else 40), name
+        assert all(text for _, text in prompts) and f"`{name}.jsonl`" in readme, name
