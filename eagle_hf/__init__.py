@@ -11,9 +11,8 @@ from __future__ import annotations
 import logging
 
 from .checkpoint import DrafterLoadError
-from .config import EagleConfig
+from .config import EagleConfig, __version__
 from .default import DEFAULT_DRAFTER, DEFAULT_TARGET_NAME, load_default_target, load_drafter, load_target
-from .config import __version__
 from .errors import EagleCompatibilityError
 from .hf import install, write_custom_generate
 from .modeling import EagleDrafter
@@ -32,6 +31,7 @@ __all__ = [
     "EagleConfig",
     "EagleDrafter",
     "SpecDecodeStats",
+    "__version__",
     "last_stats",
     "load_default_target",
     "load_drafter",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -46,7 +46,7 @@ def cache_unsupported_reason(cache=None, implementation: str | None = None) -> s
     return None
 
 
-def tree_cache(cache, ragged: Ragged | None = None) -> "TreeCache":
+def tree_cache(cache, ragged: Ragged | None = None) -> TreeCache:
     """The tree-cache protocol over `cache`: `StaticTreeCache` for transformers' static cache, else `TreeCache`."""
     reason = cache_unsupported_reason(cache)
     if reason:  # (generate() falls back to chain mode before this: a cache passed some other way)

@@ -30,8 +30,8 @@ from ..transfer import pack, to_device
 from ..tree import DraftTree
 from ..verification import accept_drawn, process_logits, sampling_draws, verify_greedy
 from .attention import routed_kernel
-from .call import active_call, finish_rows, speculators_for
 from .cache import stacked_ancestor_masks, tree_cache
+from .call import active_call, finish_rows, speculators_for
 from .costs import controller_for, cost_model
 from .models import compiled_graphs, head_on_positions
 from .stopping import eos_ids
