@@ -176,8 +176,17 @@ class TreeCache:
             m[:, 0, :, :length].masked_fill_(~self.ragged.valid[:, None, :], torch.finfo(dtype).min)
         return m
 
+    def _keep(self, past_len: int, index: torch.Tensor | None, width: int) -> None:
+        """The accepted nodes into the slots after the committed ones; the cache ends after them."""
+        commit_accepted(self.cache, past_len, index, width)
+
+    @property
+    def free(self) -> int | None:
+        """The slots a forward may still write (None: any number, a dynamic cache grows)."""
+        return None
+
     def room(self, width: int) -> int | None:
-        """How many nodes a verify forward may write now, `width` wanted (None: any number, a dynamic cache grows)."""
+        """How many nodes a verify forward may write now, `width` wanted (None: any number)."""
         return None
 
     def padding_mask(self, rows: int) -> torch.Tensor | None:
@@ -193,7 +202,7 @@ class TreeCache:
         to move or crop, as in a plain step)."""
         width = max(lengths)
         if index is not None or written != width:
-            commit_accepted(self.cache, past_len, index, width)
+            self._keep(past_len, index, width)
         self.ragged.append(lengths, width, valid, device)
         m = self._mask
         if m is not None and past_len + width <= m.shape[3]:  # the new slots' columns, for every query row
@@ -244,12 +253,16 @@ class StaticTreeCache(TreeCache):
     def length(self) -> int:
         return self.ragged.length if self.ragged.rows else self._start
 
+    @property
+    def free(self) -> int:
+        return self.capacity - self.length
+
     def room(self, width: int) -> int:
         """The nodes a verify forward may write now: the buffer's free slots, after compacting the holes of a
         ragged batch once they stand in the way."""
-        if self.length + width > self.capacity and self.ragged.holes:
+        if width > self.free and self.ragged.holes:
             self._compact()
-        return max(1, min(width, self.capacity - self.length))
+        return max(1, min(width, self.free))
 
     def tree_mask(self, tree: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[B, 1, N, capacity]: the kept mask's first N query rows (see `TreeCache.tree_mask`); the columns after
@@ -271,23 +284,12 @@ class StaticTreeCache(TreeCache):
         self._dirty = length + width
         return m[:, :, :width]
 
-    def commit(self, past_len: int, index: torch.Tensor | None, lengths: list[int], valid: torch.Tensor | None,
-               device, written: int | None = None) -> None:
-        """As `TreeCache.commit`; the write position moves back to after the accepted nodes when the forward
-        wrote more (in place: the device keeps it)."""
-        width = max(lengths)
+    def _keep(self, past_len: int, index: torch.Tensor | None, width: int) -> None:
+        """The accepted nodes moved in place; the write position set after them (on the device, in place)."""
         for layer in self.cache.layers:
             if index is not None:
                 _move_accepted(layer, past_len, index, width)
-            if written != width:
-                layer.cumulative_length.fill_(past_len + width)
-        self.ragged.append(lengths, width, valid, device)
-        m = self._mask
-        if m is not None:
-            columns = m[:, 0, :, past_len : past_len + width]  # [B, R, K]
-            columns.zero_()
-            if valid is not None:
-                columns.masked_fill_(~valid[:, None, :], torch.finfo(m.dtype).min)
+            layer.cumulative_length.fill_(past_len + width)
 
 
 def new_cache(target):

@@ -109,14 +109,23 @@ def generate(self, *args, **kwargs):
 def _room_for_trees(target, kwargs: dict) -> None:
     """A static cache that generate() builds is sized to the output (`max_length - 1` slots): ask for room for
     one more verify forward of the largest padded width after it, so that trees near the end are not cut."""
-    config = kwargs.get("generation_config") or target.generation_config
-    if kwargs.get("cache_implementation", config.cache_implementation) != "static" or cache_in(kwargs) is not None:
+    config = _generation_config(target, kwargs)
+    if _cache_implementation(target, kwargs) != "static" or cache_in(kwargs) is not None:
         return
     new, prompt = kwargs.get("max_new_tokens", config.max_new_tokens), prompt_length(kwargs)
     if new is None or prompt is None:  # (generate() derives the length some other way: trees may be cut)
         return
     wanted = prompt + new - 1 + STATIC_CACHE_ROOM
     kwargs["max_cache_len"] = max(wanted, kwargs.get("max_cache_len") or config.max_cache_len or 0)
+
+
+def _generation_config(target, kwargs: dict):
+    return kwargs.get("generation_config") or target.generation_config
+
+
+def _cache_implementation(target, kwargs: dict) -> str | None:
+    """The call's `cache_implementation` (a keyword, else its generation config's)."""
+    return kwargs.get("cache_implementation", _generation_config(target, kwargs).cache_implementation)
 
 
 def _as_tree_with_top_k_1(settings: DraftSettings) -> None:
@@ -152,9 +161,8 @@ def _tree_unsupported(target, kwargs: dict) -> str | None:
     special = [k for k in CHAIN_ONLY_INPUTS if kwargs.get(k) is not None]
     if special:
         return f"tree mode does not take {', '.join(special)} yet"
-    config = kwargs.get("generation_config") or target.generation_config
-    reason = tree_unsupported_reason(target) or cache_unsupported_reason(
-        cache_in(kwargs), kwargs.get("cache_implementation", config.cache_implementation))
+    reason = tree_unsupported_reason(target) or cache_unsupported_reason(cache_in(kwargs),
+                                                                         _cache_implementation(target, kwargs))
     return f"{type(target).__name__}: {reason}" if reason else None
 
 

@@ -233,9 +233,8 @@ class TreeLoop:
         if self.compiled is None or largest == 1:
             return largest
         bucket = next((b for b in VERIFY_BUCKETS if b >= largest), -(-largest // 64) * 64)
-        return bucket if self.cache.room(bucket) in (None, bucket) else largest
-
-
+        free = self.cache.free
+        return bucket if free is None or bucket <= free else largest
 
     def verify_layout(self, active: list[Row], trees: list[DraftTree], width: int) -> dict:
         """The verify forward's host arrays, copied at once: tokens and positions [B, N], each tree's ancestor
