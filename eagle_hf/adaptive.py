@@ -21,6 +21,8 @@ branches together cost at most a few per cent, whatever the models and the noise
 from __future__ import annotations
 
 import logging
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from .cost_model import CostModel
@@ -68,6 +70,7 @@ class DraftLengthController:
     _since_plain: int = 0  # drafting rounds since the last plain one
     _elapsed: float = 0.0  # a batch's timed rounds: their seconds ...
     _loss: float = 0.0  # ... and the seconds its wide rounds lost against plain rounds (negative: gained)
+    _recent: dict[str, deque] = field(default_factory=dict)  # overhead name -> its latest single-round values
 
     def __post_init__(self):
         if not self.acceptance:
@@ -197,7 +200,7 @@ class DraftLengthController:
     def observe_drafter(self, overhead_seconds: float) -> None:
         """A regular drafting round's drafter catch-up on the last cycle's rows (each drafting row's share)."""
         if self.cost.base_seconds > 0:
-            self.round_overhead = _ema(self.round_overhead, overhead_seconds / self.cost.base_seconds)
+            self.round_overhead = self._robust("round_overhead", overhead_seconds / self.cost.base_seconds)
 
     def observe_cycle_round(self, seconds: float, width: int, steps: int, tokens: float) -> None:
         """Measured wall time of a whole drafting round of the tree loop: every row verified `width` tokens after
@@ -210,14 +213,23 @@ class DraftLengthController:
         if self.cost.base_seconds > 0:
             share = seconds / self.cost.base_seconds / self.rows
             modelled = self.verify_cost(width) + steps * self.draft_step + self.round_overhead + self.loop_overhead
-            self.cycle_overhead = _ema(self.cycle_overhead, max(share - modelled, 0.0))
+            self.cycle_overhead = self._robust("cycle_overhead", max(share - modelled, 0.0))
 
     def observe_plain_round(self, seconds: float) -> None:
         """Measured wall time of a whole plain round (target forward plus the decoding loop's own work)."""
-        self.plain_seconds = _ema(self.plain_seconds, seconds) if self.plain_seconds else seconds
+        self.plain_seconds = self._robust("plain_seconds", seconds)
         if self.cost.base_seconds > 0:  # a batch's round: each row's share
             share = seconds / self.cost.base_seconds / self.rows
-            self.loop_overhead = _ema(self.loop_overhead, max(share - self.verify_cost(1), 0.0))
+            self.loop_overhead = self._robust("loop_overhead", max(share - self.verify_cost(1), 0.0))
+
+    def _robust(self, name: str, value: float) -> float:
+        """An in-loop overhead's estimate: the median of its latest `OVERHEAD_WINDOW` single-round values. A round
+        timed at a noisy moment (a shared machine's single rounds vary by a quarter) moves no decision; a running
+        mean let one slow round steer the schedule for several rounds, and whole calls differ from process to
+        process."""
+        recent = self._recent.setdefault(name, deque(maxlen=OVERHEAD_WINDOW))
+        recent.append(value)
+        return statistics.median(recent)
 
     @property
     def seeded(self) -> bool:
@@ -241,9 +253,8 @@ class DraftLengthController:
             self.acceptance[i] += rate * (hit - self.acceptance[i])
 
 
-def _ema(old: float, new: float, rate: float = 0.3) -> float:
-    """Running estimate of an in-loop timing: recent rounds weigh most."""
-    return old + rate * (new - old)
+#: single-round values an in-loop overhead's median is taken over
+OVERHEAD_WINDOW = 9
 
 
 #: tree sizes tried by the automatic choice, and the acceptance gain a bigger tree is assumed to buy (relative

@@ -200,9 +200,16 @@ def summarize(per_mode: dict, n_prompts: int) -> dict:
                 drafted_by_source=pooled.drafted_by_source,
                 accepted_by_source=pooled.accepted_by_source,
                 acceptance_per_position_by_source=pooled.acceptance_per_position_by_source,
+                calls=[_call_record(st) for st in rec["stats"]],  # per prompt (or batch), in prompt order
             )
         out[name] = entry
     return out
+
+
+def _call_record(stats) -> dict:
+    """What one call drafted, per source (for explaining a prompt's speed)."""
+    return {"cycles": stats.cycles, "plain_steps": stats.fallback_steps + stats.final_steps,
+            "drafted_by_source": dict(stats.drafted_by_source), "accepted_by_source": dict(stats.accepted_by_source)}
 
 
 def machine_info(target) -> dict:

@@ -134,8 +134,9 @@ class CopySource:
         # tokens accepted below its first draft beyond what the root's copies and the draft alone reached
         self.anchor_yield = 0.5 if ANCHORS else 0.0
 
-    def propose(self, room: int, verified: int, probe_only: bool = False, probe: bool | None = None) -> list[Branch]:
-        """This round's branches (at most `room` tokens each) on top of a tree of `verified` tokens; with
+    def propose(self, room: int, verified: int = 1, probe_only: bool = False, probe: bool | None = None) -> list[Branch]:
+        """This round's branches (at most `room` tokens each) on top of a tree of `verified` tokens (1: sized by
+        their own acceptance, as copy drafting alone sizes them, whoever else drafts this round); with
         `probe_only` (drafting rounds were measured not to pay) only a probe. `probe`: whether this round may
         probe, decided by the caller (a batch probes all its rows in the same rounds: every row pays for the
         widest row's tree); None: the source's own wait decides."""
@@ -161,6 +162,21 @@ class CopySource:
         elif probing:
             self._skipped = 0
         return self.branches
+
+    def expected_tokens(self) -> float:
+        """Drafts this round's root branches are expected to get accepted: each token's chance to be reached and
+        accepted, a prefix shared with an earlier branch counted once (the branches are alternatives)."""
+        total, earlier = 0.0, []
+        for b in (b for b in self.branches if b.anchor is None):
+            shared = max((_common_prefix(b.tokens, e) for e in earlier), default=0)
+            total += sum(self.acceptance.reach(b.match, i) for i in range(shared, len(b.tokens)))
+            earlier.append(b.tokens)
+        return total
+
+    def missed(self) -> float:
+        """P(no root branch's first token is accepted), the branches' first tokens taken as exclusive guesses."""
+        firsts = {b.tokens[0]: self.acceptance.first[b.match - 1] for b in self.branches if b.anchor is None}
+        return max(1.0 - sum(firsts.values()), 0.0)
 
     def propose_after(self, anchor: int, reach: float, room: int, verified: int) -> Branch | None:
         """A branch continuing the drafter's draft `anchor` (reached with probability `reach`): what followed the

@@ -36,7 +36,7 @@ DRAFT_SOURCES = ("auto", "eagle", "copy", "eagle+copy")
 #: valid ranges of the copy source's settings
 COPY_RANGES = {"copy_length": (1, 64), "copy_ngram": (1, 16), "copy_branches": (1, 8)}
 #: copy settings that also take -1, and what -1 means
-COPY_AUTO = {"copy_branches": "one beside the drafter, two for copy drafting alone"}
+COPY_AUTO = {"copy_branches": "two, beside the drafter or alone"}
 
 #: generate() keyword -> field, where the keyword is not the field's own name
 CALL_KEYWORDS = {
@@ -94,7 +94,7 @@ class DraftSettings:
             acceptance.
         copy_ngram: the longest suffix matched against the context (tokens); the longest match wins.
         copy_branches: copy branches per round (distinct continuations, the most recent occurrences first); -1:
-            one beside the drafter (its own branches are the alternative), two for copy drafting alone.
+            two, with or without the drafter (a round where only copies draft is a copy-alone round).
     """
 
     mode: str = "tree"  # measured: docs/benchmarks.md, "Default mode"
@@ -119,10 +119,9 @@ class DraftSettings:
 
     @property
     def copy_branch_count(self) -> int:
-        """Copy branches per round: `copy_branches`, or for -1 one beside the drafter and two alone."""
-        if self.copy_branches > 0:
-            return self.copy_branches
-        return 1 if self.uses_eagle else 2
+        """Copy branches per round: `copy_branches`, or for -1 two (beside the drafter or alone: the drafter
+        joins a round's copies only where it adds more than it costs, so its copies are copy drafting's own)."""
+        return self.copy_branches if self.copy_branches > 0 else 2
 
     @property
     def uses_copy(self) -> bool:

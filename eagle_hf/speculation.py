@@ -114,13 +114,13 @@ class Speculator:
         rest = planned == 0 and self.controller is not None and self.controller.rest  # (the batch times a plain
         # round, or has spent its loss budget: no copy branches either)
         if self.copy is not None and not rest:
-            s = self.settings
-            eagle_size = 0 if depth == 0 else (depth + 1 if s.branching == 1 else s.total_tokens)
             paying = self.controller is None or self.controller.drafting_pays()
             # a batch where drafting does not pay probes its rows' copies together, in the controller's probe
             # rounds: one row's probe widens every row's round
             probe = None if paying or planned is None else planned > 0
-            branches = self.copy.propose(room, max(eagle_size, 1), probe_only=not paying, probe=probe)
+            # sized by their own acceptance, as copy drafting alone sizes them: the drafter joins below if it
+            # adds more than it costs on top of them
+            branches = self.copy.propose(room, probe_only=not paying, probe=probe)
             self._room, self._copy_paying = room, paying
             if depth > 0 and branches and probe is None and not self._drafter_pays_beside_copy(depth):  # (a
                 # batch's probe round probes the drafter too)
@@ -221,15 +221,21 @@ class Speculator:
             self.depth = min(self.depth + 2, MAX_DEPTH) if mine == drafted else max(1, self.depth - 1)
 
     def _drafter_pays_beside_copy(self, depth: int) -> bool:
-        """Whether the drafter's tree is worth its cost next to this round's copy branches: its own drafts add
-        tokens when the copy's first token is rejected, and copying after its first draft adds what it has
-        been adding (tokens and costs in one-token target forwards)."""
-        c = self.controller
+        """Whether the drafter's tree of `depth` adds more than it costs to this round's copy branches: its
+        drafts add tokens where every copy's first token is rejected (and copying below its first draft adds
+        what it has been adding), at the cost of its levels, its catch-up and the wider verify. Worth it when
+        those tokens come cheaper than the copy round's own (tokens and costs in one-token target forwards):
+        where copies stream, the drafter waits."""
+        c, copy = self.controller, self.copy
         if c is None:
             return True
-        copy_first = max(self.copy.acceptance.first[b.match - 1] for b in self.copy.branches)
-        gain = (1.0 - copy_first) * (c.expected_tokens(depth) - 1.0) + self.copy.anchor_yield
-        return gain > c.cycle_cost(depth) - c.verify_cost(1)
+        nodes = 1 + sum(len(b.tokens) for b in copy.branches)  # the copy round's verified tokens, root included
+        eagle = depth if self.settings.branching == 1 else self.settings.total_tokens - 1  # the drafter's nodes
+        copy_tokens = 1.0 + copy.expected_tokens()
+        copy_cost = c.verify_cost(nodes) + c.cycle_overhead + c.loop_overhead
+        added = copy.missed() * (c.expected_tokens(depth) - 1.0) + copy.anchor_yield
+        added_cost = c.verify_cost(nodes + eagle) - c.verify_cost(nodes) + depth * c.draft_step + c.round_overhead
+        return added * copy_cost > added_cost * copy_tokens
 
     def _marginal_cost(self, verified: int) -> float:
         """Extra cost of verifying one more token on top of `verified`, in tokens a plain step yields for the

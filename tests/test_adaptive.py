@@ -365,3 +365,15 @@ def test_the_decoding_loops_own_cost_counts_for_plain_rounds_too():
         c.observe_plain_round(0.015)  # a plain round takes 1.5 target forwards: the loop costs 0.5
     assert abs(c.loop_overhead - 0.5) < 1e-3
     assert c.best()[1] > lean  # a cost paid by every round makes rounds that yield more tokens worth more
+
+
+def test_one_slow_round_moves_no_in_loop_overhead():
+    """The in-loop overheads are medians of recent rounds: a round timed at a noisy moment does not steer the
+    schedule (issue 35: decisions the same from process to process)."""
+    cost = CostModel(verify=[1.0] + [1.1] * 8, draft_step=0.1, base_seconds=0.01)
+    c = DraftLengthController(cost, max_draft=8, acceptance=[0.5] * 8)
+    for _ in range(9):
+        c.observe_plain_round(0.012)
+    steady, choice = c.loop_overhead, c.choose()
+    c.observe_plain_round(0.2)  # one round twenty times slower (another process took the cores)
+    assert c.loop_overhead == pytest.approx(steady) and c.choose() == choice

@@ -93,3 +93,30 @@ def test_every_shipped_prompt_set_loads_with_its_licence_noted():
         prompts = load_prompt_set(name)
         assert len(prompts) >= (9 if name == "multi_turn" else 40), name
         assert all(text for _, text in prompts) and f"`{name}.jsonl`" in readme, name
+
+
+def _run(speedups: dict[str, list[float]], repeats: int = 2) -> dict:
+    """A fake `eagle-hf bench` results dict of one set: per mode, per-prompt speedups repeat after repeat."""
+    calls = [{"cycles": 3, "plain_steps": 1, "drafted_by_source": {"copy": 9}, "accepted_by_source": {"copy": 4}}] * 8
+    return {"settings": {"repeats": repeats, "max_new_tokens": 128, "temperature": 0.0, "batch_size": 1},
+            "machine": {"target": "t", "dtype": "bf16", "device": "cpu", "threads": 2},
+            "sets": {"s": {m: {"speedups": v, "calls": calls} for m, v in speedups.items()}}}
+
+
+def test_best_of_sources_chooses_on_one_repeat_and_scores_on_the_others():
+    from eagle_hf.best_of_sources import compare, markdown
+
+    run1 = _run({"eagle default": [2.0, 2.0, 2.0, 2.0, 1.9, 2.0, 2.1, 2.0],
+                 "copy alone": [2.2, 2.2, 2.2, 2.2, 2.0, 2.0, 2.0, 2.0],  # lucky on repeat 1
+                 "eagle alone": [1.2] * 8, "prompt-lookup": [1.5] * 8})
+    run2 = _run({"eagle default": [1.95] * 8, "copy alone": [2.0] * 8, "eagle alone": [1.2] * 8,
+                 "prompt-lookup": [1.5] * 8})
+    (v,) = compare([run1, run2])
+    assert v.chosen == "copy alone" and v.best == pytest.approx(2.0)  # its repeat-1 luck is not scored
+    assert v.band == pytest.approx(0.2 / 2.1)  # copy alone against itself: 2.2 vs 2.0
+    assert v.verdict == "within noise" and v.per_process == [2.0, 1.95] and v.processes_agree
+    assert v.worst and v.worst[0]["default"]["cycles"] == 3
+    assert "| s | 4 |" in markdown([v], [run1, run2])
+    behind = _run({"eagle default": [1.5] * 4 + [1.5] * 4, "copy alone": [2.0] * 4 + [2.0] * 4}, repeats=2)
+    (v,) = compare([behind])
+    assert v.verdict == "behind" and v.relative == pytest.approx(-0.25)

@@ -174,8 +174,8 @@ def test_copy_settings_out_of_range_name_the_range(name, value):
         DraftSettings.resolve(None, None, {"draft_sources": "ngram"})
 
 
-def test_copy_branches_default_one_beside_the_drafter_two_alone():
-    assert DraftSettings.resolve(None, None, {}).copy_branch_count == 1
+def test_copy_branches_default_two_beside_the_drafter_or_alone():
+    assert DraftSettings.resolve(None, None, {}).copy_branch_count == 2
     assert DraftSettings(draft_sources="copy").copy_branch_count == 2
     assert DraftSettings.resolve(None, None, {"draft_sources": "copy", "copy_branches": 3}).copy_branch_count == 3
 
@@ -315,3 +315,37 @@ def test_a_branch_cut_to_fit_teaches_only_what_was_verified():
     uncut.branches = [Branch([1, 2, 3, 4], 2)]
     src.update([1, 2]), uncut.update([1, 2])  # a full hit of a 2-token branch, not a miss at the third of four
     assert vars(src.acceptance) != vars(uncut.acceptance)
+
+
+def _speculator(sources: str, copy_first: float, drafter_acceptance: float):
+    from eagle_hf.adaptive import DraftLengthController
+    from eagle_hf.cost_model import CostModel
+    from eagle_hf.speculation import Speculator
+    from eagle_hf.stats import SpecDecodeStats
+
+    cost = CostModel(verify=[1.0 + 0.05 * i for i in range(64)], draft_step=0.1)  # a CPU-like verify curve
+    controller = DraftLengthController(cost, max_draft=5, tree=(4, 16), acceptance=[drafter_acceptance] * 5)
+    sp = Speculator(None, DraftSettings(draft_sources=sources), SpecDecodeStats(), controller)
+    sp.copy.acceptance.first = [copy_first] * len(sp.copy.acceptance.first)
+    sp.extend_context([1, 2, 3, 4, 5, 6, 7, 8, 9, 50, 2, 3, 4, 60, 61, 62, 63, 64, 65, 66, 70, 2, 3, 4])  # (2, 3, 4)
+    # continued twice before: 5, 6, ... and 60, 61, ...
+    return sp
+
+
+def test_copy_branches_are_sized_alike_beside_the_drafter_or_alone():
+    """A round where only copies draft is a copy-alone round: the same branches, not cut to leave the drafter's
+    tree room (issue 35)."""
+    rounds = {}
+    for sources in ("eagle+copy", "copy"):
+        sp = _speculator(sources, copy_first=0.6, drafter_acceptance=0.6)
+        sp.choose_depth(room=50)
+        rounds[sources] = [b.tokens for b in sp.copy.branches]
+    assert rounds["eagle+copy"] == rounds["copy"] and len(rounds["copy"]) == 2
+    assert len(rounds["copy"][0]) > 4
+
+
+def test_the_drafter_joins_the_copies_only_where_it_adds_more_than_it_costs():
+    streaming = _speculator("eagle+copy", copy_first=0.9, drafter_acceptance=0.5)
+    assert streaming.choose_depth(room=50) == 0 and streaming.round == "draft"  # copies alone this round
+    failing = _speculator("eagle+copy", copy_first=0.1, drafter_acceptance=0.8)
+    assert failing.choose_depth(room=50) > 0 and failing.copy.branches  # the drafter's tree beside short copies

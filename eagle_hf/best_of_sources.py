@@ -1,0 +1,187 @@
+"""Is the default the best of its sources? A per-set comparison of `eagle-hf bench` runs that accounts for noise.
+
+The default mode drafts with the EAGLE drafter and copies of the text in one adaptive tree; its promise is that
+nobody need choose a source. On each prompt set this reads the runs of one or more processes (``results.json``
+of `eagle-hf bench` with two or more repeats) and reports:
+
+* the *A/A band*: how far a mode's median speedup moves between two runs of the very same mode and prompts
+  (repeats of one process, and the processes against each other), the largest over the modes compared; a
+  difference inside it is noise;
+* the *best single source*, chosen on the first repeat of the first run (the highest median speedup among the
+  single sources: prompt lookup, copy alone, EAGLE alone) and scored on every other repeat, so that the choice
+  does not also ride on its own lucky noise; the default scored on the same repeats;
+* the verdict: the default's median against the best single source's, inside or outside the band;
+* per prompt: the default's speedup over the best single source's (median and quartiles), and the worst prompts
+  with what each source drafted and got accepted there, so that every loss has an explanation;
+* the default's per-set medians in the separate processes, and their difference against the band.
+
+Medians of per-prompt speedups over plain `generate()`, measured in the same run, prompt by prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MODE = "eagle default"
+SINGLE_SOURCES = ("prompt-lookup", "copy alone", "eagle alone")
+
+
+@dataclass
+class SetVerdict:
+    """One prompt set's comparison (speedups are medians of per-prompt speedups over plain generate())."""
+
+    name: str
+    prompts: int
+    band: float  # the A/A noise band, relative (0.05: medians of one mode's runs differ by up to 5%)
+    chosen: str  # the best single source, chosen on the first repeat
+    default: float  # the default's median speedup on the scoring repeats
+    best: float  # the chosen source's median speedup on the scoring repeats
+    by_mode: dict[str, float]  # every mode's median speedup over all repeats and runs
+    per_process: list[float]  # the default's median speedup in each process (all its repeats)
+    ratio_quartiles: tuple[float, float, float]  # per prompt: default / chosen source, quartiles
+    worst: list[dict] = field(default_factory=list)  # the prompts where the default trails the chosen source most
+
+    @property
+    def relative(self) -> float:
+        """The default's median over the best single source's, minus 1 (-0.04: 4% behind)."""
+        return self.default / self.best - 1.0
+
+    @property
+    def verdict(self) -> str:
+        if self.relative >= 0:
+            return "ahead"
+        return "within noise" if -self.relative <= self.band else "behind"
+
+    @property
+    def processes_agree(self) -> bool:
+        low, high = min(self.per_process), max(self.per_process)
+        return high / low - 1.0 <= self.band
+
+
+def per_repeat(entry: dict, repeats: int) -> list[list[float]]:
+    """A mode's per-prompt speedups split by repeat (`eagle-hf bench` lists them repeat after repeat)."""
+    values = entry["speedups"]
+    n = len(values) // repeats
+    return [values[r * n : (r + 1) * n] for r in range(repeats)]
+
+
+def _relative_gap(a: float, b: float) -> float:
+    return abs(a - b) / ((a + b) / 2)
+
+
+def compare(runs: list[dict], default: str = DEFAULT_MODE, singles: tuple[str, ...] = SINGLE_SOURCES,
+            worst: int = 3) -> list[SetVerdict]:
+    """Per prompt set present in every run: the default against the best single source (see the module doc).
+    `runs`: `eagle-hf bench` results of separate processes, same prompts and settings; two repeats or more in
+    total (an A/A band needs two runs of each mode)."""
+    verdicts = []
+    for name in runs[0]["sets"]:
+        if not all(name in r["sets"] for r in runs):
+            continue
+        modes = [m for m in (default, *singles) if m in runs[0]["sets"][name]]
+        if default not in modes or len(modes) < 2:
+            raise ValueError(f"Set {name!r}: the runs need the mode {default!r} and at least one of {singles}.")
+        # repeats[mode] = [per-prompt speedups of one repeat], every run's repeats in order
+        repeats = {m: [rep for r in runs for rep in per_repeat(r["sets"][name][m], r["settings"]["repeats"])]
+                   for m in modes}
+        if len(repeats[default]) < 2:
+            raise ValueError("An A/A band needs two runs of every mode: use --repeats 2, or two processes.")
+        medians = {m: [statistics.median(rep) for rep in reps] for m, reps in repeats.items()}
+        band = max(_relative_gap(a, b) for meds in medians.values()
+                   for i, a in enumerate(meds) for b in meds[i + 1 :])
+        chosen = max((m for m in modes if m != default), key=lambda m: medians[m][0])
+        scored = {m: [x for rep in repeats[m][1:] for x in rep] for m in (default, chosen)}
+        n = len(repeats[default][0])
+        # per prompt, over the scoring repeats: the default's speedup over the chosen source's
+        ratios = [statistics.median(d[i] / c[i] for d, c in zip(repeats[default][1:], repeats[chosen][1:]))
+                  for i in range(n)]
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        per_process = []
+        start = 0
+        for r in runs:
+            count = r["settings"]["repeats"]
+            per_process.append(statistics.median(x for rep in repeats[default][start : start + count] for x in rep))
+            start += count
+        order = sorted(range(n), key=lambda i: ratios[i])[:worst]
+        verdicts.append(SetVerdict(
+            name=name, prompts=n, band=band, chosen=chosen,
+            default=statistics.median(scored[default]), best=statistics.median(scored[chosen]),
+            by_mode={m: statistics.median(x for rep in reps for x in rep) for m, reps in repeats.items()},
+            per_process=per_process, ratio_quartiles=(q[0], statistics.median(ratios), q[2]),
+            worst=[_explain(runs[0]["sets"][name], i, ratios[i], default, chosen) for i in order]))
+    return verdicts
+
+
+def _explain(modes: dict, prompt: int, ratio: float, default: str, chosen: str) -> dict:
+    """What the default and the chosen source did on one prompt (first run, first repeat)."""
+    out = {"prompt": prompt, "ratio": ratio}
+    for label, mode in (("default", default), ("chosen", chosen)):
+        calls = modes[mode].get("calls")
+        if calls and prompt < len(calls):
+            out[label] = calls[prompt]
+    return out
+
+
+def _sources(call: dict | None) -> str:
+    if not call:
+        return "–"
+    by = ", ".join(f"{s} {call['accepted_by_source'].get(s, 0)}/{n}" for s, n in call["drafted_by_source"].items())
+    return f"{by or 'nothing drafted'}; {call['cycles']} drafting rounds, {call['plain_steps']} plain"
+
+
+def markdown(verdicts: list[SetVerdict], runs: list[dict]) -> str:
+    s, m = runs[0]["settings"], runs[0]["machine"]
+    total = sum(r["settings"]["repeats"] for r in runs)
+    lines = [
+        f"Target `{m['target']}` ({m['dtype']}, {m['device']}, {m['threads']} threads); {s['max_new_tokens']} new "
+        f"tokens, temperature {s['temperature']}, batch {s.get('batch_size', 1)}; {len(runs)} process(es), "
+        f"{total} repeats in all. Speedups: medians of per-prompt speedups over plain generate() in the same run. "
+        "Best single source: chosen on the first repeat, scored (as is the default) on the others. A/A band: the "
+        "largest gap between two runs of one mode.",
+        "",
+        "| set | prompts | " + " | ".join(SINGLE_SOURCES) + " | default | best single (chosen) | default vs best "
+        "| A/A band | verdict | default per process | per prompt: default / best (quartiles) |",
+        "|---|---|" + "---|" * (len(SINGLE_SOURCES) + 8),
+    ]
+    for v in verdicts:
+        singles = " | ".join(f"{v.by_mode[x]:.2f}x" if x in v.by_mode else "–" for x in SINGLE_SOURCES)
+        lines.append(
+            f"| {v.name} | {v.prompts} | {singles} | {v.by_mode[DEFAULT_MODE]:.2f}x | {v.best:.2f}x ({v.chosen}) "
+            f"| {v.relative:+.1%} | ±{v.band:.1%} | **{v.verdict}** | "
+            + " / ".join(f"{x:.2f}x" for x in v.per_process)
+            + ("" if len(v.per_process) < 2 else (" (agree)" if v.processes_agree else " (outside the band)"))
+            + " | " + " / ".join(f"{x:.2f}" for x in v.ratio_quartiles) + " |")
+    lines += ["", "Worst prompts per set (first run, first repeat: what each drafted and got accepted):", "",
+              "| set | prompt | default / best | default | best single |", "|---|---|---|---|---|"]
+    for v in verdicts:
+        for w in v.worst:
+            lines.append(f"| {v.name} | {w['prompt']} | {w['ratio']:.2f} | {_sources(w.get('default'))} "
+                         f"| {_sources(w.get('chosen'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def read_run(paths: str) -> dict:
+    """One process's results: a results.json, or several (comma-separated, one per set) merged."""
+    parts = [json.loads(Path(p).read_text()) for p in paths.split(",")]
+    run = parts[0]
+    for part in parts[1:]:
+        run["sets"].update(part["sets"])
+    return run
+
+
+def compare_files(paths: list[str], out: str | Path | None = None) -> str:
+    """`compare` over `eagle-hf bench` results files (one entry per process; a process's per-set files joined by
+    commas); the markdown table, also written to `out` (with a JSON copy beside it) when given."""
+    runs = [read_run(p) for p in paths]
+    verdicts = compare(runs)
+    text = markdown(verdicts, runs)
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        out.with_suffix(".json").write_text(json.dumps(
+            [dict(v.__dict__, verdict=v.verdict, relative=v.relative) for v in verdicts], indent=1))
+    return text
