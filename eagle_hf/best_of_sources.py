@@ -136,14 +136,14 @@ def markdown(verdicts: list[SetVerdict], runs: list[dict]) -> str:
     s, m = runs[0]["settings"], runs[0]["machine"]
     total = sum(r["settings"]["repeats"] for r in runs)
     lines = [
-        f"Target `{m['target']}` ({m['dtype']}, {m['device']}, {m['threads']} threads); {s['max_new_tokens']} new "
+        (f"Target `{m['target']}` ({m['dtype']}, {m['device']}, {m['threads']} threads); {s['max_new_tokens']} new "
         f"tokens, temperature {s['temperature']}, batch {s.get('batch_size', 1)}; {len(runs)} process(es), "
         f"{total} repeats in all. Speedups: medians of per-prompt speedups over plain generate() in the same run. "
         "Best single source: chosen on the first repeat, scored (as is the default) on the others. A/A band: the "
-        "largest gap between two runs of one mode.",
+        "largest gap between two runs of one mode."),
         "",
-        "| set | prompts | " + " | ".join(SINGLE_SOURCES) + " | default | best single (chosen) | default vs best "
-        "| A/A band | verdict | default per process | per prompt: default / best (quartiles) |",
+        ("| set | prompts | " + " | ".join(SINGLE_SOURCES) + " | default | best single (chosen) | default vs best "
+         "| A/A band | verdict | default per process | per prompt: default / best (quartiles) |"),
         "|---|---|" + "---|" * (len(SINGLE_SOURCES) + 8),
     ]
     for v in verdicts:
