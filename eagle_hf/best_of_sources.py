@@ -111,17 +111,19 @@ def compare(runs: list[dict], default: str = DEFAULT_MODE, singles: tuple[str, .
             default=statistics.median(scored[default]), best=statistics.median(scored[chosen]),
             by_mode={m: statistics.median(x for rep in reps for x in rep) for m, reps in repeats.items()},
             per_process=per_process, ratio_quartiles=(q[0], statistics.median(ratios), q[2]),
-            worst=[_explain(runs[0]["sets"][name], i, ratios[i], default, chosen) for i in order]))
+            worst=[_explain(runs[0]["sets"][name], n, i, ratios[i], default, chosen) for i in order]))
     return verdicts
 
 
-def _explain(modes: dict, prompt: int, ratio: float, default: str, chosen: str) -> dict:
-    """What the default and the chosen source did on one prompt (first run, first repeat)."""
+def _explain(modes: dict, n: int, prompt: int, ratio: float, default: str, chosen: str) -> dict:
+    """What the default and the chosen source did on one prompt of `n` (the first scoring repeat: the second of
+    the first run, or the first of the second run)."""
     out = {"prompt": prompt, "ratio": ratio}
     for label, mode in (("default", default), ("chosen", chosen)):
-        calls = modes[mode].get("calls")
-        if calls and prompt < len(calls):
-            out[label] = calls[prompt]
+        calls = modes[mode].get("calls") or []
+        at = n + prompt if len(calls) >= 2 * n else prompt
+        if at < len(calls):
+            out[label] = calls[at]
     return out
 
 
@@ -154,7 +156,7 @@ def markdown(verdicts: list[SetVerdict], runs: list[dict]) -> str:
             + " / ".join(f"{x:.2f}x" for x in v.per_process)
             + ("" if len(v.per_process) < 2 else (" (agree)" if v.processes_agree else " (outside the band)"))
             + " | " + " / ".join(f"{x:.2f}" for x in v.ratio_quartiles) + " |")
-    lines += ["", "Worst prompts per set (first run, first repeat: what each drafted and got accepted):", "",
+    lines += ["", "Worst prompts per set (what each drafted and got accepted in the first scoring repeat):", "",
               "| set | prompt | default / best | default | best single |", "|---|---|---|---|---|"]
     for v in verdicts:
         for w in v.worst:

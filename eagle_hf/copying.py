@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
+from .probe import Probe
+
 #: the drafter's best first drafts (by its score) that a copy branch may continue, each round. Off (0): with the
 #: shipped drafter it adds 0.5-2.4% tokens per forward but cost time in the default mode (docs/usage.md)
 ANCHORS = 0
@@ -127,8 +129,7 @@ class CopySource:
         self.acceptance = CopyAcceptance(max_ngram)
         self.acceptance_after = CopyAcceptance(max_ngram)  # of branches below a draft, given it was accepted
         self.length, self.num_branches, self.marginal_cost = length, num_branches, marginal_cost
-        self.probe_every, self.max_probe_every = probe_every, max_probe_every
-        self._wait, self._skipped = probe_every, 0
+        self.probe = Probe(probe_every, max_probe_every)  # when a dropped source tries again
         self.branches: list[Branch] = []  # this round's proposal
         # what copying adds to the drafter's value: running mean, over the rounds the drafter drafted, of the
         # tokens accepted below its first draft beyond what the root's copies and the draft alone reached
@@ -150,7 +151,7 @@ class CopySource:
             n = 0
             while not probe_only and n < len(tokens) and self.acceptance.reach(match, n) > self.marginal_cost(verified):
                 n, verified = n + 1, verified + 1
-            due = self._skipped >= self._wait if probe is None else probe
+            due = self.probe.due() if probe is None else probe
             if n == 0 and not self.branches and due and self.marginal_cost(verified) < 1:
                 # refresh the estimates of a source that was dropped; never where even a sure hit costs more than
                 # it yields (a large batch: every row pays for one row's longer tree)
@@ -158,9 +159,9 @@ class CopySource:
             if n:
                 self.branches.append(Branch(tokens[:n], match))
         if matches and not self.branches:
-            self._skipped += 1
+            self.probe.skip()
         elif probing:
-            self._skipped = 0
+            self.probe.restart()
         return self.branches
 
     def expected_tokens(self) -> float:
@@ -229,7 +230,7 @@ class CopySource:
         if drafter_ran:  # what the branches below the drafts added: beyond the root's copies and the draft itself
             self.anchor_yield += 0.1 * (max(below - max(from_root, 1), 0) - self.anchor_yield)
         if any(b.anchor is None for b in self.branches):
-            self._wait = self.probe_every if from_root else min(2 * self._wait, self.max_probe_every)
+            self.probe.paid() if from_root else self.probe.failed()
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

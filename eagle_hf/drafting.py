@@ -266,6 +266,39 @@ class Candidates:
         return [self.tokens[a] for a in _ancestors(c, self.parent)] + [self.tokens[c]]
 
 
+@dataclass
+class _Growth:
+    """One row's tree while it grows: its candidates, the nodes to expand next (`frontier`), where each of their
+    parents' drafter outputs sits in the last level's output (`parent_slot`), and the candidates fed to the drafter
+    so far (`fed`, -1 for padding slots; in the drafter cache's order after the real rows)."""
+
+    depth: int  # levels to grow (0: the row rides along with an empty frontier)
+    chooser: Chooser | None = None
+    cands: Candidates = field(default_factory=lambda: Candidates())
+    frontier: list[int] = field(default_factory=list)
+    parent_slot: list[int] = field(default_factory=list)
+    fed: list[int] = field(default_factory=list)
+
+    def start(self, chosen: tuple, top_k: int) -> None:
+        """The root's children (the first level, from the catch-up's logits)."""
+        self.frontier = self.cands.add(*chosen, [0], [0.0])[:top_k]
+        self.parent_slot = [0] * len(self.frontier)
+
+    def prune(self, level: int, prune: bool, min_logp: float) -> None:
+        """Keep the frontier nodes that may grow at `level`: below the row's depth, and (`prune`: cumulative,
+        else own) log-probability at least `min_logp`."""
+        c = self.cands
+        keep = [i for i, n in enumerate(self.frontier)
+                if level < self.depth and (c.score[n] if prune else c.own[n]) >= min_logp]
+        self.frontier, self.parent_slot = [self.frontier[i] for i in keep], [self.parent_slot[i] for i in keep]
+
+    def grow(self, chosen: tuple, top_k: int) -> None:
+        """The frontier's chosen children become the next frontier (the best `top_k`)."""
+        f, c = self.frontier, self.cands
+        self.frontier = c.add(*chosen, [n + 1 for n in f], [c.score[n] for n in f])[:top_k]
+        self.parent_slot = [f.index(c.parent[n] - 1) for n in self.frontier]
+
+
 @torch.no_grad()
 def draft_trees(
     drafter: EagleDrafter,
@@ -295,65 +328,61 @@ def draft_trees(
     expanded (transformers' ``assistant_confidence_threshold`` for chains).
     """
     rows = list(range(state.rows)) if rows is None else rows
-    width = state.rows
-    slot_of = {b: i for i, b in enumerate(rows)}  # state row -> index in `rows`
-    depth_of = [depths[slot_of[b]] if b in slot_of else 0 for b in range(width)]
-    chooser_of = [(choosers[slot_of[b]] if choosers and b in slot_of else None) for b in range(width)]
-    device = hidden.device
+    at = {b: i for i, b in enumerate(rows)}  # state row -> index in `rows`
+    growth = [_Growth(depths[at[b]], choosers[at[b]] if choosers else None) if b in at else _Growth(0)
+              for b in range(state.rows)]
     min_logp = math.log(threshold) if threshold > 0 else -math.inf
     real_len = state.length
-    cands = [Candidates() for _ in range(width)]
-    drafting = [b for b in range(width) if depth_of[b] > 0]
-    chosen = _choose(drafter, top_k, chooser_of, {b: logits[b : b + 1] for b in drafting}, logits[:, None],
+    drafting = [b for b, g in enumerate(growth) if g.depth > 0]
+    chosen = _choose(drafter, top_k, growth, {b: logits[b : b + 1] for b in drafting}, logits[:, None],
                      {b: [[]] for b in drafting})
-    frontier = [[] for _ in range(width)]
     for b in drafting:
-        frontier[b] = cands[b].add(*chosen[b], [0], [0.0])[:top_k]
-    parent_slot = [[0] * len(f) for f in frontier]  # where each frontier node's parent output is in `parent_out`
+        growth[b].start(chosen[b], top_k)
     parent_out = hidden  # [B, k, H] the outputs parents were fed back from
-    fed: list[list[int]] = [[] for _ in range(width)]  # per row: candidates with drafter rows after the real ones
     state.reserve(drafter, (max(depths, default=1) - 1) * top_k, parent_out)
     base = None  # [B, 1] each row's root position, on the device
     for level in range(1, max(depths, default=0)):
-        for b, c_b in enumerate(cands):  # expand only what may grow
-            keep = [i for i, c in enumerate(frontier[b])
-                    if level < depth_of[b] and (c_b.score[c] if prune else c_b.own[c]) >= min_logp]
-            frontier[b], parent_slot[b] = [frontier[b][i] for i in keep], [parent_slot[b][i] for i in keep]
-        if not any(frontier):
+        for g in growth:  # expand only what may grow
+            g.prune(level, prune, min_logp)
+        if not any(g.frontier for g in growth):
             break
-        k = top_k  # every level's drafter step has the shape [B, top_k]: frontiers pruned below it are padded
-        # (padding slots are nobody's ancestors), so a captured step (a CUDA graph) would not see a new shape
-        layout = _level_layout(cands, frontier, parent_slot, fed, k, base is None and state.positions)
-        host = pack(device, **layout)
-        if base is None:
-            base = host.pop("base")[:, None]  # [B, 1]
-        feed = parent_out.gather(1, host["slot"][..., None].expand(width, k, parent_out.shape[-1]))  # [B, k, H]
-        mask = state.level_mask(host.get("ancestors"), k, len(fed[0]))
-        out = drafter.step(feed, host["tokens"], (base + level).expand(width, k),
-                           past=state.writer(real_len + len(fed[0])), mask=mask)
-        state.steps += 1
-        for b, f in enumerate(frontier):
-            fed[b] += f + [-1] * (k - len(f))  # padding slots are nobody's ancestors
-        growing = [b for b in range(width) if frontier[b]]
-        chosen = _choose(drafter, top_k, chooser_of, {b: out.logits[b, : len(frontier[b])] for b in growing},
-                         out.logits, {b: [cands[b].path(c) for c in frontier[b]] for b in growing})
+        out, base = _level_step(drafter, state, growth, parent_out, top_k, level, base, real_len)
+        growing = [b for b, g in enumerate(growth) if g.frontier]
+        chosen = _choose(drafter, top_k, growth, {b: out.logits[b, : len(growth[b].frontier)] for b in growing},
+                         out.logits, {b: [growth[b].cands.path(c) for c in growth[b].frontier] for b in growing})
         for b in growing:
-            f = frontier[b]
-            new = cands[b].add(*chosen[b], [c + 1 for c in f], [cands[b].score[c] for c in f])
-            frontier[b] = new[:top_k]
-            parent_slot[b] = [f.index(cands[b].parent[c] - 1) for c in frontier[b]]
+            growth[b].grow(chosen[b], top_k)
         parent_out = out.hidden  # [B, k, H]
-    return [_select(cands[b].tokens, cands[b].parent, cands[b].score, cands[b].q, root, total,
-                    min_logp if prune else -math.inf) for b, root, total in zip(rows, roots, total_tokens)]
+    return [_select(growth[b].cands, root, total, min_logp if prune else -math.inf)
+            for b, root, total in zip(rows, roots, total_tokens)]
 
 
-def _choose(drafter, top_k, chooser_of, logits_of: dict, all_logits: torch.Tensor, paths_of: dict) -> dict:
+def _level_step(drafter, state: DraftState, growth: list[_Growth], parent_out: torch.Tensor, k: int, level: int,
+                base: torch.Tensor | None, real_len: int):
+    """One drafter forward over every row's frontier at `level` (padded to `k` nodes a row: every level's step has
+    the shape [B, k], so a captured step, a CUDA graph, never sees a new shape; padding slots are nobody's
+    ancestors), fed the parents' outputs `parent_out` [B, k', H]. Returns the step's output and `base`, each
+    row's root position [B, 1] on the device (copied with the first level's layout)."""
+    host = pack(parent_out.device, **_level_layout(growth, k, base is None and state.positions))
+    if base is None:
+        base = host.pop("base")[:, None]  # [B, 1]
+    feed = parent_out.gather(1, host["slot"][..., None].expand(len(growth), k, parent_out.shape[-1]))  # [B, k, H]
+    mask = state.level_mask(host.get("ancestors"), k, len(growth[0].fed))
+    out = drafter.step(feed, host["tokens"], (base + level).expand(len(growth), k),
+                       past=state.writer(real_len + len(growth[0].fed)), mask=mask)
+    state.steps += 1
+    for g in growth:
+        g.fed += g.frontier + [-1] * (k - len(g.frontier))
+    return out, base
+
+
+def _choose(drafter, top_k, growth: list[_Growth], logits_of: dict, all_logits: torch.Tensor, paths_of: dict) -> dict:
     """Each growing row's children of its frontier nodes (from ``logits_of[b]`` [k_b, Vd]; `all_logits` [B, k, Vd]
     are every row's at once; ``paths_of[b]``: each node's draft tokens below the root), read in one device-to-host
     copy: row -> (tokens, log-probabilities, q logits) per expanded node. Rows with the default chooser are chosen
     together."""
     growing = list(logits_of)
-    default = [b for b in growing if chooser_of[b] is None]
+    default = [b for b in growing if growth[b].chooser is None]
     choices, owners = [], []
     if default:
         batch = top_k_choice(drafter, all_logits, top_k)  # [B, k, top_k]
@@ -362,29 +391,30 @@ def _choose(drafter, top_k, chooser_of, logits_of: dict, all_logits: torch.Tenso
             choices.append(Choice(batch.tokens[b, :k], batch.logp[b, :k]))
             owners.append(b)
     for b in growing:
-        if chooser_of[b] is not None:
-            choices.append(chooser_of[b](logits_of[b], paths_of[b]))
+        if growth[b].chooser is not None:
+            choices.append(growth[b].chooser(logits_of[b], paths_of[b]))
             owners.append(b)
     read = read_choices(choices) if choices else []
     return {b: (tokens, logp, c.q_logits) for b, c, (tokens, logp) in zip(owners, choices, read)}
 
 
-def _level_layout(cands, frontier, parent_slot, fed, k, positions) -> dict:
+def _level_layout(growth: list[_Growth], k: int, positions) -> dict:
     """A level's host arrays, copied at once: the frontier's tokens and parent slots [B, k], each node's ancestors
     among the fed tree rows and itself [B, k, fed + k] (None for one row's chain: the plain causal layout), and at
     the first level each row's root position [B] (`positions`: the rows' next real positions)."""
-    rows, fed_width = len(frontier), len(fed[0])
-    out = {"tokens": [[cands[b].tokens[c] for c in f] + [0] * (k - len(f)) for b, f in enumerate(frontier)],
-           "slot": [s + [0] * (k - len(s)) for s in parent_slot]}
+    rows, fed_width = len(growth), len(growth[0].fed)
+    out = {"tokens": [[g.cands.tokens[c] for c in g.frontier] + [0] * (k - len(g.frontier)) for g in growth],
+           "slot": [g.parent_slot + [0] * (k - len(g.parent_slot)) for g in growth]}
     if positions:
         out["base"] = [p - 1 for p in positions]
-    chain = rows == 1 and k == 1 and _ancestors(frontier[0][0], cands[0].parent) == fed[0]
+    first = growth[0]
+    chain = rows == 1 and k == 1 and _ancestors(first.frontier[0], first.cands.parent) == first.fed
     if not chain:
         anc = torch.zeros(rows, k, fed_width + k, dtype=torch.bool)
-        for b, f in enumerate(frontier):
-            slot = {c: i for i, c in enumerate(fed[b]) if c >= 0}
-            for i, c in enumerate(f):
-                for a in _ancestors(c, cands[b].parent):
+        for b, g in enumerate(growth):
+            slot = {c: i for i, c in enumerate(g.fed) if c >= 0}
+            for i, c in enumerate(g.frontier):
+                for a in _ancestors(c, g.cands.parent):
                     anc[b, i, slot[a]] = True
         anc[:, :, fed_width:] |= torch.eye(k, dtype=torch.bool)  # itself (a padding node: only itself)
         out["ancestors"] = anc
@@ -409,8 +439,9 @@ def _ancestors(c: int, cand_parent: list[int]) -> list[int]:
     return out[::-1]
 
 
-def _select(cand_tokens, cand_parent, cand_score, cand_q, root_token, total_tokens, min_logp) -> DraftTree:
+def _select(cands: Candidates, root_token: int, total_tokens: int, min_logp: float) -> DraftTree:
     """The best ``total_tokens - 1`` candidates, closed under ancestors, parents before children."""
+    cand_tokens, cand_parent, cand_score, cand_q = cands.tokens, cands.parent, cands.score, cands.q
     n_keep = min(total_tokens - 1, len(cand_tokens))
     # a path's score only falls with depth, so dropping low scores keeps the selection closed under ancestors
     order = sorted((c for c in range(len(cand_tokens)) if cand_score[c] >= min_logp), key=lambda c: (-cand_score[c], c))

@@ -216,7 +216,8 @@ class Speculator:
         """The drafter's own outcome (its nodes only) for the adaptive controller and the heuristic schedule."""
         drafted, mine = record.drafter_outcome
         if self.controller is not None and drafted:
-            self.controller.update(drafted, mine, None if self.controller.seeded else record.tree.confidences())
+            seeded = self.controller.acceptance.seeded
+            self.controller.update(drafted, mine, None if seeded else record.tree.confidences())
         if self.settings.schedule.startswith("heuristic"):
             self.depth = min(self.depth + 2, MAX_DEPTH) if mine == drafted else max(1, self.depth - 1)
 
@@ -226,14 +227,14 @@ class Speculator:
         what it has been adding), at the cost of its levels, its catch-up and the wider verify. Worth it when
         those tokens come cheaper than the copy round's own (tokens and costs in one-token target forwards):
         where copies stream, the drafter waits."""
-        c, copy = self.controller, self.copy
-        if c is None:
+        if self.controller is None:
             return True
+        c, copy, acceptance = self.controller.costs, self.copy, self.controller.acceptance
         nodes = 1 + sum(len(b.tokens) for b in copy.branches)  # the copy round's verified tokens, root included
         eagle = depth if self.settings.branching == 1 else self.settings.total_tokens - 1  # the drafter's nodes
         copy_tokens = 1.0 + copy.expected_tokens()
         copy_cost = c.verify_cost(nodes) + c.cycle_overhead + c.loop_overhead
-        added = copy.missed() * (c.expected_tokens(depth) - 1.0) + copy.anchor_yield
+        added = copy.missed() * (acceptance.expected_tokens(depth) - 1.0) + copy.anchor_yield
         added_cost = c.verify_cost(nodes + eagle) - c.verify_cost(nodes) + depth * c.draft_step + c.round_overhead
         return added * copy_cost > added_cost * copy_tokens
 
@@ -242,7 +243,7 @@ class Speculator:
         same cost. In a batch a longer tree pads every row's to its size: the whole batch pays for it."""
         if self.controller is None:
             return DEFAULT_MARGINAL_COST
-        c = self.controller  # a secant over 8 tokens: single-token steps of measured times are noisy
+        c = self.controller.costs  # a secant over 8 tokens: single-token steps of measured times are noisy
         step = max((c.verify_cost(verified + 8) - c.verify_cost(verified)) / 8, 0.0)
         return step * c.rows / c.verify_cost(1)
 

@@ -2,22 +2,20 @@
 # Issue 35's benchmark: every set in its own `eagle-hf bench` process call, greedy bf16, 20 prompts, 128 new tokens;
 # process 1 with two repeats, process 2 with one (a separate process: fresh costs, EAGLE_HF_COST_CACHE=off), then
 # the comparison (scripts/best_of_sources.py). Usage: bash scripts/best_of_sources.sh OUT "SETS" "SETS_TWICE" "LATER"
-# (LATER: sets run in process 1 only, after process 2; about 11 minutes a set and process on a 2-core CPU)
+# (LATER: sets run in process 1 only, after process 2; 10-25 minutes a set and process on a 2-core CPU). Sets already
+# measured under OUT are kept; a file OUT/pause holds the next set back (to run something else on a quiet machine).
 set -euo pipefail
 out=${1:-/tmp/best_of_sources}; sets=${2:-"translation questions math_word rag extraction"}
 twice=${3:-$sets}; later=${4:-"sum code_edit multi_turn"}
 modes="prompt-lookup,copy alone,eagle alone,eagle default"
 export EAGLE_HF_COST_CACHE=off HF_HUB_OFFLINE=1
-for s in $sets; do
-  .venv/bin/eagle-hf bench --dtype bfloat16 --prompts "$s" --limit 20 --max-new-tokens 128 --repeats 2 \
-    --modes "$modes" --out "$out/p1/$s"
-done
-for s in $twice; do
-  .venv/bin/eagle-hf bench --dtype bfloat16 --prompts "$s" --limit 20 --max-new-tokens 128 --repeats 1 \
-    --modes "$modes" --out "$out/p2/$s"
-done
-for s in $later; do
-  .venv/bin/eagle-hf bench --dtype bfloat16 --prompts "$s" --limit 20 --max-new-tokens 128 --repeats 2 \
-    --modes "$modes" --out "$out/p1/$s"
-done
+run() {  # process, set, repeats: a set already measured is kept; while $out/pause exists, wait between sets
+  while [ -e "$out/pause" ]; do sleep 5; done
+  [ -e "$out/$1/$2/results.json" ] && return 0
+  .venv/bin/eagle-hf bench --dtype bfloat16 --prompts "$2" --limit 20 --max-new-tokens 128 --repeats "$3" \
+    --modes "$modes" --out "$out/$1/$2"
+}
+for s in $sets; do run p1 "$s" 2; done
+for s in $twice; do run p2 "$s" 1; done
+for s in $later; do run p1 "$s" 2; done
 echo done

@@ -44,23 +44,23 @@ def test_failed_probes_back_off_and_a_good_probe_resets_the_wait():
         else:
             plain += 1
     probes = [w for w in waits if w > 0]
-    relative = c.relative_cost(1)  # a probe (depth 1 here) costs a bit more than a plain round: it waits longer
+    relative = c.costs.relative_cost(1)  # a probe (depth 1 here) costs a bit more than a plain round: it waits longer
     assert 1 < relative < 1.2
     assert probes[:4] == [math.ceil(w * relative) for w in (4, 8, 16, 16)], waits  # 4, then doubling, capped
     for _ in range(200):  # the drafter becomes right: drafting resumes and the wait is back to probe_every
         k = c.choose()
         if k:
             c.update(k, k)
-    assert c.choose() > 0 and c._wait == 4
+    assert c.choose() > 0 and c.probe.wait == 4
 
 
 def test_a_batch_probes_less_often_as_its_probes_pad_every_row():
     """In a batch of 16 a depth-1 probe verifies 16 x 2 tokens: it costs more plain rounds, and comes rarer."""
     one, batch = (DraftLengthController(CPU_LIKE, max_draft=8, rows=rows) for rows in (1, 16))
-    assert batch.relative_cost(1) > one.relative_cost(1) + 0.3
+    assert batch.costs.relative_cost(1) > one.costs.relative_cost(1) + 0.3
     plain_rounds = []
     for c in (one, batch):
-        c.observe_plain_round(0.1)  # (a batch times a plain round before anything else)
+        c.observe(RoundTiming(seconds=0.1))  # (a batch times a plain round before anything else)
         c.update(8, 0)  # acceptance observed low: the controller backs off
         n = 0
         while c.choose() == 0:
@@ -77,11 +77,11 @@ def test_measured_rounds_overrule_a_model_that_says_drafting_pays():
     for _ in range(20):
         c.update(4, 4)
     assert c.choose() == 0 and c.rest  # a batch times a plain round first
-    c.observe_plain_round(0.1)
+    c.observe(RoundTiming(seconds=0.1))
     assert c.choose() > 0 and c.drafting_pays()
     for _ in range(5):
-        c.observe_plain_round(0.1)
-        c.observe_cycle_round(0.3, width=5, steps=4, tokens=2.0)
+        c.observe(RoundTiming(seconds=0.1))
+        c.observe(RoundTiming(seconds=0.3, width=5, levels=4, tokens=2.0))
     assert c.measured_gain() == pytest.approx(2.0 / 0.3 * 0.1)
     assert not c.drafting_pays() and c.choose() == 0
 
@@ -91,8 +91,8 @@ def test_a_batch_judges_its_drafting_rounds_on_their_total_time():
     rates average 12 tokens/s, above plain rounds' 10, but together they made 2 tokens in 0.3 s: drafting loses."""
     c = DraftLengthController(CostModel(verify=[1.0] * 33, draft_step=0.01, base_seconds=0.1), max_draft=4, rows=2)
     for i in range(20):
-        c.observe_plain_round(0.1)
-        c.observe_cycle_round(0.05 if i % 2 else 0.25, width=5, steps=4, tokens=1.0)
+        c.observe(RoundTiming(seconds=0.1))
+        c.observe(RoundTiming(seconds=0.05 if i % 2 else 0.25, width=5, levels=4, tokens=1.0))
     assert c.measured_gain() == pytest.approx(2 / 0.3 * 0.1, rel=0.05)
     assert not c.drafting_pays()
 
@@ -110,16 +110,16 @@ def test_a_batch_times_plain_rounds_before_trusting_drafting():
         k = c.choose()
         plan.append(k)
         if k:
-            c.observe_cycle_round(0.2, width=5, steps=4, tokens=2.0)
+            c.observe(RoundTiming(seconds=0.2, width=5, levels=4, tokens=2.0))
         else:
             assert c.rest
-            c.observe_plain_round(0.2)  # as slow as a drafting round: drafting pays
+            c.observe(RoundTiming(seconds=0.2))  # as slow as a drafting round: drafting pays
     assert [i for i, k in enumerate(plan) if k == 0] == [0, 7, 14]
     for _ in range(40):  # plain rounds become much faster: the next timed one ends the drafting
         if c.choose() == 0:
-            c.observe_plain_round(0.05)
+            c.observe(RoundTiming(seconds=0.05))
         else:
-            c.observe_cycle_round(0.2, width=5, steps=4, tokens=2.0)
+            c.observe(RoundTiming(seconds=0.2, width=5, levels=4, tokens=2.0))
     assert not c.drafting_pays() and c.choose() == 0 and not c.rest
 
 
@@ -132,21 +132,21 @@ def test_a_batch_widens_its_rounds_only_within_its_loss_budget():
     for _ in range(20):
         c.update(4, 4)  # the model: every draft accepted, drafting pays
     assert c.choose() == 0 and c.rest  # first a timed plain round: losses are counted against it
-    c.observe_plain_round(0.1)
-    c.account(0.1, 1.0, wide=False)
+    c.observe(RoundTiming(seconds=0.1))
+    c.budget.account(0.1, 1.0, wide=False)
     assert c.choose() > 0 and not c.rest
-    c.account(0.3, 1.0, wide=True)
+    c.budget.account(0.3, 1.0, wide=True)
     rests = 0
     while c.choose() == 0:
         assert c.rest
-        c.account(0.1, 1.0, wide=False)
+        c.budget.account(0.1, 1.0, wide=False)
         rests += 1
     assert rests == 63  # 0.2 s lost is 3% of 6.7 s: 0.4 s so far and 63 plain rounds
     plan = []
     for _ in range(40):  # wide rounds that gain (3 tokens a row in 0.2 s): no rest but the timed plain rounds
         k = c.choose()
         plan.append(k)
-        c.account(0.2 if k else 0.1, 3.0 if k else 1.0, wide=k > 0)
+        c.budget.account(0.2 if k else 0.1, 3.0 if k else 1.0, wide=k > 0)
     assert [i for i, k in enumerate(plan) if k == 0] == [15, 32]
 
 
@@ -154,7 +154,7 @@ def test_first_cycles_move_the_estimate_fast():
     c = DraftLengthController(CPU_LIKE, max_draft=8)
     c.update(4, 0)
     c.update(4, 0)
-    assert c.acceptance[0] == 0.5 * (2 / 3) * (3 / 4)  # the prior counts as two observations
+    assert c.acceptance.values[0] == 0.5 * (2 / 3) * (3 / 4)  # the prior counts as two observations
     c = DraftLengthController(MEASURED_CPU, max_draft=8)
     cycles = 0
     while (k := c.choose()) > 0:
@@ -165,9 +165,9 @@ def test_first_cycles_move_the_estimate_fast():
 
 def test_tree_cycles_cost_their_verified_nodes():
     c = DraftLengthController(CPU_LIKE, max_draft=5, tree=(4, 16))
-    assert c.cycle_cost(1) == CPU_LIKE.forward(5) + CPU_LIKE.draft_step  # the root and its top-4 children
-    assert c.cycle_cost(2) == CPU_LIKE.forward(16) + 2 * CPU_LIKE.draft_step  # 4 + 16 candidates: the best 15 kept
-    assert c.cycle_cost(5) == CPU_LIKE.forward(16) + 5 * CPU_LIKE.draft_step
+    assert c.costs.cycle_cost(1) == CPU_LIKE.forward(5) + CPU_LIKE.draft_step  # the root and its top-4 children
+    assert c.costs.cycle_cost(2) == CPU_LIKE.forward(16) + 2 * CPU_LIKE.draft_step  # 4 + 16 candidates: the best 15 kept
+    assert c.costs.cycle_cost(5) == CPU_LIKE.forward(16) + 5 * CPU_LIKE.draft_step
     assert CPU_LIKE.forward(12) == pytest.approx(1.5 + 3 * (1.5 - 1.15) / 5)  # past the measured range: linear,
     # along the secant of its upper half (a flat last step, where times were made monotone, must not stop the growth)
     assert CostModel(verify=[1.0, 1.2, 1.2], draft_step=0.0).forward(5) == pytest.approx(1.4)
@@ -186,7 +186,7 @@ def test_draft_length_follows_the_cost_curve():
 
 def test_expected_tokens():
     c = DraftLengthController(CPU_LIKE, acceptance=[0.5, 0.5, 0.5, 0, 0, 0, 0, 0])
-    assert c.expected_tokens(3) == 1 + 0.5 + 0.25 + 0.125
+    assert c.acceptance.expected_tokens(3) == 1 + 0.5 + 0.25 + 0.125
 
 
 def test_the_cost_model_starts_from_its_prior_and_learns_from_timed_forwards():
@@ -295,20 +295,16 @@ def _round_ends(new_tokens: list[int], stats, events) -> list[int]:
 def test_drafter_costs_are_remeasured_in_the_loop():
     cost = CostModel(verify=[1.0] + [1.1] * 8, draft_step=0.05, base_seconds=0.01)
     c = DraftLengthController(cost, max_draft=8)
-    before = c.cycle_cost(4)
+    before = c.costs.cycle_cost(4)
     for _ in range(30):  # rounds whose drafter work really costs 0.2 (catch-up) + 0.1 per step
-        timing = RoundTiming(catch_up=0.002, draft=0.004, width=9, drafting_rows=1, levels=4)
-        cost.observe(timing)
-        c.observe(timing)
-    assert abs(c.draft_step - 0.1) < 1e-3 and abs(c.round_overhead - 0.2) < 1e-3
-    assert abs(c.cycle_cost(4) - (1.1 + 0.4 + 0.2)) < 1e-2 and c.cycle_cost(4) > before
+        c.observe(RoundTiming(catch_up=0.002, draft=0.004, width=9, drafting_rows=1, levels=4))
+    assert abs(c.costs.draft_step - 0.1) < 1e-3 and abs(c.costs.round_overhead - 0.2) < 1e-3
+    assert abs(c.costs.cycle_cost(4) - (1.1 + 0.4 + 0.2)) < 1e-2 and c.costs.cycle_cost(4) > before
     # without an absolute base time the prior stays
     cost = CostModel(verify=[1.0, 1.1], draft_step=0.05)
     c = DraftLengthController(cost, max_draft=2)
-    timing = RoundTiming(catch_up=1.0, draft=1.0, width=2, drafting_rows=1, levels=1)
-    cost.observe(timing)
-    c.observe(timing)
-    assert c.draft_step == 0.05 and c.round_overhead == 0.0
+    c.observe(RoundTiming(catch_up=1.0, draft=1.0, width=2, drafting_rows=1, levels=1))
+    assert c.costs.draft_step == 0.05 and c.costs.round_overhead == 0.0
 
 
 def test_the_drafters_confidence_replaces_the_flat_prior():
@@ -317,9 +313,9 @@ def test_the_drafters_confidence_replaces_the_flat_prior():
     assert c.choose() == 0  # dropped after one cycle
     c = DraftLengthController(MEASURED_CPU, max_draft=8)
     c.update(3, 3, [0.9, 0.8, 0.7])  # a confident drafter that was right
-    assert c.acceptance[0] > 0.9 and c.acceptance[5] == 0.7 and c.choose() >= 3
+    assert c.acceptance.values[0] > 0.9 and c.acceptance.values[5] == 0.7 and c.choose() >= 3
     c.update(3, 0, [1e-4, 1e-4, 1e-4])  # later confidences do not reset what was observed
-    assert c.acceptance[0] > 0.5
+    assert c.acceptance.values[0] > 0.5
 
 
 def test_tree_confidences_follow_the_best_path():
@@ -359,11 +355,11 @@ def test_recorded_rounds_label_every_generated_token(mode):
 def test_the_decoding_loops_own_cost_counts_for_plain_rounds_too():
     cost = CostModel(verify=[1.0] + [1.1] * 8, draft_step=0.1, base_seconds=0.01)
     c = DraftLengthController(cost, max_draft=8, acceptance=[0.3] * 8)
-    c.loop_overhead = 0.0
+    c.costs.loop_overhead = 0.0
     lean = c.best()[1]
     for _ in range(40):
-        c.observe_plain_round(0.015)  # a plain round takes 1.5 target forwards: the loop costs 0.5
-    assert abs(c.loop_overhead - 0.5) < 1e-3
+        c.observe(RoundTiming(seconds=0.015))  # a plain round takes 1.5 target forwards: the loop costs 0.5
+    assert abs(c.costs.loop_overhead - 0.5) < 1e-3
     assert c.best()[1] > lean  # a cost paid by every round makes rounds that yield more tokens worth more
 
 
@@ -373,7 +369,7 @@ def test_one_slow_round_moves_no_in_loop_overhead():
     cost = CostModel(verify=[1.0] + [1.1] * 8, draft_step=0.1, base_seconds=0.01)
     c = DraftLengthController(cost, max_draft=8, acceptance=[0.5] * 8)
     for _ in range(9):
-        c.observe_plain_round(0.012)
-    steady, choice = c.loop_overhead, c.choose()
-    c.observe_plain_round(0.2)  # one round twenty times slower (another process took the cores)
-    assert c.loop_overhead == pytest.approx(steady) and c.choose() == choice
+        c.observe(RoundTiming(seconds=0.012))
+    steady, choice = c.costs.loop_overhead, c.choose()
+    c.observe(RoundTiming(seconds=0.2))  # one round twenty times slower (another process took the cores)
+    assert c.costs.loop_overhead == pytest.approx(steady) and c.choose() == choice

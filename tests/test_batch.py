@@ -362,6 +362,7 @@ def test_rounds_that_catch_the_drafter_up_do_not_teach_the_controller(monkeypatc
     drafting round, and timing one as a plain round once made drafting look cheap next to plain decoding. Every
     round counts against the batch's loss budget, those that catch up as wide rounds (what drafting costs)."""
     from eagle_hf.adaptive import DraftLengthController
+    from eagle_hf.loss_budget import LossBudget
 
     events = []
     plan = tree_loop.TreeLoop.plan
@@ -374,9 +375,9 @@ def test_rounds_that_catch_the_drafter_up_do_not_teach_the_controller(monkeypatc
     monkeypatch.setattr(tree_loop.TreeLoop, "plan", logged_plan)
     plan_of_rounds = iter([2, 2, 0, 0, 2, 2, 0, 2] * 4)  # drafting, plain rounds, then a probe after them
     monkeypatch.setattr(DraftLengthController, "choose", lambda self: next(plan_of_rounds))
-    for name in ("observe_plain_round", "observe_cycle_round", "account"):
-        original = getattr(DraftLengthController, name)
-        monkeypatch.setattr(DraftLengthController, name,
+    for name in ("observe_plain", "observe_cycle", "account"):  # what the batch's verdict reads
+        original = getattr(LossBudget, name)
+        monkeypatch.setattr(LossBudget, name,
                             lambda self, *a, _o=original, _n=name, **k: (events.append(_n), _o(self, *a, **k))[1])
     target = tiny_target("llama")
     ids, mask = left_padded([5, 9, 3, 7], seed=2)
@@ -385,7 +386,7 @@ def test_rounds_that_catch_the_drafter_up_do_not_teach_the_controller(monkeypatc
     assert events[0] == "backlog"
     assert events.count("backlog") >= 3  # the prompts, then two probes after plain rounds
     assert all(after == "account" for before, after in zip(events, events[1:]) if before == "backlog")
-    assert "observe_plain_round" in events and "observe_cycle_round" in events
+    assert "observe_plain" in events and "observe_cycle" in events
     assert events.count("account") == events.count("backlog") + events.count("round")  # every round
 
 

@@ -250,8 +250,7 @@ def test_drafter_costs_are_timed_on_the_device_without_a_sync(monkeypatch):
     def observe(at):  # what the decoding loops do with a round's marks
         timing = RoundTiming.from_marks(at, width=5, drafting_rows=1, levels=levels, backlog=backlog)
         timings.append(timing)
-        cost.observe(timing)
-        controller.observe(timing)
+        controller.observe(timing)  # (the schedule's one door: it teaches the cost model too)
 
     for i in range(40):  # regular cycles: commit one real row, draft 4, all rejected
         sp.commit(aux, torch.tensor([[5]]), position=sp.state.next_position)
@@ -269,8 +268,8 @@ def test_drafter_costs_are_timed_on_the_device_without_a_sync(monkeypatch):
     # none), 0.002 s each; the first round's catch-up read the prompt's rows (a backlog: not a regular round's cost)
     assert timings[0].backlog and not timings[1].backlog and timings[1].levels == 3
     assert timings[1].catch_up == pytest.approx(0.002) and timings[1].draft == pytest.approx(0.006)
-    assert controller.draft_step == pytest.approx(0.002 / 0.01, rel=1e-3)
-    assert controller.round_overhead == pytest.approx(0.002 / 0.01, rel=1e-3)
+    assert controller.costs.draft_step == pytest.approx(0.002 / 0.01, rel=1e-3)
+    assert controller.costs.round_overhead == pytest.approx(0.002 / 0.01, rel=1e-3)
     assert not timer.pending
 
 

@@ -112,7 +112,6 @@ class EagleCandidateGenerator(CandidateGenerator):
         def observe(at):
             timing = RoundTiming.from_marks(at, **facts)
             if sp.controller is not None:
-                sp.controller.cost.observe(timing)
                 sp.controller.observe(timing)
             sp.stats.drafter_time += (timing.catch_up or 0.0) + (timing.draft or 0.0)
 

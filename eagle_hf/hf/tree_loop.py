@@ -115,7 +115,7 @@ class TreeLoop:
         self.total_tokens = int(settings.total_tokens)
         self.controller = speculators[0].controller  # shared by the rows: it plans for the whole batch
         # the target's costs: the timed forwards teach it, a shrinking batch asks it (`cheapest_size`)
-        self.cost = (self.controller.cost if self.controller is not None
+        self.cost = (self.controller.costs.cost if self.controller is not None
                      else cost_model(target, compiled=compiled is not None))
         self.compiling = False  # whether this round's verify forward compiled a graph
         self.timer = speculators[0].timer  # shared by the rows
@@ -138,7 +138,7 @@ class TreeLoop:
         while live := sum(not r.done for r in active):
             marks = {"start": self.timer.mark()}  # the round's named marks (`RoundTiming`)
             if self.controller is not None:
-                self.controller.rows = len(active)
+                self.controller.costs.rows = len(active)
             planned = self.controller.choose() if self.controller is not None and len(rows) > 1 else None
             trees = self.plan(active, planned, marks)
             drafting = [r.sp for r in active if r.sp.eagle_depth > 0]
@@ -338,9 +338,7 @@ class TreeLoop:
     def observe(self, timing: RoundTiming, drafting: list[Speculator]) -> None:
         """A round's timings, once measured: the cost model, the schedule, the drafting rows' stats (each its
         share of the drafter's time)."""
-        self.cost.observe(timing)
-        if self.controller is not None:
-            self.controller.observe(timing)
+        (self.controller or self.cost).observe(timing)  # (a fixed schedule's loop teaches the cost model alone)
         for sp in drafting:
             sp.stats.drafter_time += ((timing.catch_up or 0.0) + (timing.draft or 0.0)) / len(drafting)
 

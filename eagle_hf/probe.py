@@ -1,0 +1,42 @@
+"""Trying a dropped source again: a wait that doubles after each failed try.
+
+The adaptive schedule drops the drafter where its drafts do not pay, the copy source drops its branches where
+they keep failing; both must notice when that changes, at a cost that shrinks the longer nothing changes. A
+`Probe` counts the rounds a source sat out; once they reach its wait the source drafts once (a *probe*); a
+probe that fails doubles the wait (up to `most`), one that pays brings it back to `every`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Probe:
+    every: int = 16  # rounds sat out before the first probe
+    most: int = 64  # the longest wait
+    wait: int = 0  # the current wait (0: `every`)
+    skipped: int = 0  # rounds sat out since the count last started
+
+    def __post_init__(self):
+        self.wait = self.wait or self.every
+
+    def due(self, scale: float = 1.0) -> bool:
+        """Whether the source has sat out its wait (times `scale`: a costlier probe waits longer)."""
+        return self.skipped >= self.wait * scale
+
+    def skip(self) -> None:
+        """The source sat out a round."""
+        self.skipped += 1
+
+    def restart(self) -> None:
+        """The source drafts this round (a probe or a regular round): the count starts again."""
+        self.skipped = 0
+
+    def failed(self) -> None:
+        """A try did not pay: the next wait is twice as long."""
+        self.wait = min(2 * self.wait, self.most)
+
+    def paid(self) -> None:
+        """A try paid: the wait is back to `every`."""
+        self.wait = self.every
