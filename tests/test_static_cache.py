@@ -17,7 +17,7 @@ from eagle_hf.hf import cache as tree_cache
 from eagle_hf.hf import tree_loop
 from eagle_hf.hf.cache import StaticTreeCache, cache_unsupported_reason, tree_attention_mask
 from eagle_hf.hf.costs import cost_model
-from eagle_hf.hf.hooks import STATIC_CACHE_ROOM
+from eagle_hf.hf.routing import STATIC_CACHE_ROOM
 from eagle_hf.hf.version import cache_kwarg, output_cache
 from eagle_hf.speculation import Speculator
 

@@ -49,6 +49,7 @@ class EagleCall:
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     listeners: list[DraftListener] = field(default_factory=list)
     controller: object | None = None  # DraftLengthController of the adaptive schedule
+    route: object | None = None  # which loop runs the call (`eagle_hf.hf.routing.Route`)
     streamer: object | None = None  # the call's streamer (tree mode feeds it itself)
 
 

@@ -1,0 +1,133 @@
+"""Which loop runs a call, decided once, before any compute.
+
+Two words, kept apart: the draft's *shape* (a chain is a tree with ``top_k = 1``) and the *loop* that verifies
+it. Transformers' assisted loop (``"assisted"``) verifies one chain of one sequence through the
+`CandidateGenerator` adapter; eagle_hf's own loop (``"eagle_hf"``, `tree_loop`) verifies trees, batches, copy
+branches and chains where transformers' loop cannot (a prefilled cache). `route` reads the call and the model
+(inputs, cache, attention kernel, batch), settles the settings the loop runs with, says why where it had to fall
+back, and logs each decision once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ..adaptive import choose_tree_size
+from ..errors import EagleCompatibilityError
+from ..settings import DraftSettings
+from .cache import cache_unsupported_reason, tree_unsupported_reason
+from .call import batch_rows, prompt_length
+from .costs import cost_model
+from .tree_loop import VERIFY_BUCKETS
+from .version import cache_in
+
+logger = logging.getLogger(__name__)
+
+#: the slots a static cache gets beyond the output in eagle_hf's loop: one verify forward of the widest bucket
+STATIC_CACHE_ROOM = VERIFY_BUCKETS[-1]
+#: inputs eagle_hf's loop cannot take yet: the call runs in transformers' assisted loop
+CHAIN_ONLY_INPUTS = ("pixel_values", "image_grid_thw", "token_type_ids", "inputs_embeds")
+
+LOOPS = ("assisted", "eagle_hf")
+
+
+@dataclass(frozen=True)
+class Route:
+    loop: str  # "assisted" (transformers' loop, one chain) or "eagle_hf" (ours: trees, batches, copies)
+    reason: str | None = None  # why eagle_hf's loop cannot run this call (None: it can)
+
+
+def route(target, drafter, settings: DraftSettings, kwargs: dict) -> Route:
+    """Decide the call's loop and settle `settings` for it (in place: the call's settings are these)."""
+    reason = unsupported_reason(target, kwargs)
+    if reason:
+        _fall_back(target, settings, reason, batch_rows(kwargs))
+    elif settings.mode == "chain":
+        why = _own_loop_for_chain(settings, kwargs)
+        if why:
+            logger.info("%s: eagle_hf's loop drafts the chain (a tree with top_k=1).", why)
+            settings.mode, settings.top_k, settings.total_tokens = "tree", 1, settings.depth + 1
+            if settings.draft_sources == "auto":  # (the chain's source: the drafter)
+                settings.draft_sources = "eagle"
+    if settings.mode == "tree" and settings.total_tokens <= 0:  # -1: size the tree from the verify costs
+        settings.total_tokens = choose_tree_size(cost_model(target, drafter))  # (as learnt so far: the prior at first)
+        logger.info("Tree size chosen from the verify costs: %d tokens", settings.total_tokens)
+    if settings.mode == "tree":
+        _room_for_trees(target, kwargs)
+    return Route("eagle_hf" if settings.mode == "tree" else "assisted", reason)
+
+
+def unsupported_reason(target, kwargs: dict) -> str | None:
+    """Why eagle_hf's own loop cannot run this call (None: it can)."""
+    special = [k for k in CHAIN_ONLY_INPUTS if kwargs.get(k) is not None]
+    if special:
+        return f"tree mode does not take {', '.join(special)} yet"
+    reason = tree_unsupported_reason(target) or cache_unsupported_reason(cache_in(kwargs),
+                                                                         cache_implementation(target, kwargs))
+    return f"{type(target).__name__}: {reason}" if reason else None
+
+
+def _fall_back(target, settings: DraftSettings, reason: str, rows: int) -> None:
+    """Transformers' assisted loop: a chain of the drafter's drafts, one sequence. What it cannot do raises."""
+    if settings.mode == "tree":
+        _log_fallback_once(target, reason, asked="mode" in settings.sources)
+        settings.mode = "chain"
+    if settings.draft_sources == "copy":
+        raise EagleCompatibilityError(
+            f"Copy drafting runs in eagle_hf's own decoding loop, which is not possible here ({reason}). "
+            "Use prompt_lookup_num_tokens= (transformers' prompt lookup) or draft_sources='eagle'."
+        )
+    if settings.draft_sources == "eagle+copy":
+        logger.info("Copy drafting is not possible here (%s); the drafter drafts alone.", reason)
+        settings.draft_sources = "eagle"
+    if rows > 1:
+        raise EagleCompatibilityError(
+            f"Batched EAGLE drafting runs in eagle_hf's own decoding loop, which is not possible here ({reason}). "
+            "Call generate() once per prompt.")
+
+
+def _own_loop_for_chain(settings: DraftSettings, kwargs: dict) -> str | None:
+    """Why a chain runs in eagle_hf's loop rather than transformers' (None: it does not)."""
+    cache = cache_in(kwargs)
+    if cache is not None and cache.get_seq_length() > 0:
+        # transformers' assisted loop (5.23) diverges from plain decoding when the cache already holds a prefix,
+        # for its own prompt lookup too; our loop with one child per node is the same chain, and exact
+        return "A prefilled cache"
+    rows = batch_rows(kwargs)
+    if rows > 1:  # transformers' assisted loop decodes one sequence
+        return f"Batch of {rows} rows"
+    if settings.uses_copy:  # transformers' loop verifies one chain
+        return "Copy drafting in chain mode"
+    return None
+
+
+def _log_fallback_once(target, reason: str, asked: bool) -> None:
+    """Warn once per model when tree mode was asked for (later calls, and a default tree mode, log at info
+    level): the fallback is a property of the model."""
+    level = logging.INFO if getattr(target, "_eagle_hf_warned_fallback", False) or not asked else logging.WARNING
+    logger.log(level, "Tree drafting is not possible here (%s); falling back to chain drafting.", reason)
+    if asked:
+        target._eagle_hf_warned_fallback = True
+
+
+def cache_implementation(target, kwargs: dict) -> str | None:
+    """The call's `cache_implementation` (a keyword, else its generation config's)."""
+    return kwargs.get("cache_implementation", _generation_config(target, kwargs).cache_implementation)
+
+
+def _generation_config(target, kwargs: dict):
+    return kwargs.get("generation_config") or target.generation_config
+
+
+def _room_for_trees(target, kwargs: dict) -> None:
+    """A static cache that generate() builds is sized to the output (`max_length - 1` slots): ask for room for
+    one more verify forward of the largest padded width after it, so that trees near the end are not cut."""
+    config = _generation_config(target, kwargs)
+    if cache_implementation(target, kwargs) != "static" or cache_in(kwargs) is not None:
+        return
+    new, prompt = kwargs.get("max_new_tokens", config.max_new_tokens), prompt_length(kwargs)
+    if new is None or prompt is None:  # (generate() derives the length some other way: trees may be cut)
+        return
+    wanted = prompt + new - 1 + STATIC_CACHE_ROOM
+    kwargs["max_cache_len"] = max(wanted, kwargs.get("max_cache_len") or config.max_cache_len or 0)
