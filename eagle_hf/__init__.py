@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 
-from .checkpoint import DrafterLoadError
-from .config import EagleConfig, __version__
-from .default import DEFAULT_DRAFTER, DEFAULT_TARGET_NAME, load_default_target, load_drafter, load_target
+from .drafter.checkpoint import DrafterLoadError
+from .drafter.config import EagleConfig, __version__
+from .drafter.default import DEFAULT_DRAFTER, DEFAULT_TARGET_NAME, load_default_target, load_drafter, load_target
 from .errors import EagleCompatibilityError
 from .hf import install, write_custom_generate
-from .modeling import EagleDrafter
-from .settings import DraftSettings
-from .stats import SpecDecodeStats, last_stats
+from .drafter.modeling import EagleDrafter
+from .speculation.settings import DraftSettings
+from .speculation.stats import SpecDecodeStats, last_stats
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 install()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def _target(args):
-    from .default import load_target
+    from .drafter.default import load_target
     from .devices import load_options
 
     return load_target(args.target, **load_options(args))
@@ -31,7 +31,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from . import last_stats
-    from .default import load_drafter
+    from .drafter.default import load_drafter
     from .devices import input_device
 
     target, tok = _target(args)
@@ -56,8 +56,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import custom_mode, parse_mode, run_benchmark, results_markdown, standard_modes, write_results
-    from .default import load_drafter
+    from .tools.bench import custom_mode, parse_mode, run_benchmark, results_markdown, standard_modes, write_results
+    from .drafter.default import load_drafter
 
     try:
         own = [parse_mode(spec) for spec in args.mode]  # a bad one fails before any model loads
@@ -105,8 +105,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_diagnose(args) -> int:
-    from .default import load_drafter
-    from .diagnose import DiagnoseError, DiagnoseSettings, diagnose
+    from .drafter.default import load_drafter
+    from .tools.diagnose import DiagnoseError, DiagnoseSettings, diagnose
 
     try:  # bad settings fail here, before the models load
         settings = DiagnoseSettings(
@@ -130,8 +130,8 @@ def cmd_diagnose(args) -> int:
         print(f"[drafter: {label}] {report.meta['wall_s']:.0f} s; written to {out}/drift.json, drift.md and one PNG "
               "per quantity")
         return 0
-    from .diagnose import diagnose_drafters
-    from .drift_comparison import compare_markdown, save_comparison
+    from .tools.diagnose import diagnose_drafters
+    from .tools.drift_comparison import compare_markdown, save_comparison
 
     drafters = {f"{drafter.config.version} ({label})": drafter}
     for name in args.compare:
@@ -167,7 +167,7 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import MODE_NAMES
+    from .tools.bench import MODE_NAMES
     from .devices import add_device_arguments
 
     parser = argparse.ArgumentParser(prog="eagle-hf", description=__doc__)

@@ -2,7 +2,7 @@
 
 Reads `eagle-hf bench` results (one results.json per process, each with --repeats 2 or more, the modes
 "prompt-lookup,copy alone,eagle alone,eagle default") and writes the noise-aware comparison of
-`eagle_hf.best_of_sources`: A/A band, best single source chosen on one repeat and scored on the others, the
+`eagle_hf.tools.best_of_sources`: A/A band, best single source chosen on one repeat and scored on the others, the
 default's medians per process, per-prompt ratios, the worst prompts with what each source drafted.
 
     EAGLE_HF_COST_CACHE=off eagle-hf bench --prompts translation,rag --limit 20 --max-new-tokens 128 --repeats 2 \\
@@ -12,7 +12,7 @@ default's medians per process, per-prompt ratios, the worst prompts with what ea
 
 import argparse
 
-from eagle_hf.best_of_sources import compare_files
+from eagle_hf.tools.best_of_sources import compare_files
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -636,12 +636,12 @@ def replay_drafts(truth: list[list[int]]):
     greedy continuation (`truth`, per row, in the row's positions) first, with probability 1, beside the drafter's
     own top-k: a chain is the continuation, a tree holds it as its deepest branch and the drafter's other
     proposals around it. Every draft on the continuation is accepted: the loop's ceiling. Patches
-    eagle_hf.speculation.draft_trees, the seam the tests patch too (tests/conftest.py, patch_drafts); greedy calls
+    eagle_hf.speculation.speculator.draft_trees, the seam the tests patch too (tests/conftest.py, patch_drafts); greedy calls
     only. Yields counts of drafted trees ("replayed", "unmatched": the row has left the recorded continuation)."""
     import inspect
 
     from eagle_hf import speculation
-    from eagle_hf.drafting import Choice
+    from eagle_hf.speculation.drafting import Choice
 
     original = speculation.draft_trees
     signature = inspect.signature(original)
@@ -761,7 +761,7 @@ def _replay_cell(ctx, target, drafter, vocab, ctx_len, rows, modes, budget) -> l
 
 def stage_sync(ctx: Context, budget: Budget) -> StageResult:
     """Host-device synchronisations per round (CUDA's sync debug mode) against the CPU probe's prediction
-    (eagle_hf.sync_probe, where present), and a short profiler trace."""
+    (eagle_hf.tools.sync_probe, where present), and a short profiler trace."""
     res = StageResult()
     target, drafter = ctx.pair("bf16")
     vocab = target.config.vocab_size
@@ -799,7 +799,7 @@ def stage_sync(ctx: Context, budget: Budget) -> StageResult:
     if not ctx.cuda:
         res.find("no CUDA device: the sync debug mode and the profiler trace need one (skipped)")
     if probe is None:
-        res.find("eagle_hf.sync_probe is not importable: no CPU prediction")
+        res.find("eagle_hf.tools.sync_probe is not importable: no CPU prediction")
     if ctx.cuda and budget.allows(20):
         res["data"]["profile"] = _profile(ctx, target, drafter, vocab)
         res.find("trace.json.gz: a chrome trace of about five tree rounds (open in ui.perfetto.dev)")
@@ -809,18 +809,18 @@ def stage_sync(ctx: Context, budget: Budget) -> StageResult:
 
 
 def _sync_probe():
-    if importlib.util.find_spec("eagle_hf.sync_probe") is None:
+    if importlib.util.find_spec("eagle_hf.tools.sync_probe") is None:
         return None
-    import eagle_hf.sync_probe as probe
+    import eagle_hf.tools.sync_probe as probe
 
     return probe
 
 
 def _probe_counts(probe, target, ids, mask, new, drafter, kwargs) -> dict:
     """The CPU probe's prediction for the same call: device-to-host reads, blocking copies and syncs per round.
-    Its API (eagle_hf/sync_probe.py, being written alongside this script): probe_generate(target, inputs,
+    Its API (eagle_hf/tools/sync_probe.py, being written alongside this script): probe_generate(target, inputs,
     **generate_kwargs) -> SyncProbe with summary() per round kind and culprits(kind)."""
-    # TODO(sync_probe): keep in step with eagle_hf.sync_probe's API while it settles; anything else is recorded
+    # TODO(sync_probe): keep in step with eagle_hf.tools.sync_probe's API while it settles; anything else is recorded
     if not hasattr(probe, "probe_generate"):
         return {"probe": f"unknown API: {sorted(n for n in dir(probe) if not n.startswith('_'))}"}
     try:

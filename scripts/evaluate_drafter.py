@@ -18,7 +18,7 @@ import torch
 
 import eagle_hf
 from eagle_hf import EagleDrafter
-from eagle_hf.evaluation import PROMPT_SETS, load_prompt_set, measure_acceptance
+from eagle_hf.tools.evaluation import PROMPT_SETS, load_prompt_set, measure_acceptance
 
 
 def main():

@@ -35,7 +35,7 @@ def multi_turn(limit: int, max_new_tokens: int = 192) -> int:
     import torch
 
     import eagle_hf
-    from eagle_hf.evaluation import chat_inputs
+    from eagle_hf.tools.evaluation import chat_inputs
 
     target, tok = eagle_hf.load_target("default")
     drafter, _ = eagle_hf.load_drafter("default", target)

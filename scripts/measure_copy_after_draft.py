@@ -1,4 +1,4 @@
-"""Copy branches below the drafter's first drafts (`eagle_hf.copying.ANCHORS` of them) against none (0).
+"""Copy branches below the drafter's first drafts (`eagle_hf.speculation.copying.ANCHORS` of them) against none (0).
 
 Default: tokens per target forward on the shared prompt sets with the drafter drafting every round (tree,
 constant schedule) in float32, so the counts depend neither on timings nor on near-ties, and the comparison is
@@ -19,7 +19,7 @@ import torch
 
 import eagle_hf
 from eagle_hf import copying
-from eagle_hf.evaluation import chat_inputs, load_prompt_set
+from eagle_hf.tools.evaluation import chat_inputs, load_prompt_set
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--sets", default="sum,gsm8k,qa")
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--anchors", default="0,1,2", help="values of eagle_hf.copying.ANCHORS to compare")
+    ap.add_argument("--anchors", default="0,1,2", help="values of eagle_hf.speculation.copying.ANCHORS to compare")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="float32: every setting emits the target's own greedy text, so only the drafting differs "
                          "(in bf16 a wider tree flips near-ties, and the texts differ)")

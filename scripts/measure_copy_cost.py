@@ -9,9 +9,9 @@ import json
 import statistics
 import time
 
-from eagle_hf.copying import CopySource
-from eagle_hf.default import load_default_target
-from eagle_hf.evaluation import PROMPT_DIR
+from eagle_hf.speculation.copying import CopySource
+from eagle_hf.drafter.default import load_default_target
+from eagle_hf.tools.evaluation import PROMPT_DIR
 
 
 def main() -> None:

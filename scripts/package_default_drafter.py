@@ -8,7 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
-from eagle_hf.default import DEFAULT_DRAFTER, DEFAULT_TARGET_NAME
+from eagle_hf.drafter.default import DEFAULT_DRAFTER, DEFAULT_TARGET_NAME
 from eagle_hf import EagleDrafter
 from eagle_hf.training.report import read_log, write_model_card
 

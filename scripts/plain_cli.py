@@ -12,7 +12,7 @@ from transformers import TextStreamer
 
 import eagle_hf  # noqa: F401  (installs the generate() hooks, as the CLI's import does)
 from eagle_hf.cli import _target
-from eagle_hf.default import load_drafter
+from eagle_hf.drafter.default import load_drafter
 
 args = argparse.Namespace(target="default", dtype=sys.argv[1] if len(sys.argv) > 1 else "auto", device=None,
                           device_map=None, attn_implementation=None)

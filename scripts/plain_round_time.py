@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import sync_probe  # (this folder's: the tiny target and its inputs)
 
 import eagle_hf
-from eagle_hf.adaptive import DraftLengthController
+from eagle_hf.speculation.schedule import DraftLengthController
 
 
 def main(repeats: int = 15, new_tokens: int = 64) -> None:

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
 
     from safetensors.torch import load_file
 
-    from eagle_hf.default import load_target
+    from eagle_hf.drafter.default import load_target
     from eagle_hf.training.data import unpack_shard
     from eagle_hf.training.pipeline import load_init_drafter
     from eagle_hf.training.trainer import TrainConfig, collate, make_batches

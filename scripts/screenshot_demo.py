@@ -32,7 +32,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import app  # demo/app.py, imported after its folder joined sys.path
 import torch
 
-from eagle_hf.evaluation import load_prompt_set
+from eagle_hf.tools.evaluation import load_prompt_set
 
 logger = logging.getLogger("screenshot_demo")
 

@@ -20,8 +20,8 @@ from transformers import CompileConfig
 
 import eagle_hf
 from eagle_hf import EagleDrafter
-from eagle_hf.bench import Mode, _generate, results_markdown, run_benchmark, write_results
-from eagle_hf.evaluation import chat_inputs
+from eagle_hf.tools.bench import Mode, _generate, results_markdown, run_benchmark, write_results
+from eagle_hf.tools.evaluation import chat_inputs
 
 
 def modes(drafter, compiled: CompileConfig) -> list[Mode]:

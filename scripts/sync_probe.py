@@ -1,4 +1,4 @@
-"""The host-device traffic of one speculation round, counted on the CPU (`eagle_hf.sync_probe`), and the host time
+"""The host-device traffic of one speculation round, counted on the CPU (`eagle_hf.tools.sync_probe`), and the host time
 of a round outside the target's forward, on a tiny random Llama target.
 
     python scripts/sync_probe.py                 # the table of docs/benchmarks.md, "GPU-grade round"
@@ -22,7 +22,7 @@ import transformers as tf
 
 import eagle_hf  # noqa: F401  (installs the generate() hooks)
 from eagle_hf import EagleDrafter
-from eagle_hf.sync_probe import count_aten_ops, probe_generate
+from eagle_hf.tools.sync_probe import count_aten_ops, probe_generate
 
 VOCAB = 256
 
@@ -73,7 +73,7 @@ def probe(name: str, target, drafter, new_tokens: int = 24):
 
 def plain_step_probe(target):
     """Plain generate(): a round starts at each target forward after the prefill."""
-    from eagle_hf.sync_probe import SyncProbe
+    from eagle_hf.tools.sync_probe import SyncProbe
 
     p = SyncProbe(target, inputs=list(inputs_for(1).values()))
     original = type(target).forward

@@ -7,10 +7,10 @@ import torch
 from conftest import tiny_drafter, tiny_target
 
 import eagle_hf
-from eagle_hf.adaptive import DraftLengthController
-from eagle_hf.cost_model import CostModel
+from eagle_hf.speculation.schedule import DraftLengthController
+from eagle_hf.speculation.cost_model import CostModel
 from eagle_hf.hf import costs
-from eagle_hf.rounds import RoundTiming
+from eagle_hf.speculation.rounds import RoundTiming
 
 MEASURED_CPU = CostModel(verify=[1.0] + [1.4] * 15, draft_step=0.023)  # SmolLM2 bf16 on this project's CPU
 CPU_LIKE = CostModel(verify=[1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.4, 1.5], draft_step=0.06)
@@ -275,7 +275,7 @@ def test_switches_off():
 
 
 def test_tree_size_follows_the_verify_curve():
-    from eagle_hf.adaptive import choose_tree_size
+    from eagle_hf.speculation.schedule import choose_tree_size
 
     flat = CostModel(verify=[1.0] * 32, draft_step=0.0)
     steep = CostModel(verify=[1.0 + 0.1 * i for i in range(32)], draft_step=0.0)
@@ -321,7 +321,7 @@ def test_the_drafters_confidence_replaces_the_flat_prior():
 def test_tree_confidences_follow_the_best_path():
     import math
 
-    from eagle_hf.tree import DraftTree
+    from eagle_hf.speculation.tree import DraftTree
 
     tree = DraftTree(torch.tensor([5, 1, 2, 3]), torch.tensor([-1, 0, 0, 1]),
                      torch.tensor([0.0, math.log(0.6), math.log(0.3), math.log(0.6 * 0.5)]))
@@ -332,14 +332,14 @@ def test_tree_confidences_follow_the_best_path():
 def test_recorded_rounds_label_every_generated_token(mode):
     from unittest import mock
 
-    from eagle_hf.visualize import DraftRecorder
+    from eagle_hf.tools.visualize import DraftRecorder
 
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     ids = torch.randint(1, 96, (1, 6))
     ref = target.generate(ids, max_new_tokens=30, do_sample=False)
     decisions = iter([2, 0, 0, 3, 0, 1] * 20)  # a scripted schedule: drafting rounds between plain steps
-    with mock.patch("eagle_hf.adaptive.DraftLengthController.choose", lambda self: next(decisions)):
+    with mock.patch("eagle_hf.speculation.schedule.DraftLengthController.choose", lambda self: next(decisions)):
         recorder = DraftRecorder()
         out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=drafter, draft_mode=mode,
                               draft_listeners=[recorder])

@@ -15,7 +15,7 @@ import eagle_hf
 from eagle_hf import ragged
 from eagle_hf.errors import EagleCompatibilityError
 from eagle_hf.hf import tree_loop
-from eagle_hf.tree import DraftTree
+from eagle_hf.speculation.tree import DraftTree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -291,7 +291,7 @@ def test_batch_options_without_a_per_row_meaning_are_refused(pair, option):
 # ------------------------------------------------------------------------------------------------ batched drafter
 def _taps(target, drafter, lengths, seed):
     """Each row's target taps [1, n, A] and the token after each [1, n], for rows of the given lengths."""
-    from eagle_hf.capture import gather_aux
+    from eagle_hf.drafter.capture import gather_aux
     from eagle_hf.hf import check_compatible
 
     g = torch.Generator().manual_seed(seed)
@@ -316,7 +316,7 @@ def _padded(rows):
 def test_batched_drafting_grows_each_rows_tree_as_drafted_alone(top_k):
     """Rows of different lengths catch up in one padded drafter forward and grow their trees together (holes in
     the drafter's cache, padded frontiers): every tree equals the row's drafted alone, over two rounds."""
-    from eagle_hf.drafting import DraftState, draft_tree, draft_trees
+    from eagle_hf.speculation.drafting import DraftState, draft_tree, draft_trees
 
     target, drafter = tiny_target("llama"), None
     drafter = tiny_drafter(target, seed=3)
@@ -361,8 +361,8 @@ def test_rounds_that_catch_the_drafter_up_do_not_teach_the_controller(monkeypatc
     """The first drafting round reads the prompts, a probe after plain rounds reads their rows: neither is a regular
     drafting round, and timing one as a plain round once made drafting look cheap next to plain decoding. Every
     round counts against the batch's loss budget, those that catch up as wide rounds (what drafting costs)."""
-    from eagle_hf.adaptive import DraftLengthController
-    from eagle_hf.loss_budget import LossBudget
+    from eagle_hf.speculation.schedule import DraftLengthController
+    from eagle_hf.speculation.loss_budget import LossBudget
 
     events = []
     plan = tree_loop.TreeLoop.plan
@@ -437,7 +437,7 @@ def test_the_kept_verify_mask_equals_one_built_from_scratch(monkeypatch):
 
     from eagle_hf.hf.cache import TreeCache, tree_attention_mask
     from eagle_hf.hf.version import cache_kwarg
-    from eagle_hf.ragged import Ragged
+    from eagle_hf.speculation.ragged import Ragged
 
     monkeypatch.setattr(ragged, "MIN_HOLES_TO_COMPACT", 4)
     monkeypatch.setattr(ragged, "HOLE_FRACTION", 0.1)
@@ -474,7 +474,7 @@ def test_the_drafters_kept_level_mask_equals_one_built_from_scratch(monkeypatch)
     """The drafter's level mask is kept between levels and rounds (the new real rows' columns and each level's
     tree block are written, never the whole context): through catch-ups with holes, a row leaving and a compaction,
     it equals the mask built from the rows' validity."""
-    from eagle_hf.drafting import DraftState
+    from eagle_hf.speculation.drafting import DraftState
 
     monkeypatch.setattr(ragged, "MIN_HOLES_TO_COMPACT", 2)
     monkeypatch.setattr(ragged, "HOLE_FRACTION", 0.1)

@@ -6,7 +6,7 @@ from conftest import tiny_drafter
 
 import pytest
 
-from eagle_hf.bench import Mode, custom_mode, parse_mode, results_markdown, run_benchmark, standard_modes, write_results
+from eagle_hf.tools.bench import Mode, custom_mode, parse_mode, results_markdown, run_benchmark, standard_modes, write_results
 
 
 def _parts(tmp_path):
@@ -86,7 +86,7 @@ def test_every_cli_option_has_help_text():
 
 
 def test_every_shipped_prompt_set_loads_with_its_licence_noted():
-    from eagle_hf.evaluation import COPY_SETS, KIND_SETS, PROMPT_DIR, PROMPT_SETS, load_prompt_set
+    from eagle_hf.tools.evaluation import COPY_SETS, KIND_SETS, PROMPT_DIR, PROMPT_SETS, load_prompt_set
 
     readme = (PROMPT_DIR / "README.md").read_text()
     for name in PROMPT_SETS + COPY_SETS + KIND_SETS:
@@ -104,7 +104,7 @@ def _run(speedups: dict[str, list[float]], repeats: int = 2) -> dict:
 
 
 def test_best_of_sources_chooses_on_one_repeat_and_scores_on_the_others():
-    from eagle_hf.best_of_sources import compare, markdown
+    from eagle_hf.tools.best_of_sources import compare, markdown
 
     run1 = _run({"eagle default": [2.0, 2.0, 2.0, 2.0, 1.9, 2.0, 2.1, 2.0],
                  "copy alone": [2.2, 2.2, 2.2, 2.2, 2.0, 2.0, 2.0, 2.0],  # lucky on repeat 1

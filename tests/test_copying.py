@@ -8,10 +8,10 @@ from conftest import tiny_drafter, tiny_target
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 import eagle_hf
-from eagle_hf.copying import MAX_OCCURRENCES, CopyIndex, CopySource
-from eagle_hf.settings import DraftSettings, DraftSettingsError
-from eagle_hf.stats import merge_stats
-from eagle_hf.tree import COPY, EAGLE, DraftTree
+from eagle_hf.speculation.copying import MAX_OCCURRENCES, CopyIndex, CopySource
+from eagle_hf.speculation.settings import DraftSettings, DraftSettingsError
+from eagle_hf.speculation.stats import merge_stats
+from eagle_hf.speculation.tree import COPY, EAGLE, DraftTree
 
 
 def test_index_prefers_the_longest_then_the_most_recent_match():
@@ -304,7 +304,7 @@ def test_the_drafters_draft_starts_a_copied_span_exactly(monkeypatch):
 def test_a_branch_cut_to_fit_teaches_only_what_was_verified():
     """A tree cut to a static cache's free slots keeps a prefix of each copy branch: the branch is shortened to
     what the tree kept (gone if nothing), so its acceptance learns nothing about the tokens never verified."""
-    from eagle_hf.copying import Branch
+    from eagle_hf.speculation.copying import Branch
 
     src = _source()
     tree = DraftTree.root(7).graft([[1, 2, 3, 4], [5, 6]], [[-0.1] * 4, [-0.1] * 2])  # nodes: 7 | 1 2 3 4 | 5 6
@@ -318,10 +318,10 @@ def test_a_branch_cut_to_fit_teaches_only_what_was_verified():
 
 
 def _speculator(sources: str, copy_first: float, drafter_acceptance: float):
-    from eagle_hf.adaptive import DraftLengthController
-    from eagle_hf.cost_model import CostModel
-    from eagle_hf.speculation import Speculator
-    from eagle_hf.stats import SpecDecodeStats
+    from eagle_hf.speculation.schedule import DraftLengthController
+    from eagle_hf.speculation.cost_model import CostModel
+    from eagle_hf.speculation.speculator import Speculator
+    from eagle_hf.speculation.stats import SpecDecodeStats
 
     cost = CostModel(verify=[1.0 + 0.05 * i for i in range(64)], draft_step=0.1)  # a CPU-like verify curve
     controller = DraftLengthController(cost, max_draft=5, tree=(4, 16), acceptance=[drafter_acceptance] * 5)

@@ -24,7 +24,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 gr = pytest.importorskip("gradio")
 import app  # demo/app.py, imported after its folder joined sys.path
 
-from eagle_hf.visualize import (
+from eagle_hf.tools.visualize import (
     CSS,
     DraftRecorder,
     LabelledTokens,

@@ -217,7 +217,7 @@ def test_generate_puts_its_inputs_on_the_target_input_device(folder, monkeypatch
 def test_bench_records_how_a_spread_target_lies():
     from types import SimpleNamespace
 
-    from eagle_hf.bench import _placement
+    from eagle_hf.tools.bench import _placement
 
     spread = SimpleNamespace(hf_device_map={"model.embed_tokens": 0, "model.layers.0": 0, "lm_head": "cpu"})
     assert _placement(spread) == {"0": 2, "cpu": 1}

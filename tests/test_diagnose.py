@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import tiny_drafter
 
-from eagle_hf.diagnose import (
+from eagle_hf.tools.diagnose import (
     CONDITIONS,
     DEPTH_QUANTITIES,
     MAX_DEPTH,
@@ -40,7 +40,7 @@ def _run(parts, **kw):
 @pytest.mark.parametrize("t,past,masked", [(1, 7, False), (5, 0, False), (3, 6, False), (2, 6, True)])
 def test_recording_attention_leaves_outputs_bit_identical(t, past, masked):
     """Recording adds eager probabilities beside SDPA: the step's outputs are bit-identical, and probs @ V = SDPA."""
-    from eagle_hf.modeling import KV, causal_mask
+    from eagle_hf.drafter.modeling import KV, causal_mask
 
     drafter = tiny_drafter()
     drafter.bind_target_embedding(torch.nn.Embedding(96, 64))
@@ -200,7 +200,7 @@ def test_cli_writes_table_json_and_pngs(parts, tmp_path, monkeypatch, capsys):
 
 def test_shared_prefix_prefilled_once_gives_the_same_path(parts):
     """The long condition's shared news text is prefilled once: the same tokens and taps as a full prefill."""
-    from eagle_hf.diagnose import DiagnoseSettings, PrefixStore, build_runs, greedy_path
+    from eagle_hf.tools.diagnose import DiagnoseSettings, PrefixStore, build_runs, greedy_path
 
     target, tok, _ = parts
     settings = DiagnoseSettings(prompts=PROMPTS, conditions=("long", "clean"), long_context_tokens=80).validate()
@@ -221,8 +221,8 @@ def test_shared_prefix_prefilled_once_gives_the_same_path(parts):
 def test_drafters_replayed_over_the_same_paths_pair_up(parts, tmp_path):
     """Two drafters in one call: the target decodes each run once; a drafter equal to the reference differs by
     exactly 0 in every pair, an EAGLE-3 drafter (flags off) gets its own measurements; files are written."""
-    from eagle_hf.diagnose import diagnose_drafters
-    from eagle_hf.drift_comparison import compare, compare_markdown, save_comparison
+    from eagle_hf.tools.diagnose import diagnose_drafters
+    from eagle_hf.tools.drift_comparison import compare, compare_markdown, save_comparison
 
     target, tok, drafter = parts
     eagle3 = tiny_drafter(target, seed=3, fc_norm=False, norm_output=False)

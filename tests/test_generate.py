@@ -25,7 +25,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import eagle_hf
 from eagle_hf import EagleCompatibilityError
-from eagle_hf.capture import default_aux_layer_ids, gather_aux, hidden_state_request
+from eagle_hf.drafter.capture import default_aux_layer_ids, gather_aux, hidden_state_request
 from eagle_hf.hf import EagleCandidateGenerator
 
 from conftest import VOCAB, tiny_drafter, tiny_target

@@ -538,14 +538,14 @@ def test_bf16_copy_of_a_gguf_equals_the_gguf_in_bf16(tmp_path, caplog):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eagle_hf.default import converted_copy_dir, load_gguf_target
+    from eagle_hf.drafter.default import converted_copy_dir, load_gguf_target
 
     gguf_path = write_tiny_gguf(tmp_path / "tiny.Q4_1.gguf")
     cache = tmp_path / "cache"
     direct = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=gguf_path.name, dtype=torch.bfloat16)
     direct_tok = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=gguf_path.name)
 
-    with caplog.at_level(logging.INFO, logger="eagle_hf.default"):
+    with caplog.at_level(logging.INFO, logger="eagle_hf.drafter.default"):
         first, _ = load_gguf_target(gguf_path, torch.bfloat16, cache_dir=cache)
         second, tok = load_gguf_target(gguf_path, torch.bfloat16, cache_dir=cache)
     assert "Converting tiny.Q4_1.gguf once" in caplog.text and "Loading the torch.bfloat16 copy" in caplog.text

@@ -16,16 +16,16 @@ from transformers import GenerationConfig
 
 import eagle_hf
 from eagle_hf import DraftSettings, EagleCompatibilityError
-from eagle_hf.adaptive import DraftLengthController
-from eagle_hf.cost_model import CostModel
-from eagle_hf.drafting import DraftState, draft_tree
+from eagle_hf.speculation.schedule import DraftLengthController
+from eagle_hf.speculation.cost_model import CostModel
+from eagle_hf.speculation.drafting import DraftState, draft_tree
 from eagle_hf.hf.version import CACHE_KEY, output_cache
-from eagle_hf.speculation import Speculator
-from eagle_hf.stats import SpecDecodeStats
-from eagle_hf.rounds import RoundTiming
-from eagle_hf.timing import Timer
-from eagle_hf.tree import DraftTree
-from eagle_hf.verification import accept_sampling
+from eagle_hf.speculation.speculator import Speculator
+from eagle_hf.speculation.stats import SpecDecodeStats
+from eagle_hf.speculation.rounds import RoundTiming
+from eagle_hf.speculation.timing import Timer
+from eagle_hf.speculation.tree import DraftTree
+from eagle_hf.speculation.verification import accept_sampling
 
 from conftest import tiny_drafter, tiny_target
 
@@ -81,7 +81,7 @@ def _drafter_state(seed=3, peaky=30.0):
     with torch.no_grad():
         drafter.lm_head.weight.mul_(peaky)
     ids = torch.randint(1, 96, (1, 9), generator=torch.Generator().manual_seed(seed))
-    from eagle_hf.capture import gather_aux
+    from eagle_hf.drafter.capture import gather_aux
     from eagle_hf.hf import check_compatible
 
     out = target(ids, output_hidden_states=True)
@@ -324,3 +324,9 @@ def test_no_import_cycles_and_transformers_internals_stay_in_eagle_hf_hf():
         found = [p for p in private if re.search(r"(?<!\w)" + re.escape(p), text)]  # (public set_attn_implementation
         # is not the private _attn_implementation)
         assert not found, f"{name} reads transformers internals {found}: move it to eagle_hf.hf or eagle_hf.compat"
+    for name, (path, _) in modules.items():  # the speculation round stays free of transformers and the loops
+        if name.startswith("eagle_hf.speculation"):
+            wrong = sorted(m for m in graph[name] if m.startswith(("eagle_hf.hf", "eagle_hf.tools", "eagle_hf.training")))
+            assert not wrong, f"{name} imports {wrong}: eagle_hf.speculation must not import the loops or the tools"
+            text = path.read_text()
+            assert not re.search(r"^\s*(from|import) transformers", text, re.M), f"{name} imports transformers"

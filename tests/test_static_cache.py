@@ -19,7 +19,7 @@ from eagle_hf.hf.cache import StaticTreeCache, cache_unsupported_reason, tree_at
 from eagle_hf.hf.costs import cost_model
 from eagle_hf.hf.routing import STATIC_CACHE_ROOM
 from eagle_hf.hf.version import cache_kwarg, output_cache
-from eagle_hf.speculation import Speculator
+from eagle_hf.speculation.speculator import Speculator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STATIC = dict(cache_implementation="static")

@@ -1,5 +1,5 @@
 """What one speculation round would cost a GPU in host-device traffic, counted on the CPU by tensor provenance
-(`eagle_hf.sync_probe`): device-to-host reads, blocking host-to-device copies, device synchronisations. Counts
+(`eagle_hf.tools.sync_probe`): device-to-host reads, blocking host-to-device copies, device synchronisations. Counts
 are deterministic on a constant schedule, so they are pinned here as upper bounds per round (times are not:
 `scripts/sync_probe.py --time` reports them, no test asserts one)."""
 
@@ -10,7 +10,7 @@ import statistics
 import pytest
 import torch
 
-from eagle_hf.sync_probe import SyncProbe, count_aten_ops, probe_generate
+from eagle_hf.tools.sync_probe import SyncProbe, count_aten_ops, probe_generate
 
 from conftest import tiny_drafter, tiny_target
 

@@ -399,7 +399,7 @@ def test_several_answer_sources_and_captured_folders(tmp_path):
     mtimes = {k: [p.stat().st_mtime_ns for p in sorted(f.glob("shard_*"))] for k, f in folders.items()}
     write_answers(src / "c_000.jsonl.partial", 7, start=20)
     sources = parse_answer_specs([str(src / "a.jsonl"), str(src / "*.gz"), str(src / "*.partial")])
-    from eagle_hf.capture import default_aux_layer_ids
+    from eagle_hf.drafter.capture import default_aux_layer_ids
 
     again = capture_sources(target, tok, sources, tmp_path / "cap", default_aux_layer_ids(6))
     assert [f.path for f in again] == [folders[k] for k in ("a", "b", "c_000")]

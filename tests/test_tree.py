@@ -9,8 +9,8 @@ from conftest import patch_drafts, tiny_drafter, tiny_target
 import eagle_hf
 from eagle_hf.hf.cache import stacked_ancestor_masks, tree_attention_mask
 from eagle_hf.hf.version import cache_kwarg, output_cache
-from eagle_hf.tree import DraftTree
-from eagle_hf.verification import accept_greedy, accept_sampling, verify, verify_greedy
+from eagle_hf.speculation.tree import DraftTree
+from eagle_hf.speculation.verification import accept_greedy, accept_sampling, verify, verify_greedy
 
 #      0 (root)
 #     / \
@@ -228,7 +228,7 @@ def test_confidence_threshold_prunes_tree_branches():
 def test_pruned_tree_is_the_full_tree_above_the_threshold():
     import math
 
-    from eagle_hf.drafting import DraftState, draft_tree
+    from eagle_hf.speculation.drafting import DraftState, draft_tree
 
     target = tiny_target("llama")
     drafter = tiny_drafter(target, seed=3)
@@ -236,7 +236,7 @@ def test_pruned_tree_is_the_full_tree_above_the_threshold():
     with torch.no_grad():
         drafter.lm_head.weight.mul_(30.0)  # a peaky drafter: some branches are confident, others not
     ids = torch.randint(1, 96, (1, 9))
-    from eagle_hf.capture import gather_aux
+    from eagle_hf.drafter.capture import gather_aux
     from eagle_hf.hf import check_compatible
 
     out = target(ids, output_hidden_states=True)
@@ -269,7 +269,7 @@ def test_drafter_catches_up_after_plain_steps(sources):
     ref = target.generate(ids, max_new_tokens=40, do_sample=False)
     decisions = iter([3, 0, 0, 2, 0, 4, 0, 0, 0, 1] * 10)
     with oracle_tree(ref[0].tolist() + [0] * 8), \
-            mock.patch("eagle_hf.adaptive.DraftLengthController.choose", lambda self: next(decisions)):
+            mock.patch("eagle_hf.speculation.schedule.DraftLengthController.choose", lambda self: next(decisions)):
         out = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=drafter, draft_mode="tree",
                               tree_depth=5, tree_top_k=2, tree_total_tokens=8, draft_sources=sources)
     assert torch.equal(out, ref)

@@ -32,7 +32,7 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
-    """Exports load on first use, so that `eagle_hf.modeling` can use `eagle_hf.hf.models` without a cycle."""
+    """Exports load on first use, so that `eagle_hf.drafter.modeling` can use `eagle_hf.hf.models` without a cycle."""
     if name in _EXPORTS:
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

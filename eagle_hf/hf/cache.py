@@ -9,8 +9,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
-from ..ragged import Ragged
-from ..tree import DraftTree
+from ..speculation.ragged import Ragged
+from ..speculation.tree import DraftTree
 from .attention import kernel_name, kernel_unsupported_reason
 from .version import cache_kwarg
 
@@ -68,7 +68,7 @@ def commit_accepted(cache, past_len: int, index: torch.Tensor | None, width: int
     """Keep each row's accepted tree nodes after the prefix, in place, in every layer: row b's nodes ``index[b]``
     ([B, K] on the device, relative to `past_len`; None: the first K nodes) move to slots
     ``past_len .. past_len+K-1`` and the cache is cropped there. A shorter row's slots after its own path are holes
-    its mask hides (`eagle_hf.ragged`). O(B * K) per layer: the prefix is never copied, no layer is rebuilt."""
+    its mask hides (`eagle_hf.speculation.ragged`). O(B * K) per layer: the prefix is never copied, no layer is rebuilt."""
     end = past_len + width
     for layer in cache.layers:
         if index is not None:
@@ -131,7 +131,7 @@ class TreeCache:
       cropped (O(rows x accepted) per layer; the committed prefix is never copied);
     * `select_rows`: rows leave the batch; `compact`: the holes that shorter paths left go, once worth it.
 
-    `ragged` says which committed slots each row reads (`eagle_hf.ragged`). Implemented here for transformers'
+    `ragged` says which committed slots each row reads (`eagle_hf.speculation.ragged`). Implemented here for transformers'
     dynamic cache, which grows by concatenation on every forward (plain decoding's too) and is cropped to a
     view; a cache with fixed buffers implements the same operations with a write position instead."""
 

@@ -10,15 +10,15 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers.generation.utils import GenerationMixin
 
-from ..capture import num_decoder_layers, resolve_aux_layer_ids
+from ..drafter.capture import num_decoder_layers, resolve_aux_layer_ids
 from ..devices import input_device
-from ..drafting import DraftState
+from ..speculation.drafting import DraftState
 from ..errors import EagleCompatibilityError
-from ..modeling import EagleDrafter
-from ..settings import DraftSettings
-from ..speculation import DraftListener, Speculator
-from ..stats import SpecDecodeStats, merge_stats
-from ..timing import Timer
+from ..drafter.modeling import EagleDrafter
+from ..speculation.settings import DraftSettings
+from ..speculation.speculator import DraftListener, Speculator
+from ..speculation.stats import SpecDecodeStats, merge_stats
+from ..speculation.timing import Timer
 from .version import cache_in
 
 logger = logging.getLogger(__name__)

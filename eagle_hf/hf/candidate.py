@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from ..capture import gather_aux, hidden_state_request
-from ..drafting import Choice
-from ..rounds import RoundTiming
-from ..speculation import Speculator
-from ..transfer import to_device
-from ..verification import process_logits
+from ..drafter.capture import gather_aux, hidden_state_request
+from ..speculation.drafting import Choice
+from ..speculation.rounds import RoundTiming
+from ..speculation.speculator import Speculator
+from ..speculation.transfer import to_device
+from ..speculation.verification import process_logits
 
 
 class EagleCandidateGenerator(CandidateGenerator):

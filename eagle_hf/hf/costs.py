@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from ..adaptive import DraftLengthController
-from ..cost_model import CostModel
+from ..speculation.schedule import DraftLengthController
+from ..speculation.cost_model import CostModel
 from ..devices import input_device
-from ..settings import DraftSettings
+from ..speculation.settings import DraftSettings
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def _cost_file(target) -> Path | None:
         return None
     import transformers
 
-    from ..default import cache_root
+    from ..drafter.default import cache_root
 
     root = cache_root()
     if root is None:

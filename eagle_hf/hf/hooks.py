@@ -15,9 +15,9 @@ import time
 
 from transformers.generation.utils import GenerationMixin
 
-from ..modeling import EagleDrafter
-from ..settings import CALL_KEYWORDS, OWN_KEYWORDS, DraftSettings
-from ..stats import _set_last
+from ..drafter.modeling import EagleDrafter
+from ..speculation.settings import CALL_KEYWORDS, OWN_KEYWORDS, DraftSettings
+from ..speculation.stats import _set_last
 from .attention import unroute_all
 from .call import (
     EagleCall,

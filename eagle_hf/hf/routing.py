@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ..adaptive import choose_tree_size
+from ..speculation.schedule import choose_tree_size
 from ..errors import EagleCompatibilityError
-from ..settings import DraftSettings
+from ..speculation.settings import DraftSettings
 from .cache import cache_unsupported_reason, tree_unsupported_reason
 from .call import batch_rows, prompt_length
 from .costs import cost_model

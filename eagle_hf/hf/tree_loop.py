@@ -21,14 +21,14 @@ import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..capture import gather_aux, hidden_state_request
+from ..drafter.capture import gather_aux, hidden_state_request
 from ..devices import input_device
-from ..ragged import Ragged
-from ..rounds import RoundTiming
-from ..speculation import Speculator, draft_round
-from ..transfer import pack, to_device
-from ..tree import DraftTree
-from ..verification import accept_drawn, process_logits, sampling_draws, verify_greedy
+from ..speculation.ragged import Ragged
+from ..speculation.rounds import RoundTiming
+from ..speculation.speculator import Speculator, draft_round
+from ..speculation.transfer import pack, to_device
+from ..speculation.tree import DraftTree
+from ..speculation.verification import accept_drawn, process_logits, sampling_draws, verify_greedy
 from .attention import routed_kernel
 from .cache import stacked_ancestor_masks, tree_cache
 from .call import active_call, finish_rows, speculators_for

@@ -54,7 +54,7 @@ def add_train_parser(sub) -> None:
 def cmd_train(args) -> int:
     import torch
 
-    from ..default import load_target
+    from ..drafter.default import load_target
     from ..devices import load_options
     from .pipeline import RunConfig, run_training, validate_run
     from .trainer import TrainConfig

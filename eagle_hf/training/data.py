@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from ..capture import gather_aux, hidden_state_request
+from ..drafter.capture import gather_aux, hidden_state_request
 from ..hf.version import cache_kwarg
 
 logger = logging.getLogger(__name__)

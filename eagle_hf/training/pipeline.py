@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from ..capture import default_aux_layer_ids, num_decoder_layers, resolve_aux_layer_ids
+from ..drafter.capture import default_aux_layer_ids, num_decoder_layers, resolve_aux_layer_ids
 from ..hf.models import final_norm_scale
-from ..modeling import EagleDrafter
+from ..drafter.modeling import EagleDrafter
 from .data import META_FILE, build_dataset, load_shards
 from .prompts import load_prompts
 from .sources import AnswerSource, DataFolder, capture_sources, check_folder_fits, describe_folder, parse_answer_specs
@@ -82,8 +82,8 @@ def check_output_dir(out: Path, run: RunConfig) -> None:
 
 def load_init_drafter(name: str) -> EagleDrafter:
     """The drafter to warm-start from, in float32: a folder, a Hub id, or "default" (the shipped drafter)."""
-    from ..checkpoint import DrafterLoadError
-    from ..default import DEFAULT_DRAFTER
+    from ..drafter.checkpoint import DrafterLoadError
+    from ..drafter.default import DEFAULT_DRAFTER
 
     path = DEFAULT_DRAFTER if name == "default" else name
     if name == "default" and not Path(DEFAULT_DRAFTER, "config.json").is_file():

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..modeling import EagleDrafter
+from ..drafter.modeling import EagleDrafter
 from .ttt import add_feature_noise, ttt_evaluate, ttt_loss
 from .vocab import DraftVocab
 
@@ -307,7 +307,7 @@ def train(
     if best is not None and best.get("eval_set") == eval_set:
         best_tau = best["eval_tau"]
     elif best is not None and eval_idx:  # the held-out split changed (more data): score the kept drafter again
-        from ..modeling import EagleDrafter as _Drafter
+        from ..drafter.modeling import EagleDrafter as _Drafter
 
         kept = _Drafter.from_pretrained(out / BEST_DIR, dtype=torch.float32).to(device)
         kept.bind_target_embedding(drafter._target_embedding)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..modeling import KV, EagleDrafter
+from ..drafter.modeling import KV, EagleDrafter
 
 
 @dataclass

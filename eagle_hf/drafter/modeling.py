@@ -19,7 +19,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
-from .compat import rope_init
+from ..compat import rope_init
 from .config import EagleConfig, __version__
 
 logger = logging.getLogger(__name__)
@@ -346,7 +346,7 @@ class EagleDrafter(PreTrainedModel):
 
     @contextmanager
     def recording_attention(self):
-        """Record the attention probabilities of every drafter pass inside the block (for `eagle_hf.diagnose`).
+        """Record the attention probabilities of every drafter pass inside the block (for `eagle_hf.tools.diagnose`).
 
         Yields a list to which each pass appends float32 ``[B, heads, T, S]`` probabilities, computed eagerly
         beside the unchanged SDPA path: drafts are bit-identical with and without recording. Off (no cost) by

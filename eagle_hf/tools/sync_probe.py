@@ -12,7 +12,7 @@ None of that shows on a CPU, where work is synchronous. This probe makes it show
 * ``copies``: blocking host-to-device copies (host data put on the device: ``torch.tensor(..., device=)``,
   ``.to(device)`` of a host tensor, a host tensor written into or indexing a device tensor);
 * ``async_copies``: host-to-device copies that do not block (``.to(device, non_blocking=True)``, from pinned
-  memory on a GPU: `eagle_hf.transfer`);
+  memory on a GPU: `eagle_hf.speculation.transfer`);
 * ``syncs``: whole-device synchronisations (eagle_hf's timing, ``torch.cuda.synchronize``);
 * ``mixed``: ops that combine a device tensor with a host tensor of one element or more (they fail on a GPU, or
   copy implicitly).
@@ -246,8 +246,8 @@ def _count_syncs(probe: SyncProbe):
 @contextlib.contextmanager
 def _round_markers(probe: SyncProbe):
     """Marks where rounds start: eagle_hf's loop planning its drafts, transformers' loop asking for candidates."""
-    from .hf.candidate import EagleCandidateGenerator
-    from .hf.tree_loop import TreeLoop
+    from ..hf.candidate import EagleCandidateGenerator
+    from ..hf.tree_loop import TreeLoop
 
     plan, get_candidates = TreeLoop.plan, EagleCandidateGenerator.get_candidates
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from . import copying
-from .adaptive import DraftLengthController
+from .schedule import DraftLengthController
 from .copying import CopySource
 from .drafting import Chooser, DraftState, draft_trees
 from .rounds import RoundRecord
@@ -256,7 +256,7 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
     row: `Speculator.draft`). Every row with committed rows catches them up in one drafter forward; the rows with
     a depth grow their trees together, one drafter forward per level; then each row grafts its copy branches.
     A row not in a drafting round (`round` is not ``"draft"``) keeps the root alone. `marks`: the round's named
-    marks on the timer (`eagle_hf.rounds.RoundTiming`), where the drafter's start, catch-up and levels end."""
+    marks on the timer (`eagle_hf.speculation.rounds.RoundTiming`), where the drafter's start, catch-up and levels end."""
     first = speculators[0]
     state, timer, s = first.state, first.timer, first.settings
     drafting = [i for i, sp in enumerate(speculators) if sp.round == "draft" and depths[i] > 0]

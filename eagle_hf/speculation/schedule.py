@@ -119,7 +119,7 @@ class DraftLengthController:
         return 0
 
     def observe(self, timing) -> None:
-        """A round's timings (`eagle_hf.rounds.RoundTiming`, one round late on a GPU): the one door through which
+        """A round's timings (`eagle_hf.speculation.rounds.RoundTiming`, one round late on a GPU): the one door through which
         they enter. The verify forward and the drafter's levels teach the cost model; whole rounds teach the
         loop's own costs (a drafter catching up on plain rounds' rows is neither a regular drafting round nor a
         plain one) and a batch's verdict and loss budget (every round: catching up is part of what drafting

@@ -3,7 +3,7 @@
 Vocabulary (eagle_spec.md §6.3): `depth` draft levels, `top_k` children expanded per frontier node,
 `total_tokens` verified tokens including the root. Node 0 is the root (the last token the target emitted);
 nodes 1..N are drafts, parents before children. A chain is the tree with ``top_k=1``. Built by
-`eagle_hf.drafting.draft_tree`, accepted by `eagle_hf.verification`.
+`eagle_hf.speculation.drafting.draft_tree`, accepted by `eagle_hf.speculation.verification`.
 """
 
 from __future__ import annotations

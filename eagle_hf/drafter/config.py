@@ -29,7 +29,7 @@ class EagleConfig(PretrainedConfig):
         target_hidden_size: width H_t of the target's hidden states (defaults to `hidden_size`).
         vocab_size: the **target** vocabulary (embedding rows, `t2d` length).
         draft_vocab_size: rows of `lm_head` and length of `d2t` (defaults to `vocab_size`).
-        aux_layer_ids: target layers the drafter reads, in the boundary convention (see `eagle_hf.capture`);
+        aux_layer_ids: target layers the drafter reads, in the boundary convention (see `eagle_hf.drafter.capture`);
             `None` means the EAGLE-3 default `[2, L//2, L-3]`.
         fc_norm: EAGLE-3.1: one RMSNorm per captured target state before `fc`.
         norm_output: EAGLE-3.1: feed the post-norm hidden state to the next draft step.
@@ -37,7 +37,7 @@ class EagleConfig(PretrainedConfig):
         norm_before_residual: speculators: the first layer's residual is `hidden_norm(h)`.
         own_embedding: the drafter ships `embed_tokens`; otherwise it uses the target's embedding.
         rope_theta: drafter RoPE base; 10000 when a checkpoint does not say (as the EAGLE reference does).
-        draft_settings: this drafter's overrides of the `eagle_hf.settings.DraftSettings` defaults (`mode`, `depth`, ...).
+        draft_settings: this drafter's overrides of the `eagle_hf.speculation.settings.DraftSettings` defaults (`mode`, `depth`, ...).
     """
 
     model_type = "llama"  # what vLLM / SGLang expect in an EAGLE-3 drafter's config.json

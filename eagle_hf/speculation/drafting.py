@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .modeling import KV, EagleDrafter, KVWriter
+from ..drafter.modeling import KV, EagleDrafter, KVWriter
 from .ragged import Ragged
 from .transfer import pack, to_device
 from .tree import DraftTree
@@ -30,7 +30,7 @@ class DraftState:
     written after them and dropped (overwritten) by the next round.
 
     Row b reads the slots `ragged` says (a batch's rows read different numbers of rows per round, and a shorter
-    row's extra slots are holes, see `eagle_hf.ragged`). Row b's next real row sits at position ``positions[b]``
+    row's extra slots are holes, see `eagle_hf.speculation.ragged`). Row b's next real row sits at position ``positions[b]``
     (> 0 at first when the target's cache already held a prefix the drafter never saw)."""
 
     positions: list[int] = field(default_factory=lambda: [0])
@@ -176,7 +176,7 @@ class DraftState:
         self.positions = [self.positions[b] for b in rows]
 
     def compact(self) -> None:
-        """Drop the holes once they are worth it (`eagle_hf.ragged`)."""
+        """Drop the holes once they are worth it (`eagle_hf.speculation.ragged`)."""
         if not self.ragged.worth_compacting():
             return
         index = self.ragged.compact()  # [B, W]
