@@ -27,10 +27,10 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import eagle_hf
 from eagle_hf.devices import add_device_arguments, check_load_options, input_device, load_options
 from eagle_hf.errors import EagleCompatibilityError
-from eagle_hf.tools.evaluation import load_prompt_set
 from eagle_hf.hf.call import active_call
 from eagle_hf.speculation.settings import DRAFT_SOURCES, MAX_DEPTH
 from eagle_hf.speculation.stats import SpecDecodeStats
+from eagle_hf.tools.evaluation import load_prompt_set
 from eagle_hf.tools.visualize import CSS, SpanRenderer, TokenEvent, label_round, legend_html, tokens_html
 
 logger = logging.getLogger("eagle_hf.demo")

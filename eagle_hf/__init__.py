@@ -13,9 +13,9 @@ import logging
 from .drafter.checkpoint import DrafterLoadError
 from .drafter.config import EagleConfig, __version__
 from .drafter.default import DEFAULT_DRAFTER, DEFAULT_TARGET_NAME, load_default_target, load_drafter, load_target
+from .drafter.modeling import EagleDrafter
 from .errors import EagleCompatibilityError
 from .hf import install, write_custom_generate
-from .drafter.modeling import EagleDrafter
 from .speculation.settings import DraftSettings
 from .speculation.stats import SpecDecodeStats, last_stats
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 
 def _target(args):
-    from .drafter.default import load_target
     from .devices import load_options
+    from .drafter.default import load_target
 
     return load_target(args.target, **load_options(args))
 
@@ -31,8 +31,8 @@ def cmd_generate(args) -> int:
     import torch
 
     from . import last_stats
-    from .drafter.default import load_drafter
     from .devices import input_device
+    from .drafter.default import load_drafter
 
     target, tok = _target(args)
     drafter, label = load_drafter(args.drafter, target)
@@ -56,8 +56,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .tools.bench import custom_mode, parse_mode, run_benchmark, results_markdown, standard_modes, write_results
     from .drafter.default import load_drafter
+    from .tools.bench import custom_mode, parse_mode, results_markdown, run_benchmark, standard_modes, write_results
 
     try:
         own = [parse_mode(spec) for spec in args.mode]  # a bad one fails before any model loads
@@ -167,8 +167,8 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .tools.bench import MODE_NAMES
     from .devices import add_device_arguments
+    from .tools.bench import MODE_NAMES
 
     parser = argparse.ArgumentParser(prog="eagle-hf", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does (INFO level)")

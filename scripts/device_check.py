@@ -640,7 +640,7 @@ def replay_drafts(truth: list[list[int]]):
     only. Yields counts of drafted trees ("replayed", "unmatched": the row has left the recorded continuation)."""
     import inspect
 
-    from eagle_hf import speculation
+    from eagle_hf.speculation import speculator as speculation
     from eagle_hf.speculation.drafting import Choice
 
     original = speculation.draft_trees

@@ -9,8 +9,8 @@ import json
 import statistics
 import time
 
-from eagle_hf.speculation.copying import CopySource
 from eagle_hf.drafter.default import load_default_target
+from eagle_hf.speculation.copying import CopySource
 from eagle_hf.tools.evaluation import PROMPT_DIR
 
 

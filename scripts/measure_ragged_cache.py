@@ -31,8 +31,8 @@ from eagle_hf import (
     load_target,
     ragged,
 )
-from eagle_hf.tools.evaluation import batch_chat_inputs, load_prompt_set
 from eagle_hf.hf.cache import TreeCache
+from eagle_hf.tools.evaluation import batch_chat_inputs, load_prompt_set
 
 POLICIES = {"every round": (0, 0.0), "lazy (default)": (ragged.MIN_HOLES_TO_COMPACT, ragged.HOLE_FRACTION),
             "never": (10**9, 1.0)}

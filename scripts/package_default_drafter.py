@@ -8,8 +8,8 @@ import json
 import shutil
 from pathlib import Path
 
-from eagle_hf.drafter.default import DEFAULT_DRAFTER, DEFAULT_TARGET_NAME
 from eagle_hf import EagleDrafter
+from eagle_hf.drafter.default import DEFAULT_DRAFTER, DEFAULT_TARGET_NAME
 from eagle_hf.training.report import read_log, write_model_card
 
 FILES = ("config.json", "model.safetensors", "training_log.jsonl", "training_curve.png", "train_run.json")

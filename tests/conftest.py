@@ -161,7 +161,7 @@ def patch_drafts(fake):
     drafting row; `position` is the root's (the drafter has read the real rows before it)."""
     from unittest import mock
 
-    from eagle_hf import speculation
+    from eagle_hf.speculation import speculator as speculation
 
     def draft_trees(drafter, state, roots, logits, hidden, depths, top_k, total_tokens, *args, rows=None, **kwargs):
         rows = list(range(state.rows)) if rows is None else rows

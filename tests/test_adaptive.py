@@ -7,10 +7,10 @@ import torch
 from conftest import tiny_drafter, tiny_target
 
 import eagle_hf
-from eagle_hf.speculation.schedule import DraftLengthController
-from eagle_hf.speculation.cost_model import CostModel
 from eagle_hf.hf import costs
+from eagle_hf.speculation.cost_model import CostModel
 from eagle_hf.speculation.rounds import RoundTiming
+from eagle_hf.speculation.schedule import DraftLengthController
 
 MEASURED_CPU = CostModel(verify=[1.0] + [1.4] * 15, draft_step=0.023)  # SmolLM2 bf16 on this project's CPU
 CPU_LIKE = CostModel(verify=[1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.4, 1.5], draft_step=0.06)

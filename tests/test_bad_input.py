@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_loading import write_folder
 import torch
+from conftest import HIDDEN, VOCAB, tiny_drafter, tiny_target
 from safetensors.torch import save_file
+from test_loading import write_folder
 from transformers import GenerationConfig, LlamaConfig
 
 import eagle_hf
-from conftest import HIDDEN, VOCAB, tiny_drafter, tiny_target
 from eagle_hf import DrafterLoadError, EagleCompatibilityError, EagleDrafter
 from eagle_hf.hf import hooks as hf_integration
 from eagle_hf.hf.version import check_transformers_version

@@ -12,7 +12,7 @@ from conftest import patch_drafts, tiny_drafter, tiny_target
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 import eagle_hf
-from eagle_hf import ragged
+from eagle_hf.speculation import ragged
 from eagle_hf.errors import EagleCompatibilityError
 from eagle_hf.hf import tree_loop
 from eagle_hf.speculation.tree import DraftTree
@@ -361,8 +361,8 @@ def test_rounds_that_catch_the_drafter_up_do_not_teach_the_controller(monkeypatc
     """The first drafting round reads the prompts, a probe after plain rounds reads their rows: neither is a regular
     drafting round, and timing one as a plain round once made drafting look cheap next to plain decoding. Every
     round counts against the batch's loss budget, those that catch up as wide rounds (what drafting costs)."""
-    from eagle_hf.speculation.schedule import DraftLengthController
     from eagle_hf.speculation.loss_budget import LossBudget
+    from eagle_hf.speculation.schedule import DraftLengthController
 
     events = []
     plan = tree_loop.TreeLoop.plan

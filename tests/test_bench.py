@@ -2,11 +2,18 @@
 
 import json
 
+import pytest
 from conftest import tiny_drafter
 
-import pytest
-
-from eagle_hf.tools.bench import Mode, custom_mode, parse_mode, results_markdown, run_benchmark, standard_modes, write_results
+from eagle_hf.tools.bench import (
+    Mode,
+    custom_mode,
+    parse_mode,
+    results_markdown,
+    run_benchmark,
+    standard_modes,
+    write_results,
+)
 
 
 def _parts(tmp_path):

@@ -116,7 +116,7 @@ def test_copy_drafting_is_exact_greedy(mode, sources):
 
 @pytest.mark.parametrize("mode", ["tree", "chain"])
 def test_generate_hands_the_eos_ids_to_the_copy_source(monkeypatch, mode):
-    from eagle_hf import copying
+    from eagle_hf.speculation import copying
 
     seen = []
     init = copying.CopySource.__init__
@@ -180,50 +180,30 @@ def test_copy_branches_default_two_beside_the_drafter_or_alone():
     assert DraftSettings.resolve(None, None, {"draft_sources": "copy", "copy_branches": 3}).copy_branch_count == 3
 
 
-@pytest.mark.parametrize("after_draft", [False, True])
-def test_sampling_with_copy_branches_is_lossless(after_draft, monkeypatch):
-    """Deterministic copy branches beside deterministic drafter branches under sampling (`after_draft`: below a
-    sure first draft of the drafter too): the chi-square test of tests/test_sampling.py against the exact
-    distribution of the target alone."""
-    import contextlib
-    from unittest import mock
-
-    from conftest import patch_drafts
+def test_sampling_with_copy_branches_is_lossless():
+    """Deterministic copy branches beside the drafter's sampled branches: the chi-square test of
+    tests/test_sampling.py against the exact distribution of the target alone."""
     from test_sampling import PROMPT, VOCAB, chi_square, exact_distribution, marginal
 
-    from eagle_hf import copying
-
-    monkeypatch.setattr(copying, "ANCHORS", 2 if after_draft else 0)
     target = tiny_target("llama", vocab=VOCAB)
     with torch.no_grad():
         target.model.norm.weight.mul_(6.0)
     drafter = tiny_drafter(target)
     processors = LogitsProcessorList([TemperatureLogitsWarper(0.9), TopKLogitsWarper(6)])
-    prompt = PROMPT[0].tolist()
-
-    def fake(pos, root, depth, total_tokens):  # a sure first draft: what followed the root in the prompt
-        nxt = prompt[prompt.index(root) + 1] if root in prompt[:-1] else (root + 1) % VOCAB
-        return DraftTree(torch.tensor([root, nxt]), torch.tensor([-1, 0]), torch.zeros(2))
-
     torch.manual_seed(77)
-    rows, copied, accepted, after = [], 0, 0, []
-    propose_after = copying.CopySource.propose_after
-    spy = lambda self, *a: (after.append(propose_after(self, *a)), after[-1])[1]
-    with patch_drafts(fake) if after_draft else contextlib.nullcontext(), \
-            mock.patch.object(copying.CopySource, "propose_after", spy):
-        for _ in range(800):
-            out = target.generate(PROMPT, assistant_model=drafter, do_sample=True, temperature=0.9, top_k=6,
-                                  max_new_tokens=4, draft_mode="tree", draft_sources="eagle+copy", tree_top_k=2,
-                                  tree_total_tokens=5, num_assistant_tokens_schedule="constant", tree_depth=2)
-            rows.append(tuple(out[0, PROMPT.shape[1]:].tolist()))
-            s = eagle_hf.last_stats()
-            copied += s.drafted_by_source.get("copy", 0)
-            accepted += s.accepted_by_source.get("copy", 0)
+    rows, copied, accepted = [], 0, 0
+    for _ in range(800):
+        out = target.generate(PROMPT, assistant_model=drafter, do_sample=True, temperature=0.9, top_k=6,
+                              max_new_tokens=4, draft_mode="tree", draft_sources="eagle+copy", tree_top_k=2,
+                              tree_total_tokens=5, num_assistant_tokens_schedule="constant", tree_depth=2)
+        rows.append(tuple(out[0, PROMPT.shape[1]:].tolist()))
+        s = eagle_hf.last_stats()
+        copied += s.drafted_by_source.get("copy", 0)
+        accepted += s.accepted_by_source.get("copy", 0)
     exact = exact_distribution(target, processors, 3)
     p12 = chi_square(rows, marginal(exact, (0, 1)), (0, 1))
     p23 = chi_square(rows, marginal(exact, (1, 2)), (1, 2))
     assert copied > 400 and 0 < accepted < copied
-    assert sum(b is not None for b in after) > (100 if after_draft else -1)  # branches below the sure draft
     assert p12 > 1e-3 and p23 > 1e-3, (p12, p23)
 
 
@@ -242,63 +222,11 @@ def test_copy_drafting_where_the_own_loop_cannot_run():
     assert torch.equal(out, ref) and "copy" not in eagle_hf.last_stats().drafted_by_source
 
 
-def test_index_looks_up_a_suffix_extended_by_a_draft():
-    index = CopyIndex(max_ngram=3)
-    index.extend([4, 7, 8, 9, 1, 2, 4])  # the text ends with 4; (4, 7) occurred at the start
-    assert index.matches(1, 3, after=[7]) == [([8, 9, 1], 2)]
-    assert index.matches(1, 3, after=[5]) == []  # (4, 5) and (5,) never occurred
-
-
 def test_graft_below_a_draft_node():
     tree = DraftTree(torch.tensor([5, 8, 9]), torch.tensor([-1, 0, 0]), torch.tensor([0.0, -0.1, -2.0]))
     grafted = tree.graft([[6, 7]], [[-0.2, -0.3]], at=[2])
     assert grafted.parents.tolist() == [-1, 0, 0, 2, 3]
     assert grafted.scores[3] == pytest.approx(-2.2) and grafted.sources.tolist() == [EAGLE, EAGLE, EAGLE, COPY, COPY]
-
-
-def test_a_branch_after_the_drafters_draft_learns_only_when_the_draft_was_accepted():
-    src = CopySource(max_ngram=3, length=4, num_branches=1, marginal_cost=lambda n: 0.05)
-    src.index.extend([4, 7, 8, 9, 1, 2, 4])
-    src.propose(room=10, verified=3)
-    branch = src.propose_after(7, reach=0.9, room=10, verified=3)
-    assert branch.tokens == [8, 9, 1, 2] and branch.anchor == 7 and src.branches[-1] is branch
-    assert src.propose_after(7, reach=0.01, room=10, verified=3) is None  # an unlikely draft: not worth copying
-    src.branches = [branch]
-    first = list(src.acceptance_after.first)
-    src.update([6, 8], drafter_ran=True)  # another first token was accepted: nothing learnt about the branch
-    assert src.acceptance_after.first == first
-    added = src.anchor_yield
-    src.update([7, 8, 9], drafter_ran=True)  # its draft and two copy tokens accepted: two beyond the draft
-    assert src.acceptance_after.first[1] > first[1] and src.anchor_yield == pytest.approx(added + 0.1 * (2 - added))
-    assert src.acceptance.first == CopySource(3, 4, 1, lambda n: 0.0).acceptance.first  # root branches' own
-
-
-def test_the_drafters_draft_starts_a_copied_span_exactly(monkeypatch):
-    """Copy branches below the drafter's first draft (here a sure one, so they are proposed): greedy output
-    stays that of the target alone, and they are accepted."""
-    from unittest import mock
-
-    from conftest import patch_drafts
-
-    from eagle_hf import copying
-
-    monkeypatch.setattr(copying, "ANCHORS", 2)  # off by default (see its comment)
-    target = tiny_target("llama")
-    ref = target.generate(REPEAT, max_new_tokens=40, do_sample=False)
-    truth = ref[0].tolist() + [0] * 8
-
-    def fake(pos, root, depth, total_tokens):  # the drafter's one draft: the true next token, with probability 1
-        return DraftTree(torch.tensor([root, truth[pos + 1]]), torch.tensor([-1, 0]), torch.zeros(2))
-
-    made = []
-    propose_after = copying.CopySource.propose_after
-    spy = lambda self, *a: (made.append(propose_after(self, *a)), made[-1])[1]
-    with patch_drafts(fake), mock.patch.object(copying.CopySource, "propose_after", spy):
-        out = target.generate(REPEAT, max_new_tokens=40, do_sample=False, assistant_model=tiny_drafter(target),
-                              draft_mode="tree", num_assistant_tokens_schedule="constant", copy_branches=2)
-    assert torch.equal(out, ref) and sum(b is not None for b in made) > 3
-    s = eagle_hf.last_stats()
-    assert len(s.accepted_per_position_by_source["copy"]) > 2  # copy tokens accepted below depth 1
 
 
 def test_a_branch_cut_to_fit_teaches_only_what_was_verified():
@@ -318,8 +246,8 @@ def test_a_branch_cut_to_fit_teaches_only_what_was_verified():
 
 
 def _speculator(sources: str, copy_first: float, drafter_acceptance: float):
-    from eagle_hf.speculation.schedule import DraftLengthController
     from eagle_hf.speculation.cost_model import CostModel
+    from eagle_hf.speculation.schedule import DraftLengthController
     from eagle_hf.speculation.speculator import Speculator
     from eagle_hf.speculation.stats import SpecDecodeStats
 

@@ -111,7 +111,7 @@ def test_attention_masses_sum_to_one_and_shapes(parts):
 
 def test_acceptance_matches_a_drafter_that_knows_the_target(parts):
     """Drafts equal to the target's own tokens: every depth reached and accepted (the bookkeeping, checked end to end)."""
-    from eagle_hf import diagnose as diag
+    from eagle_hf.tools import diagnose as diag
 
     real = diag.draft_tree
 
@@ -155,7 +155,7 @@ def test_system_prompts_all_runs_every_variant(parts):
     ],
 )
 def test_bad_input_fails_before_compute(parts, monkeypatch, kw, match):
-    from eagle_hf import diagnose as diag
+    from eagle_hf.tools import diagnose as diag
 
     def boom(*a, **k):
         raise AssertionError("computed before the error")
@@ -174,7 +174,7 @@ def test_no_chat_template_is_a_clear_error(parts):
 
 
 def test_cli_writes_table_json_and_pngs(parts, tmp_path, monkeypatch, capsys):
-    from eagle_hf import default
+    from eagle_hf.drafter import default
     from eagle_hf.cli import main
 
     target, tok, drafter = parts
@@ -249,7 +249,7 @@ def test_drafters_replayed_over_the_same_paths_pair_up(parts, tmp_path):
 
 
 def test_drafters_reading_other_layers_are_refused_before_compute(parts, monkeypatch):
-    from eagle_hf import diagnose as diag
+    from eagle_hf.tools import diagnose as diag
 
     target, tok, drafter = parts
     other = tiny_drafter(target, seed=4)
@@ -260,7 +260,7 @@ def test_drafters_reading_other_layers_are_refused_before_compute(parts, monkeyp
 
 
 def test_cli_compare_writes_both_reports_and_the_comparison(parts, tmp_path, monkeypatch, capsys):
-    from eagle_hf import default
+    from eagle_hf.drafter import default
     from eagle_hf.cli import main
 
     target, tok, drafter = parts

@@ -21,14 +21,13 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import VOCAB, tiny_drafter, tiny_target
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import eagle_hf
 from eagle_hf import EagleCompatibilityError
 from eagle_hf.drafter.capture import default_aux_layer_ids, gather_aux, hidden_state_request
 from eagle_hf.hf import EagleCandidateGenerator
-
-from conftest import VOCAB, tiny_drafter, tiny_target
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
 DRAFT_LENGTHS = [1, 3, 5, 8]

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import VOCAB, tiny_drafter, tiny_target
 from safetensors.torch import load_file, save_file
 
-from conftest import VOCAB, tiny_drafter, tiny_target
 from eagle_hf import EagleDrafter
 
 DRAFT_VOCAB = 48

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_target
 
 _SPEC = importlib.util.spec_from_file_location("regenerate", Path(__file__).resolve().parent.parent / "scripts" / "regenerate.py")

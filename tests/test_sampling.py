@@ -16,9 +16,9 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import tiny_drafter, tiny_target
 
 import eagle_hf
-from conftest import tiny_drafter, tiny_target
 from eagle_hf.hf import EagleCandidateGenerator
 
 scipy_stats = pytest.importorskip("scipy.stats")

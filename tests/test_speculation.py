@@ -5,29 +5,27 @@ from __future__ import annotations
 
 import ast
 import math
-from pathlib import Path
-
 import re
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_drafter, tiny_target
 from scipy import stats as scipy_stats
 from transformers import GenerationConfig
 
 import eagle_hf
 from eagle_hf import DraftSettings, EagleCompatibilityError
-from eagle_hf.speculation.schedule import DraftLengthController
+from eagle_hf.hf.version import CACHE_KEY, output_cache
 from eagle_hf.speculation.cost_model import CostModel
 from eagle_hf.speculation.drafting import DraftState, draft_tree
-from eagle_hf.hf.version import CACHE_KEY, output_cache
+from eagle_hf.speculation.rounds import RoundTiming
+from eagle_hf.speculation.schedule import DraftLengthController
 from eagle_hf.speculation.speculator import Speculator
 from eagle_hf.speculation.stats import SpecDecodeStats
-from eagle_hf.speculation.rounds import RoundTiming
 from eagle_hf.speculation.timing import Timer
 from eagle_hf.speculation.tree import DraftTree
 from eagle_hf.speculation.verification import accept_sampling
-
-from conftest import tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ from transformers import CompileConfig, DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer
 
 import eagle_hf
-from eagle_hf import ragged
+from eagle_hf.speculation import ragged
 from eagle_hf.hf import cache as tree_cache
 from eagle_hf.hf import tree_loop
 from eagle_hf.hf.cache import StaticTreeCache, cache_unsupported_reason, tree_attention_mask

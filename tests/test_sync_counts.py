@@ -9,10 +9,9 @@ import statistics
 
 import pytest
 import torch
+from conftest import tiny_drafter, tiny_target
 
 from eagle_hf.tools.sync_probe import SyncProbe, count_aten_ops, probe_generate
-
-from conftest import tiny_drafter, tiny_target
 
 TREE = dict(draft_mode="tree", tree_depth=5, tree_top_k=4, tree_total_tokens=16, draft_sources="eagle")
 #: scenario -> (rows, generate() keywords, the most reads per drafting round; the issue's targets)

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers.generation.utils import GenerationMixin
 
-from ..drafter.capture import num_decoder_layers, resolve_aux_layer_ids
 from ..devices import input_device
-from ..speculation.drafting import DraftState
-from ..errors import EagleCompatibilityError
+from ..drafter.capture import num_decoder_layers, resolve_aux_layer_ids
 from ..drafter.modeling import EagleDrafter
+from ..errors import EagleCompatibilityError
+from ..speculation.drafting import DraftState
 from ..speculation.settings import DraftSettings
 from ..speculation.speculator import DraftListener, Speculator
 from ..speculation.stats import SpecDecodeStats, merge_stats

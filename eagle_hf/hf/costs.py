@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from ..speculation.schedule import DraftLengthController
-from ..speculation.cost_model import CostModel
 from ..devices import input_device
+from ..speculation.cost_model import CostModel
+from ..speculation.schedule import DraftLengthController
 from ..speculation.settings import DraftSettings
 
 logger = logging.getLogger(__name__)

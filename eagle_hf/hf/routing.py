@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ..speculation.schedule import choose_tree_size
 from ..errors import EagleCompatibilityError
+from ..speculation.schedule import choose_tree_size
 from ..speculation.settings import DraftSettings
 from .cache import cache_unsupported_reason, tree_unsupported_reason
 from .call import batch_rows, prompt_length

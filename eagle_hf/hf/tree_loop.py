@@ -21,8 +21,8 @@ import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..drafter.capture import gather_aux, hidden_state_request
 from ..devices import input_device
+from ..drafter.capture import gather_aux, hidden_state_request
 from ..speculation.ragged import Ragged
 from ..speculation.rounds import RoundTiming
 from ..speculation.speculator import Speculator, draft_round

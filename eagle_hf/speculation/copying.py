@@ -6,11 +6,6 @@ before in the prompt or the output, what followed them then is a strong guess fo
 in O(max_ngram) per appended token; a lookup tries the longest suffix first and reads the continuations of its
 most recent occurrences (a bounded scan, independent of the context length).
 
-Beside the EAGLE drafter, a copied span often starts where the suffix has no earlier match yet: the drafter's
-first draft (the *anchor*) extends the suffix, and the copy source continues what followed suffix + anchor before,
-as a branch below the anchor's node. The drafter guesses where a copy starts, the copy source copies it. Those
-branches keep acceptance estimates of their own, learnt when their anchor was accepted.
-
 The `CopySource` turns matches into branches for the round's draft tree and decides their lengths from running
 acceptance: a copy token is drafted while the probability that it is reached and accepted exceeds the extra
 verify cost it adds (both in units of one-token target forwards, whose value is one token), so a long, reliable
@@ -25,9 +20,6 @@ from dataclasses import dataclass, field
 
 from .probe import Probe
 
-#: the drafter's best first drafts (by its score) that a copy branch may continue, each round. Off (0): with the
-#: shipped drafter it adds 0.5-2.4% tokens per forward but cost time in the default mode (docs/usage.md)
-ANCHORS = 0
 #: occurrences scanned per suffix length (the most recent first): bounds a lookup's cost at any context length
 MAX_OCCURRENCES = 8
 
@@ -48,15 +40,14 @@ class CopyIndex:
             for n in range(1, min(self.max_ngram, end) + 1):
                 self.ends.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
 
-    def matches(self, num_branches: int, length: int, after: Sequence[int] = ()) -> list[tuple[list[int], int]]:
+    def matches(self, num_branches: int, length: int) -> list[tuple[list[int], int]]:
         """Up to `num_branches` distinct continuations (at most `length` tokens) of the current suffix, as
-        ``(tokens, match length)``: longest match first, then the most recent occurrence. `after`: tokens
-        assumed to follow the text (a draft), looked up as part of its suffix."""
+        ``(tokens, match length)``: longest match first, then the most recent occurrence."""
         out: list[tuple[list[int], int]] = []
         seen: set[tuple[int, ...]] = set()
-        suffix = self.tokens[-self.max_ngram :] + list(after)
+        suffix = self.tokens[-self.max_ngram :]
         end = len(self.tokens)
-        for n in range(min(self.max_ngram, len(suffix), end + len(after) - 1), 0, -1):  # (the whole text: no match)
+        for n in range(min(self.max_ngram, len(suffix), end - 1), 0, -1):  # (the whole text: no match)
             positions = self.ends.get(tuple(suffix[len(suffix) - n :]), ())
             scanned = 0
             for e in reversed(positions):
@@ -112,7 +103,6 @@ class CopyAcceptance:
 class Branch:
     tokens: list[int]  # the copied continuation (target ids)
     match: int  # length of the matched suffix
-    anchor: int | None = None  # the drafter's depth-1 draft the branch continues (None: it starts at the root)
 
 
 class CopySource:
@@ -127,13 +117,9 @@ class CopySource:
         self.stop_tokens = frozenset(stop_tokens)
         self.index = CopyIndex(max_ngram)
         self.acceptance = CopyAcceptance(max_ngram)
-        self.acceptance_after = CopyAcceptance(max_ngram)  # of branches below a draft, given it was accepted
         self.length, self.num_branches, self.marginal_cost = length, num_branches, marginal_cost
         self.probe = Probe(probe_every, max_probe_every)  # when a dropped source tries again
         self.branches: list[Branch] = []  # this round's proposal
-        # what copying adds to the drafter's value: running mean, over the rounds the drafter drafted, of the
-        # tokens accepted below its first draft beyond what the root's copies and the draft alone reached
-        self.anchor_yield = 0.5 if ANCHORS else 0.0
 
     def propose(self, room: int, verified: int = 1, probe_only: bool = False, probe: bool | None = None) -> list[Branch]:
         """This round's branches (at most `room` tokens each) on top of a tree of `verified` tokens (1: sized by
@@ -165,37 +151,19 @@ class CopySource:
         return self.branches
 
     def expected_tokens(self) -> float:
-        """Drafts this round's root branches are expected to get accepted: each token's chance to be reached and
+        """Drafts this round's branches are expected to get accepted: each token's chance to be reached and
         accepted, a prefix shared with an earlier branch counted once (the branches are alternatives)."""
         total, earlier = 0.0, []
-        for b in (b for b in self.branches if b.anchor is None):
+        for b in self.branches:
             shared = max((_common_prefix(b.tokens, e) for e in earlier), default=0)
             total += sum(self.acceptance.reach(b.match, i) for i in range(shared, len(b.tokens)))
             earlier.append(b.tokens)
         return total
 
     def missed(self) -> float:
-        """P(no root branch's first token is accepted), the branches' first tokens taken as exclusive guesses."""
-        firsts = {b.tokens[0]: self.acceptance.first[b.match - 1] for b in self.branches if b.anchor is None}
+        """P(no branch's first token is accepted), the branches' first tokens taken as exclusive guesses."""
+        firsts = {b.tokens[0]: self.acceptance.first[b.match - 1] for b in self.branches}
         return max(1.0 - sum(firsts.values()), 0.0)
-
-    def propose_after(self, anchor: int, reach: float, room: int, verified: int) -> Branch | None:
-        """A branch continuing the drafter's draft `anchor` (reached with probability `reach`): what followed the
-        text's suffix plus `anchor` before. The drafter guesses the token that starts a copied span, the copy
-        source the span; sized like the root's branches, with every token's probability times `reach`."""
-        matches = self.index.matches(1, min(self.length, room - 1), after=[anchor])
-        if not matches:
-            return None
-        tokens, match = matches[0]
-        tokens = _through_stop(tokens, self.stop_tokens)
-        n = 0
-        while n < len(tokens) and reach * self.acceptance_after.reach(match, n) > self.marginal_cost(verified):
-            n, verified = n + 1, verified + 1
-        if n == 0:
-            return None
-        branch = Branch(tokens[:n], match, anchor)
-        self.branches.append(branch)
-        return branch
 
     def keep_within(self, tree) -> None:
         """This round's branches cut to the nodes `tree` kept (a tree cut to fit a static cache): a branch teaches
@@ -203,34 +171,23 @@ class CopySource:
         host = tree.host
         kept = []
         for branch in self.branches:
-            node = 0 if branch.anchor is None else next(
-                (c for c in tree.children(0) if host.tokens[c] == branch.anchor), None)
-            n = 0
+            node, n = 0, 0
             while node is not None and n < len(branch.tokens):
                 node = next((c for c in tree.children(node) if host.tokens[c] == branch.tokens[n]), None)
                 n += node is not None
             if n:
-                kept.append(Branch(branch.tokens[:n], branch.match, branch.anchor))
+                kept.append(Branch(branch.tokens[:n], branch.match))
         self.branches = kept
 
-    def update(self, taken: list[int], drafter_ran: bool = False) -> None:
-        """Outcome of this round's branches given the accepted draft tokens `taken` (root excluded). A branch
-        below a draft teaches only when its draft was accepted (its acceptance is conditional on it);
-        `drafter_ran`: the drafter drafted this round, so branches below its drafts could have been tried."""
-        from_root, below = 0, 0  # tokens the root's branches reached; the draft + copy tokens below it reached
+    def update(self, taken: list[int]) -> None:
+        """Outcome of this round's branches given the accepted draft tokens `taken` (root excluded)."""
+        reached = 0  # tokens the branches reached
         for branch in self.branches:
-            if branch.anchor is None:
-                n = _common_prefix(branch.tokens, taken)
-                self.acceptance.update(branch.match, len(branch.tokens), n)
-                from_root = max(from_root, n)
-            elif taken[:1] == [branch.anchor]:
-                n = _common_prefix(branch.tokens, taken[1:])
-                self.acceptance_after.update(branch.match, len(branch.tokens), n)
-                below = max(below, 1 + n)
-        if drafter_ran:  # what the branches below the drafts added: beyond the root's copies and the draft itself
-            self.anchor_yield += 0.1 * (max(below - max(from_root, 1), 0) - self.anchor_yield)
-        if any(b.anchor is None for b in self.branches):
-            self.probe.paid() if from_root else self.probe.failed()
+            n = _common_prefix(branch.tokens, taken)
+            self.acceptance.update(branch.match, len(branch.tokens), n)
+            reached = max(reached, n)
+        if self.branches:
+            self.probe.paid() if reached else self.probe.failed()
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -18,7 +18,6 @@ from .ragged import Ragged
 from .transfer import pack, to_device
 from .tree import DraftTree
 
-
 #: catch-ups of at most this many rows per row use the kept attention mask (a prompt's build their own)
 KEPT_MASK_ROWS = 64
 

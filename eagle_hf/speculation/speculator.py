@@ -20,15 +20,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import copying
-from .schedule import DraftLengthController
 from .copying import CopySource
 from .drafting import Chooser, DraftState, draft_trees
 from .rounds import RoundRecord
+from .schedule import DraftLengthController
 from .settings import MAX_DEPTH, DraftSettings
 from .stats import SpecDecodeStats
 from .timing import Timer
-from .tree import EAGLE, DraftTree
+from .tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +72,6 @@ class Speculator:
         self.copy = CopySource(settings.copy_ngram, settings.copy_length, settings.copy_branch_count,
                                self._marginal_cost, settings.probe_every,
                                stop_tokens=stop_tokens) if settings.uses_copy else None
-        self._room, self._copy_paying = 0, False  # this round's room for drafts; whether copy branches may grow
         self.depth = settings.depth  # the fixed (or heuristic) schedule's depth
         self.round = "prefill"
         self.eagle_depth = 0  # the drafter's depth this round (0: only copy branches, or a plain step)
@@ -121,7 +119,6 @@ class Speculator:
             # sized by their own acceptance, as copy drafting alone sizes them: the drafter joins below if it
             # adds more than it costs on top of them
             branches = self.copy.propose(room, probe_only=not paying, probe=probe)
-            self._room, self._copy_paying = room, paying
             if depth > 0 and branches and probe is None and not self._drafter_pays_beside_copy(depth):  # (a
                 # batch's probe round probes the drafter too)
                 depth = 0
@@ -140,21 +137,15 @@ class Speculator:
         return self.eagle_depth > 0 and not self._after_cycle
 
     def graft_copy(self, tree: DraftTree) -> DraftTree:
-        """This round's tree with the copy branches grafted on: those from the root, then those continuing the
-        drafter's best first drafts (`copying.ANCHORS` of them, none by default: the drafter guesses the token
-        that starts a copied span, the copy source copies the span). Each copy token is scored by the copy's
-        acceptance estimate."""
-        below_drafts = self.copy is not None and copying.ANCHORS > 0 and self._copy_paying
-        if not below_drafts and (self.copy is None or not self.copy.branches):
+        """This round's tree with the copy branches grafted on at the root, each copy token scored by the copy's
+        acceptance estimate (a prefix the drafter proposed too is marked as proposed by both)."""
+        if self.copy is None or not self.copy.branches:
             return tree
-        tree = self._graft(tree, self.copy.branches)
-        drafts = [n for n in tree.children(0) if tree.source(n) & EAGLE] if below_drafts else []
-        for anchor in sorted(drafts, key=lambda n: -float(tree.scores[n]))[: copying.ANCHORS]:
-            branch = self.copy.propose_after(int(tree.tokens[anchor]), math.exp(float(tree.scores[anchor])),
-                                             self._room, tree.size)
-            if branch is not None:
-                tree = self._graft(tree, [branch], at=anchor)
-        return tree
+        a = self.copy.acceptance
+        return tree.graft([b.tokens for b in self.copy.branches],
+                          [[math.log(max(a.first[b.match - 1] if i == 0 else a.later, 1e-6))
+                            for i in range(len(b.tokens))] for b in self.copy.branches],
+                          at=[0] * len(self.copy.branches))
 
     def prefill(self) -> None:
         """The target reads the prompt this round: nothing to draft."""
@@ -177,14 +168,6 @@ class Speculator:
                 self.copy.keep_within(self.tree)
         return self.tree
 
-    def _graft(self, tree: DraftTree, branches: list, at: int = 0) -> DraftTree:
-        if not branches:
-            return tree
-        a = self.copy.acceptance if at == 0 else self.copy.acceptance_after
-        return tree.graft([b.tokens for b in branches],
-                          [[math.log(max(a.first[b.match - 1] if i == 0 else a.later, 1e-6))
-                            for i in range(len(b.tokens))] for b in branches], at=[at] * len(branches))
-
     def end_round(self, accepted: int, last_token: int, path: list[int] | None = None,
                   cut: bool = False) -> RoundRecord | None:
         """The round's outcome, after the target verified (or decoded plainly), as one `RoundRecord` for its
@@ -201,9 +184,8 @@ class Speculator:
         self.stats.read(record)
         if drafting and record.eagle_depth > 0:
             self._learn_drafter(record)
-        drafter_ran = record.eagle_depth > 0 and copying.ANCHORS > 0  # (what copying below drafts adds)
-        if drafting and self.copy is not None and (self.copy.branches or drafter_ran):
-            self.copy.update(record.taken, drafter_ran=drafter_ran)
+        if drafting and self.copy is not None and self.copy.branches:
+            self.copy.update(record.taken)
         self._after_cycle = drafting and record.eagle_depth > 0
         if self.listeners:
             drafts, sources = record.shown()
@@ -223,8 +205,7 @@ class Speculator:
 
     def _drafter_pays_beside_copy(self, depth: int) -> bool:
         """Whether the drafter's tree of `depth` adds more than it costs to this round's copy branches: its
-        drafts add tokens where every copy's first token is rejected (and copying below its first draft adds
-        what it has been adding), at the cost of its levels, its catch-up and the wider verify. Worth it when
+        drafts add tokens where every copy's first token is rejected, at the cost of its levels, its catch-up and the wider verify. Worth it when
         those tokens come cheaper than the copy round's own (tokens and costs in one-token target forwards):
         where copies stream, the drafter waits."""
         if self.controller is None:
@@ -234,7 +215,7 @@ class Speculator:
         eagle = depth if self.settings.branching == 1 else self.settings.total_tokens - 1  # the drafter's nodes
         copy_tokens = 1.0 + copy.expected_tokens()
         copy_cost = c.verify_cost(nodes) + c.cycle_overhead + c.loop_overhead
-        added = copy.missed() * (acceptance.expected_tokens(depth) - 1.0) + copy.anchor_yield
+        added = copy.missed() * (acceptance.expected_tokens(depth) - 1.0)
         added_cost = c.verify_cost(nodes + eagle) - c.verify_cost(nodes) + depth * c.draft_step + c.round_overhead
         return added * copy_cost > added_cost * copy_tokens
 

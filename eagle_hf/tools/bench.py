@@ -21,9 +21,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..devices import input_device
-from .evaluation import batch_chat_inputs, chat_inputs, load_prompt_set
 from ..hf.stopping import eos_ids
 from ..speculation.stats import last_stats, merge_stats
+from .evaluation import batch_chat_inputs, chat_inputs, load_prompt_set
 
 logger = logging.getLogger(__name__)
 

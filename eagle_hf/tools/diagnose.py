@@ -32,13 +32,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..drafter.capture import gather_aux, hidden_state_request
 from ..devices import input_device
-from ..speculation.drafting import DraftState, draft_tree
-from .evaluation import PROMPT_DIR, PROMPT_SETS, load_prompt_set
+from ..drafter.capture import gather_aux, hidden_state_request
+from ..drafter.modeling import EagleDrafter
 from ..hf.call import check_compatible, prepare_drafter
 from ..hf.version import cache_kwarg
-from ..drafter.modeling import EagleDrafter
+from ..speculation.drafting import DraftState, draft_tree
+from .evaluation import PROMPT_DIR, PROMPT_SETS, load_prompt_set
 
 logger = logging.getLogger(__name__)
 

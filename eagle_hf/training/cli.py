@@ -54,8 +54,8 @@ def add_train_parser(sub) -> None:
 def cmd_train(args) -> int:
     import torch
 
-    from ..drafter.default import load_target
     from ..devices import load_options
+    from ..drafter.default import load_target
     from .pipeline import RunConfig, run_training, validate_run
     from .trainer import TrainConfig
 

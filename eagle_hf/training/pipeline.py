@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from ..drafter.capture import default_aux_layer_ids, num_decoder_layers, resolve_aux_layer_ids
-from ..hf.models import final_norm_scale
 from ..drafter.modeling import EagleDrafter
+from ..hf.models import final_norm_scale
 from .data import META_FILE, build_dataset, load_shards
 from .prompts import load_prompts
 from .sources import AnswerSource, DataFolder, capture_sources, check_folder_fits, describe_folder, parse_answer_specs
