@@ -1,3 +1,3 @@
 """`eagle_hf.evaluation` (kept for existing imports): the module is `eagle_hf.tools.evaluation`."""
 
-from .tools.evaluation import *  # noqa: F403
+from .tools.evaluation import *

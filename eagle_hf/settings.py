@@ -1,3 +1,3 @@
 """`eagle_hf.settings` (kept for existing imports): the module is `eagle_hf.speculation.settings`."""
 
-from .speculation.settings import *  # noqa: F403
+from .speculation.settings import *
