@@ -272,8 +272,12 @@ def test_copy_branches_are_sized_alike_beside_the_drafter_or_alone():
     assert len(rounds["copy"][0]) > 4
 
 
-def test_the_drafter_joins_the_copies_only_where_it_adds_more_than_it_costs():
+def test_each_round_drafts_with_the_sources_that_pay():
+    """Of the copies alone, the drafter alone and both, the plan with the most tokens per cost (issue 35)."""
     streaming = _speculator("eagle+copy", copy_first=0.9, drafter_acceptance=0.5)
     assert streaming.choose_depth(room=50) == 0 and streaming.round == "draft"  # copies alone this round
+    assert streaming.copy.branches
     failing = _speculator("eagle+copy", copy_first=0.1, drafter_acceptance=0.8)
-    assert failing.choose_depth(room=50) > 0 and failing.copy.branches  # the drafter's tree beside short copies
+    assert failing.choose_depth(room=50) > 0 and not failing.copy.branches  # the drafter alone: copies rest
+    both = _speculator("eagle+copy", copy_first=0.15, drafter_acceptance=0.6)  # short copies, a shallow tree
+    assert both.choose_depth(room=50) > 0 and both.copy.branches

@@ -116,12 +116,13 @@ class Speculator:
             # a batch where drafting does not pay probes its rows' copies together, in the controller's probe
             # rounds: one row's probe widens every row's round
             probe = None if paying or planned is None else planned > 0
-            # sized by their own acceptance, as copy drafting alone sizes them: the drafter joins below if it
-            # adds more than it costs on top of them
+            # sized by their own acceptance, as copy drafting alone sizes them
             branches = self.copy.propose(room, probe_only=not paying, probe=probe)
-            if depth > 0 and branches and probe is None and not self._drafter_pays_beside_copy(depth):  # (a
-                # batch's probe round probes the drafter too)
-                depth = 0
+            if depth > 0 and branches and probe is None:  # (a batch's probe round probes the drafter too)
+                drafter, copies = self._sources_that_pay(depth)
+                depth = depth if drafter else 0
+                if not copies:
+                    self.copy.branches = branches = []  # (nothing to learn from this round: they rest)
         self.round = "draft" if depth > 0 or branches else ("fallback" if wanted <= 0 else "final")
         return depth
 
@@ -203,21 +204,26 @@ class Speculator:
         if self.settings.schedule.startswith("heuristic"):
             self.depth = min(self.depth + 2, MAX_DEPTH) if mine == drafted else max(1, self.depth - 1)
 
-    def _drafter_pays_beside_copy(self, depth: int) -> bool:
-        """Whether the drafter's tree of `depth` adds more than it costs to this round's copy branches: its
-        drafts add tokens where every copy's first token is rejected, at the cost of its levels, its catch-up and the wider verify. Worth it when
-        those tokens come cheaper than the copy round's own (tokens and costs in one-token target forwards):
-        where copies stream, the drafter waits."""
+    def _sources_that_pay(self, depth: int) -> tuple[bool, bool]:
+        """(drafter, copies): who drafts this round, of the drafter's tree of `depth` and the proposed copy
+        branches: the plan with the most tokens per cost, of the copies alone, the drafter alone and both
+        (tokens and costs in one-token target forwards, from running acceptances and measured costs). The
+        drafter's drafts add tokens beside the copies where every copy's first token is rejected; it costs its
+        levels, its catch-up and the wider verify. Where copies stream the drafter waits; where copies keep
+        missing the drafter drafts alone."""
         if self.controller is None:
-            return True
+            return True, True
         c, copy, acceptance = self.controller.costs, self.copy, self.controller.acceptance
         nodes = 1 + sum(len(b.tokens) for b in copy.branches)  # the copy round's verified tokens, root included
-        eagle = depth if self.settings.branching == 1 else self.settings.total_tokens - 1  # the drafter's nodes
-        copy_tokens = 1.0 + copy.expected_tokens()
-        copy_cost = c.verify_cost(nodes) + c.cycle_overhead + c.loop_overhead
-        added = copy.missed() * (acceptance.expected_tokens(depth) - 1.0)
-        added_cost = c.verify_cost(nodes + eagle) - c.verify_cost(nodes) + depth * c.draft_step + c.round_overhead
-        return added * copy_cost > added_cost * copy_tokens
+        eagle = c.verified(depth) - 1  # the drafter's nodes
+        round_cost = c.cycle_overhead + c.loop_overhead  # what every drafting round pays
+        drafter_cost = depth * c.draft_step + c.round_overhead
+        copies = 1.0 + copy.expected_tokens(), c.verify_cost(nodes) + round_cost
+        drafter = acceptance.expected_tokens(depth), c.verify_cost(1 + eagle) + drafter_cost + round_cost
+        both = (copies[0] + copy.missed() * (drafter[0] - 1.0),
+                c.verify_cost(nodes + eagle) + drafter_cost + round_cost)
+        plans = {(False, True): copies, (True, False): drafter, (True, True): both}
+        return max(plans, key=lambda p: plans[p][0] / plans[p][1])
 
     def _marginal_cost(self, verified: int) -> float:
         """Extra cost of verifying one more token on top of `verified`, in tokens a plain step yields for the
