@@ -4,9 +4,9 @@ The default mode drafts with the EAGLE drafter and copies of the text in one ada
 nobody need choose a source. On each prompt set this reads the runs of one or more processes (``results.json``
 of `eagle-hf bench` with two or more repeats) and reports:
 
-* the *A/A band*: how far a mode's median speedup moves between two runs of the very same mode and prompts
-  (repeats of one process, and the processes against each other), the largest over the modes compared; a
-  difference inside it is noise;
+* the *A/A band*: how far a single source's median speedup moves between two runs of the very same mode and
+  prompts (repeats of one process, and the processes against each other), the largest over the single sources
+  (the controls: the default's own gap is what is tested against it); a difference inside it is noise;
 * the *best single source*, chosen on the first repeat of the first run (the highest median speedup among the
   single sources: prompt lookup, copy alone, EAGLE alone) and scored on every other repeat, so that the choice
   does not also ride on its own lucky noise; the default scored on the same repeats;
@@ -35,7 +35,7 @@ class SetVerdict:
 
     name: str
     prompts: int
-    band: float  # the A/A noise band, relative (0.05: medians of one mode's runs differ by up to 5%)
+    band: float  # the A/A noise band, relative (0.05: medians of one single source's runs differ by up to 5%)
     chosen: str  # the best single source, chosen on the first repeat
     default: float  # the default's median speedup on the scoring repeats
     best: float  # the chosen source's median speedup on the scoring repeats
@@ -57,8 +57,9 @@ class SetVerdict:
 
     @property
     def processes_agree(self) -> bool:
-        low, high = min(self.per_process), max(self.per_process)
-        return high / low - 1.0 <= self.band
+        """Whether the default's medians in the separate processes differ by no more than the A/A band (both
+        relative to the pair's mean)."""
+        return _relative_gap(min(self.per_process), max(self.per_process)) <= self.band
 
 
 def per_repeat(entry: dict, repeats: int) -> list[list[float]]:
@@ -90,8 +91,8 @@ def compare(runs: list[dict], default: str = DEFAULT_MODE, singles: tuple[str, .
         if len(repeats[default]) < 2:
             raise ValueError("An A/A band needs two runs of every mode: use --repeats 2, or two processes.")
         medians = {m: [statistics.median(rep) for rep in reps] for m, reps in repeats.items()}
-        band = max(_relative_gap(a, b) for meds in medians.values()
-                   for i, a in enumerate(meds) for b in meds[i + 1 :])
+        band = max(_relative_gap(a, b) for m, meds in medians.items() if m != default  # the single sources
+                   for i, a in enumerate(meds) for b in meds[i + 1 :])  # against themselves: the controls
         chosen = max((m for m in modes if m != default), key=lambda m: medians[m][0])
         scored = {m: [x for rep in repeats[m][1:] for x in rep] for m in (default, chosen)}
         n = len(repeats[default][0])
@@ -142,7 +143,7 @@ def markdown(verdicts: list[SetVerdict], runs: list[dict]) -> str:
         f"tokens, temperature {s['temperature']}, batch {s.get('batch_size', 1)}; {len(runs)} process(es), "
         f"{total} repeats in all. Speedups: medians of per-prompt speedups over plain generate() in the same run. "
         "Best single source: chosen on the first repeat, scored (as is the default) on the others. A/A band: the "
-        "largest gap between two runs of one mode."),
+        "largest gap between two runs of one single source (the controls), relative to their mean."),
         "",
         ("| set | prompts | " + " | ".join(SINGLE_SOURCES) + " | default | best single (chosen) | default vs best "
          "| A/A band | verdict | default per process | per prompt: default / best (quartiles) |"),
