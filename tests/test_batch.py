@@ -12,9 +12,9 @@ from conftest import patch_drafts, tiny_drafter, tiny_target
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 import eagle_hf
-from eagle_hf.speculation import ragged
 from eagle_hf.errors import EagleCompatibilityError
 from eagle_hf.hf import tree_loop
+from eagle_hf.speculation import ragged
 from eagle_hf.speculation.tree import DraftTree
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -10,9 +10,10 @@ import torch
 from conftest import tiny_target
 from test_training import tiny_tokenizer
 
-from eagle_hf import EagleCompatibilityError, default
+from eagle_hf import EagleCompatibilityError
 from eagle_hf.cli import build_parser, main
 from eagle_hf.devices import check_load_options, input_device, load_options
+from eagle_hf.drafter import default
 
 LOADING_COMMANDS = ["generate", "bench", "diagnose", "train"]
 

@@ -174,8 +174,8 @@ def test_no_chat_template_is_a_clear_error(parts):
 
 
 def test_cli_writes_table_json_and_pngs(parts, tmp_path, monkeypatch, capsys):
-    from eagle_hf.drafter import default
     from eagle_hf.cli import main
+    from eagle_hf.drafter import default
 
     target, tok, drafter = parts
     monkeypatch.setattr(default, "load_target", lambda *a, **k: (target, tok))
@@ -260,8 +260,8 @@ def test_drafters_reading_other_layers_are_refused_before_compute(parts, monkeyp
 
 
 def test_cli_compare_writes_both_reports_and_the_comparison(parts, tmp_path, monkeypatch, capsys):
-    from eagle_hf.drafter import default
     from eagle_hf.cli import main
+    from eagle_hf.drafter import default
 
     target, tok, drafter = parts
     eagle3 = tiny_drafter(target, seed=3, fc_norm=False, norm_output=False)

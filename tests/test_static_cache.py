@@ -12,13 +12,13 @@ from transformers import CompileConfig, DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer
 
 import eagle_hf
-from eagle_hf.speculation import ragged
 from eagle_hf.hf import cache as tree_cache
 from eagle_hf.hf import tree_loop
 from eagle_hf.hf.cache import StaticTreeCache, cache_unsupported_reason, tree_attention_mask
 from eagle_hf.hf.costs import cost_model
 from eagle_hf.hf.routing import STATIC_CACHE_ROOM
 from eagle_hf.hf.version import cache_kwarg, output_cache
+from eagle_hf.speculation import ragged
 from eagle_hf.speculation.speculator import Speculator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -47,6 +47,18 @@ def test_default_mode_runs_on_a_static_cache(caplog, monkeypatch):
     s = eagle_hf.last_stats()
     assert s.accepted_by_source["copy"] > 10 and s.cycles > 0
     assert cuts  # near the end, copy branches longer than the buffer's free slots were cut to fit
+
+
+def test_a_chain_on_a_static_cache_runs_in_eagle_hfs_loop(caplog):
+    """transformers 5.23's assisted loop refuses static caches: a chain on one runs in eagle_hf's loop (a tree with
+    top_k 1) on every version, equal to plain generate() on the same cache."""
+    target = tiny_target("llama")
+    ref = target.generate(REPEAT, max_new_tokens=30, do_sample=False, **STATIC)
+    with caplog.at_level("INFO", logger="eagle_hf"):
+        out = target.generate(REPEAT, max_new_tokens=30, do_sample=False, assistant_model=tiny_drafter(target),
+                              num_assistant_tokens=5, **STATIC)
+    assert torch.equal(out, ref)
+    assert "A static cache: eagle_hf's loop drafts the chain" in caplog.text and "EAGLE generate (tree)" in caplog.text
 
 
 def test_a_ragged_batch_on_a_static_cache_equals_the_plain_batch(monkeypatch):

@@ -46,13 +46,20 @@ def cache_unsupported_reason(cache=None, implementation: str | None = None) -> s
     return None
 
 
+def is_static(cache=None, implementation: str | None = None) -> bool:
+    """Whether the call's cache is transformers' static cache (`cache` passed in, else generate()'s
+    `cache_implementation`)."""
+    if cache is not None:
+        return bool(cache.layers) and all(type(layer) is StaticLayer for layer in cache.layers)
+    return implementation == "static"
+
+
 def tree_cache(cache, ragged: Ragged | None = None) -> TreeCache:
     """The tree-cache protocol over `cache`: `StaticTreeCache` for transformers' static cache, else `TreeCache`."""
     reason = cache_unsupported_reason(cache)
     if reason:  # (generate() falls back to chain mode before this: a cache passed some other way)
         raise NotImplementedError(f"Tree mode: {reason}. Use draft_mode='chain' or cache_implementation='dynamic'.")
-    static = cache.layers and all(type(layer) is StaticLayer for layer in cache.layers)
-    return (StaticTreeCache if static else TreeCache)(cache, ragged)
+    return (StaticTreeCache if is_static(cache) else TreeCache)(cache, ragged)
 
 
 def _move_accepted(layer, past_len: int, index: torch.Tensor, width: int) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..errors import EagleCompatibilityError
 from ..speculation.schedule import choose_tree_size
 from ..speculation.settings import DraftSettings
-from .cache import cache_unsupported_reason, tree_unsupported_reason
+from .cache import cache_unsupported_reason, is_static, tree_unsupported_reason
 from .call import batch_rows, prompt_length
 from .costs import cost_model
 from .tree_loop import VERIFY_BUCKETS
@@ -44,7 +44,7 @@ def route(target, drafter, settings: DraftSettings, kwargs: dict) -> Route:
     if reason:
         _fall_back(target, settings, reason, batch_rows(kwargs))
     elif settings.mode == "chain":
-        why = _own_loop_for_chain(settings, kwargs)
+        why = _own_loop_for_chain(target, settings, kwargs)
         if why:
             logger.info("%s: eagle_hf's loop drafts the chain (a tree with top_k=1).", why)
             settings.mode, settings.top_k, settings.total_tokens = "tree", 1, settings.depth + 1
@@ -87,9 +87,13 @@ def _fall_back(target, settings: DraftSettings, reason: str, rows: int) -> None:
             "Call generate() once per prompt.")
 
 
-def _own_loop_for_chain(settings: DraftSettings, kwargs: dict) -> str | None:
+def _own_loop_for_chain(target, settings: DraftSettings, kwargs: dict) -> str | None:
     """Why a chain runs in eagle_hf's loop rather than transformers' (None: it does not)."""
     cache = cache_in(kwargs)
+    if is_static(cache, cache_implementation(target, kwargs)):
+        # transformers 5.23's assisted loop refuses static caches; ours holds a chain in one on every version
+        # (and runs transformers' compiled forward on it)
+        return "A static cache"
     if cache is not None and cache.get_seq_length() > 0:
         # transformers' assisted loop (5.23) diverges from plain decoding when the cache already holds a prefix,
         # for its own prompt lookup too; our loop with one child per node is the same chain, and exact
