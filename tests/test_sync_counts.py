@@ -112,3 +112,34 @@ def test_bytes_written_per_round_do_not_grow_with_the_context(models, name):
         assert medians[0] == medians[1]
     else:
         assert medians[1] < 1.2 * medians[0], medians
+
+
+@pytest.mark.parametrize("name", ["tree", "tree batch of 4", "sampling tree", "chain of 5", "copy alone", "default"])
+def test_generate_leaves_no_reference_cycles(models, name):
+    """What a call allocated (the drafter's cache, captured hidden states, the target's cache) is freed when the
+    call returns, by reference counting, not at some later garbage collection: on the GPU a cycle kept about a GiB
+    per 8k-token call alive until the collector ran (device check, 2026-11-26, H200: allocated memory after a call
+    moved 16.9 -> 17.9 -> 19.0 -> 16.9 GiB). Found: the copy source held a speculator's bound method."""
+    import gc
+
+    target, drafter = models
+    rows, kwargs, _ = SCENARIOS.get(name, (2, {}, 0))
+    run = dict(kwargs, max_new_tokens=12)
+    if kwargs.get("draft_sources") != "copy":
+        run["assistant_model"] = drafter
+    target.generate(**inputs(rows), **run)  # once before: what a process keeps (row costs) exists already
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        target.generate(**inputs(rows), **run)
+        gc.collect()
+        left = [type(o).__module__ + "." + type(o).__qualname__ for o in gc.garbage
+                if isinstance(o, torch.Tensor) or type(o).__module__.startswith(("eagle_hf", "transformers"))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if was:
+            gc.enable()
+    assert not left, sorted(set(left))

@@ -13,6 +13,7 @@ depth) and the bookkeeping. The two decoding loops only move tokens, target feat
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -70,7 +71,7 @@ class Speculator:
         self.slot = 0 if row is None else row
         self._started = False  # whether a real row was committed yet
         self.copy = CopySource(settings.copy_ngram, settings.copy_length, settings.copy_branch_count,
-                               self._marginal_cost, settings.probe_every,
+                               functools.partial(marginal_cost, controller), settings.probe_every,
                                stop_tokens=stop_tokens) if settings.uses_copy else None
         self.depth = settings.depth  # the fixed (or heuristic) schedule's depth
         self.round = "prefill"
@@ -225,16 +226,19 @@ class Speculator:
         plans = {(False, True): copies, (True, False): drafter, (True, True): both}
         return max(plans, key=lambda p: plans[p][0] / plans[p][1])
 
-    def _marginal_cost(self, verified: int) -> float:
-        """Extra cost of verifying one more token on top of `verified`, in tokens a plain step yields for the
-        same cost. In a batch a longer tree pads every row's to its size: the whole batch pays for it."""
-        if self.controller is None:
-            return DEFAULT_MARGINAL_COST
-        c = self.controller.costs  # a secant over 8 tokens: single-token steps of measured times are noisy
-        step = max((c.verify_cost(verified + 8) - c.verify_cost(verified)) / 8, 0.0)
-        return step * c.rows / c.verify_cost(1)
-
     # ------------------------------------------------------------------ helpers
+
+
+def marginal_cost(controller: DraftLengthController | None, verified: int) -> float:
+    """Extra cost of verifying one more token on top of `verified`, in tokens a plain step yields for the same
+    cost. In a batch a longer tree pads every row's to its size: the whole batch pays for it. (A function of the
+    controller, not a bound method: the copy source keeps it, and a speculator it pointed back to would make a
+    reference cycle that keeps the drafter's cache alive until the garbage collector runs.)"""
+    if controller is None:
+        return DEFAULT_MARGINAL_COST
+    c = controller.costs  # a secant over 8 tokens: single-token steps of measured times are noisy
+    step = max((c.verify_cost(verified + 8) - c.verify_cost(verified)) / 8, 0.0)
+    return step * c.rows / c.verify_cost(1)
 
 
 def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: list[int], total_tokens: list[int],
