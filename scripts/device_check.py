@@ -982,6 +982,10 @@ def stage_kernels(ctx: Context, budget: Budget) -> StageResult:
         impls.append("flash_attention_2")
     else:
         res.find("flash_attn is not importable: flash_attention_2 not checked")
+    wanted = [x for x in ctx.args.kernels.split(",") if x]
+    if wanted:
+        impls = [i for i in impls if i in wanted]
+        res.find(f"only {', '.join(wanted)} (--kernels)")
     table = []
     cases = {"default": {}, "tree": dict(draft_mode="tree"), "chain 5": CHAIN}
     for impl in impls:
@@ -1000,6 +1004,8 @@ def stage_kernels(ctx: Context, budget: Budget) -> StageResult:
         ctx.partial(res)
     target.set_attn_implementation("sdpa")
     compiles = [False, True] if ctx.cuda else [False]
+    if wanted:
+        compiles = [c for c in compiles if ("static+compile" if c else "static") in wanted]
     if not ctx.cuda:
         res.find("no CUDA device: the static cache's automatic compile (CUDA only) not checked")
     for compiled in compiles:
@@ -1224,6 +1230,8 @@ def parse_args(argv=None):
     p.add_argument("--mirror", action="append", default=[], help="also copy the report here after every stage")
     p.add_argument("--budget-s", default="", help="seconds per stage: one number for all, or stage=seconds,...")
     p.add_argument("--total-s", type=float, default=570.0, help="seconds for the whole run (stages shrink to fit)")
+    p.add_argument("--kernels", default="", help="kernels stage: only these of sdpa,eager,flex_attention,"
+                   "flash_attention_2,static,static+compile (default: all)")
     p.add_argument("--suite-args", nargs="*", help="pytest arguments of the suite stage (default: tests)")
     args = p.parse_args(argv)
     chosen = [x for x in (args.only.split(",") if args.only else STAGES) if x]
