@@ -51,6 +51,13 @@ class EagleCall:
     controller: object | None = None  # DraftLengthController of the adaptive schedule
     route: object | None = None  # which loop runs the call (`eagle_hf.hf.routing.Route`)
     streamer: object | None = None  # the call's streamer (tree mode feeds it itself)
+    timers: list[Timer] = field(default_factory=list)  # the call's device clocks (`close`d when it returns)
+
+    def close(self) -> None:
+        """The call returned: its timers hand over what is done and let go of the rest (`Timer.close`)."""
+        for timer in self.timers:
+            timer.close()
+        self.timers.clear()
 
 
 _local = threading.local()
@@ -190,6 +197,7 @@ def speculators_for(target, rows: int = 1, stop_tokens=()) -> tuple[EagleCall, l
     stats = [call.stats] if rows == 1 else [SpecDecodeStats() for _ in range(rows)]
     state = DraftState(positions=[0] * rows)  # the drafter's cache: one for the batch, drafted together
     timer = Timer(input_device(target))  # one for the batch: the loop's read-backs resolve its marks
+    call.timers.append(timer)
     return call, [Speculator(call.drafter, call.settings, s, call.controller, call.listeners, timer=timer,
                              row=None if rows == 1 else b, state=state, stop_tokens=stop_tokens)
                              for b, s in enumerate(stats)]

@@ -81,6 +81,7 @@ def _run(self, kwargs: dict, call: EagleCall):
         out = _original_generate(self, **kwargs)
     finally:
         set_active_call(None)
+        call.close()
         call.stats.total_time = time.perf_counter() - start
     if call.controller is not None:
         keep_costs(self)  # what this call's timed forwards taught, for the next process

@@ -12,6 +12,7 @@ device to time it (the cost model learns from these marks; nothing is measured b
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 
@@ -53,7 +54,7 @@ class Timer:
 
     def measure(self, marks: list[Mark], callback: Callable[..., None]) -> None:
         if not self.events:
-            callback(*(b.seconds - a.seconds for a, b in zip(marks, marks[1:])))
+            callback(*(b.seconds - a.seconds for a, b in itertools.pairwise(marks)))
             return
         self.pending.append((marks, callback))
 
@@ -76,6 +77,16 @@ class Timer:
         self.epoch += 1
         self.resolve()
 
+    def close(self) -> None:
+        """The call is over: hand over the measurements the device has finished (asked with a non-blocking event
+        query, never a synchronisation) and drop the rest. A measurement left pending would keep its callback's
+        objects alive (the decoding loop, and through it the call's caches) in a reference cycle."""
+        pending, self.pending = self.pending, []
+        for marks, callback in pending:
+            last = marks[-1].event
+            if last is None or getattr(last, "query", lambda: True)():  # (a queue runs in order: all done)
+                callback(*(a.event.elapsed_time(b.event) / 1000.0 for a, b in itertools.pairwise(marks)))
+
     def resolve(self) -> None:
         """Hand every finished measurement to its callback (marks made before the last read-back)."""
         ready = [p for p in self.pending if p[0][-1].epoch < self.epoch]
@@ -83,4 +94,4 @@ class Timer:
             return
         self.pending = [p for p in self.pending if p[0][-1].epoch >= self.epoch]
         for marks, callback in ready:
-            callback(*(a.event.elapsed_time(b.event) / 1000.0 for a, b in zip(marks, marks[1:])))
+            callback(*(a.event.elapsed_time(b.event) / 1000.0 for a, b in itertools.pairwise(marks)))
