@@ -72,7 +72,7 @@ def oracle(reference: torch.Tensor, wrong_positions=(), vocab: int = VOCAB):
     def _choose(self, draft_logits, prefix, drafted):
         assert prefix.shape[0] == 1 and draft_logits.shape[0] == 1
         n = prefix.shape[1]
-        assert torch.equal(prefix[0], ref[:n]), "the accepted prefix left the greedy path"
+        assert torch.equal(prefix[0].cpu(), ref[:n].cpu()), "the accepted prefix left the greedy path"
         pos = n + len(drafted)
         token = int(ref[pos])
         if pos in wrong_positions:
@@ -284,7 +284,8 @@ class StopAtLength(StoppingCriteria):
         self.length = length
 
     def __call__(self, input_ids, scores, **kwargs):
-        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool,
+                          device=input_ids.device)
 
 
 def _custom_stop_runs():
