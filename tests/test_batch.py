@@ -340,6 +340,63 @@ def test_batched_drafting_grows_each_rows_tree_as_drafted_alone(top_k):
     assert batch.valid is not None and batch.positions == [a.positions[0] for a in alone]
 
 
+def test_a_long_catch_up_in_chunks_equals_one_pass(monkeypatch):
+    """A long prompt's catch-up runs `CATCH_UP_CHUNK` rows per drafter forward (a bounded peak: ~0.7 GiB less at
+    8k tokens on an 8B shape): rows ending inside a chunk, on its boundary and in the last one get the logits,
+    hidden state and cache of one pass, and draft the same trees over two rounds."""
+    from eagle_hf.speculation import drafting
+    from eagle_hf.speculation.drafting import DraftState, draft_trees
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, seed=3)
+    drafter.bind_target_embedding(target.get_input_embeddings())
+    with torch.no_grad():
+        drafter.lm_head.weight.mul_(30.0)  # peaky: confident drafts, so trees reach their depth
+    rounds = [_taps(target, drafter, [11, 4, 6], seed=1), _taps(target, drafter, [1, 3, 2], seed=2)]
+    states, steps = {}, []
+    original = type(drafter).step
+    monkeypatch.setattr(type(drafter), "step", lambda self, hidden, *a, **k: (steps.append(hidden.shape[1]),
+                                                                             original(self, hidden, *a, **k))[1])
+    for chunk in (4, drafting.CATCH_UP_CHUNK):
+        monkeypatch.setattr(drafting, "CATCH_UP_CHUNK", chunk)
+        state, trees = DraftState(positions=[0, 0, 0]), []
+        for taps in rounds:
+            logits, hidden = state.extend(drafter, *_padded(taps))
+            roots = [int(t[0, -1]) for _, t in taps]
+            trees.append((logits, hidden, draft_trees(drafter, state, roots, logits, hidden, [4, 4, 3], 3, [8] * 3)))
+        states[chunk] = (state, trees)
+    (chunked, a), (_, b) = states.values()
+    assert steps[:3] == [4, 4, 3]  # the first prompt: three chunks (11 rows)
+    for (la, ha, ta), (lb, hb, tb) in zip(a, b):
+        torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ha, hb, rtol=1e-4, atol=1e-4)
+        assert [t.tokens.tolist() for t in ta] == [t.tokens.tolist() for t in tb]
+        assert [t.parents.tolist() for t in ta] == [t.parents.tolist() for t in tb]
+    assert chunked.positions == states[drafting.CATCH_UP_CHUNK][0].positions
+
+
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_generate_with_chunked_prompt_catch_ups_is_unchanged(monkeypatch, mode):
+    """Prompts longer than `CATCH_UP_CHUNK` (patched to 5 here): a left-padded batch and one row give plain
+    output and draft exactly as with one pass (same accepted counts)."""
+    from eagle_hf.speculation import drafting
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids, mask = left_padded()
+    plain = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    ref = target.generate(ids, **plain)
+    runs = []
+    for chunk in (drafting.CATCH_UP_CHUNK, 5):
+        monkeypatch.setattr(drafting, "CATCH_UP_CHUNK", chunk)
+        for rows in (slice(None), slice(0, 1)):
+            out = target.generate(ids[rows], assistant_model=drafter, **dict(plain, attention_mask=mask[rows]),
+                                  **MODES[mode])
+            assert torch.equal(out, ref[rows]), (chunk, rows)
+            runs.append(eagle_hf.last_stats().accepted)
+    assert runs[:2] == runs[2:]
+
+
 def test_the_batch_drafts_with_one_drafter_forward_per_level(monkeypatch):
     """A batch of 4 rows: one catch-up forward and one forward per level in each drafting round, not one per row."""
     target = tiny_target("llama")
