@@ -694,6 +694,8 @@ def stage_replay(ctx: Context, budget: Budget) -> StageResult:
     modes["tree (depth 5, top-k 4, 16 tokens)"] = dict(TREE, draft_sources="eagle")
     cells = [(c, b) for b in s.batches for c in s.contexts]
     cells.sort(key=lambda cb: (cb[1] > 1, cb[0] > s.contexts[0], cb[1]))  # batch 1 first, then the short context
+    if ctx.args.replay_cells:  # CONTEXTxBATCH,... in the order given
+        cells = [tuple(int(x) for x in cell.split("x")) for cell in ctx.args.replay_cells.split(",") if cell]
     table, last_cell = [], 0.0
     for ctx_len, rows in cells:
         if not budget.allows(last_cell * 1.2 + 5):
@@ -714,6 +716,10 @@ def stage_replay(ctx: Context, budget: Budget) -> StageResult:
     res.find("times per round (from the last timed run): ms_per_round = median time / rounds; drafter = eagle_hf's "
              "own drafter clock (stats.drafter_time), rest = the target's "
              "verify forward plus bookkeeping; host clocks, on a GPU only approximate (no device sync per call)")
+    off = [r for r in table if r.get("timed_runs_off_table")]
+    if off:
+        res.find(f"{len(off)} modes' timed runs left the output their warm-up reached (identical calls, different "
+                 "bf16 output: timed_runs_off_table, first_off_column); their tau is not a ceiling")
     unequal = [r for r in table if r.get("equal") is False]
     if unequal:
         res.find(f"{len(unequal)} replay runs differ from plain greedy output (bf16 near-ties, see equality): each "
@@ -752,9 +758,14 @@ def _replay_cell(ctx, target, drafter, vocab, ctx_len, rows, modes, budget) -> l
                 if kwargs is not None:
                     truth[:] = truths[mode]
                     counts.clear()
-                _, t = timed(ctx, generate, target, ids, mask, s.new_tokens, drafter if kwargs is not None else None,
-                             **(kwargs or {}))
+                got, t = timed(ctx, generate, target, ids, mask, s.new_tokens,
+                               drafter if kwargs is not None else None, **(kwargs or {}))
                 t_list.append(t)
+                if kwargs is not None and got.tolist() != truths[mode]:  # left the table it found in the warm-up
+                    info[mode]["off_table"] = info[mode].get("off_table", 0) + 1
+                    first = next(i for i, (x, y) in enumerate(zip(got.flatten().tolist(), sum(truths[mode], [])))
+                                 if x != y)
+                    info[mode]["first_off"] = min(info[mode].get("first_off", 1 << 30), first % got.shape[1])
                 if kwargs is not None:  # the round's split, from a timed (warm) run
                     st = last_stats()
                     info[mode].update(tau=st.mean_acceptance_length, rounds=st.steps + 1, drafter=st.drafter_time,
@@ -774,7 +785,8 @@ def _replay_cell(ctx, target, drafter, vocab, ctx_len, rows, modes, budget) -> l
                     "rest_ms_per_round": 1e3 * (i["total"] - i["drafter"]) / i["rounds"],
                     "plain_ms_per_token": 1e3 * plain / s.new_tokens, "equal": i["equal"],
                     "fixed_point": i["fixed_point"], "replayed_trees": i["replayed"],
-                    "unmatched_trees": i["unmatched"]})
+                    "unmatched_trees": i["unmatched"], "timed_runs_off_table": i.get("off_table", 0),
+                    "first_off_column": i.get("first_off")})
     return out
 
 
@@ -1232,6 +1244,8 @@ def parse_args(argv=None):
     p.add_argument("--total-s", type=float, default=570.0, help="seconds for the whole run (stages shrink to fit)")
     p.add_argument("--kernels", default="", help="kernels stage: only these of sdpa,eager,flex_attention,"
                    "flash_attention_2,static,static+compile (default: all)")
+    p.add_argument("--replay-cells", default="", help="replay stage: CONTEXTxBATCH cells in this order, e.g. "
+                   "8192x1,1024x16 (default: every context x batch of the shapes, batch 1 first)")
     p.add_argument("--suite-args", nargs="*", help="pytest arguments of the suite stage (default: tests)")
     args = p.parse_args(argv)
     chosen = [x for x in (args.only.split(",") if args.only else STAGES) if x]
