@@ -278,6 +278,31 @@ def test_a_cpu_timer_measures_at_once():
     assert seen == [0.5] and not timer.events
 
 
+def test_closing_a_timer_hands_over_what_the_device_finished_and_drops_the_rest():
+    """The end of a call (no read-back follows its last round): a measurement whose last mark the device has
+    passed (a non-blocking query) reaches its callback, one it has not is dropped, nothing stays pending; after an
+    error nothing is handed over."""
+    queue = FakeQueue()
+    done = {"now": False}
+
+    def event():
+        e = queue.event()
+        e.query = lambda: done["now"] or e.at < 1.0
+        return e
+
+    for hand_over, expected in ((True, [0.5]), (False, [])):
+        timer, seen = Timer(time_fn=lambda: pytest.fail("the wall clock was read"), event_fn=event), []
+        queue.done_at = 0.0
+        a = timer.mark()
+        queue.done_at = 0.5
+        b = timer.mark()
+        timer.measure([a, b], seen.append)  # finished: its last mark is before the device's position 1.0
+        queue.done_at = 2.0
+        timer.measure([b, timer.mark()], seen.append)  # not finished
+        timer.close(hand_over)
+        assert seen == pytest.approx(expected) and not timer.pending
+
+
 # ------------------------------------------------------------------------------------------------ layout
 def _module_imports(path: Path, package: str, modules) -> set[str]:
     """eagle_hf modules imported by `path`, at module level or inside functions (``from . import name`` imports

@@ -53,10 +53,11 @@ class EagleCall:
     streamer: object | None = None  # the call's streamer (tree mode feeds it itself)
     timers: list[Timer] = field(default_factory=list)  # the call's device clocks (`close`d when it returns)
 
-    def close(self) -> None:
-        """The call returned: its timers hand over what is done and let go of the rest (`Timer.close`)."""
+    def close(self, hand_over: bool = True) -> None:
+        """The call returned: its timers hand over what is done (`hand_over`) and let go of the rest
+        (`Timer.close`)."""
         for timer in self.timers:
-            timer.close()
+            timer.close(hand_over)
         self.timers.clear()
 
 

@@ -77,11 +77,13 @@ def _run(self, kwargs: dict, call: EagleCall):
     """Run transformers' generate() with `call` visible to our hooks; collect and publish the stats."""
     set_active_call(call)
     start = time.perf_counter()
+    returned = False
     try:
         out = _original_generate(self, **kwargs)
+        returned = True
     finally:
         set_active_call(None)
-        call.close()
+        call.close(hand_over=returned)  # (after an error: dropped, so nothing masks it)
         call.stats.total_time = time.perf_counter() - start
     if call.controller is not None:
         keep_costs(self)  # what this call's timed forwards taught, for the next process

@@ -77,12 +77,13 @@ class Timer:
         self.epoch += 1
         self.resolve()
 
-    def close(self) -> None:
+    def close(self, hand_over: bool = True) -> None:
         """The call is over: hand over the measurements the device has finished (asked with a non-blocking event
-        query, never a synchronisation) and drop the rest. A measurement left pending would keep its callback's
-        objects alive (the decoding loop, and through it the call's caches) in a reference cycle."""
+        query, never a synchronisation; none with `hand_over` False) and drop the rest. A measurement left pending
+        would keep its callback's objects alive (the decoding loop, and through it the call's caches) in a
+        reference cycle."""
         pending, self.pending = self.pending, []
-        for marks, callback in pending:
+        for marks, callback in pending if hand_over else ():
             last = marks[-1].event
             if last is None or getattr(last, "query", lambda: True)():  # (a queue runs in order: all done)
                 callback(*(a.event.elapsed_time(b.event) / 1000.0 for a, b in itertools.pairwise(marks)))
