@@ -226,8 +226,6 @@ class Speculator:
         plans = {(False, True): copies, (True, False): drafter, (True, True): both}
         return max(plans, key=lambda p: plans[p][0] / plans[p][1])
 
-    # ------------------------------------------------------------------ helpers
-
 
 def marginal_cost(controller: DraftLengthController | None, verified: int) -> float:
     """Extra cost of verifying one more token on top of `verified`, in tokens a plain step yields for the same

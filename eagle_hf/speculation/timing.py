@@ -84,9 +84,8 @@ class Timer:
         reference cycle."""
         pending, self.pending = self.pending, []
         for marks, callback in pending if hand_over else ():
-            last = marks[-1].event
-            if last is None or getattr(last, "query", lambda: True)():  # (a queue runs in order: all done)
-                callback(*(a.event.elapsed_time(b.event) / 1000.0 for a, b in itertools.pairwise(marks)))
+            if getattr(marks[-1].event, "query", lambda: True)():  # (a queue runs in order: all done)
+                callback(*_elapsed(marks))
 
     def resolve(self) -> None:
         """Hand every finished measurement to its callback (marks made before the last read-back)."""
@@ -95,4 +94,9 @@ class Timer:
             return
         self.pending = [p for p in self.pending if p[0][-1].epoch >= self.epoch]
         for marks, callback in ready:
-            callback(*(a.event.elapsed_time(b.event) / 1000.0 for a, b in itertools.pairwise(marks)))
+            callback(*_elapsed(marks))
+
+
+def _elapsed(marks: list[Mark]) -> list[float]:
+    """Seconds between consecutive recorded marks (their events are done)."""
+    return [a.event.elapsed_time(b.event) / 1000.0 for a, b in itertools.pairwise(marks)]
