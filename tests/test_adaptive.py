@@ -54,6 +54,36 @@ def test_failed_probes_back_off_and_a_good_probe_resets_the_wait():
     assert c.choose() > 0 and c.probe.wait == 4
 
 
+def rounds_until_a_try(c: DraftLengthController) -> int:
+    n = 0
+    while c.choose() == 0:
+        n += 1
+    return n
+
+
+def test_a_drafter_dropped_just_below_break_even_tries_again_within_a_few_rounds():
+    """A drop decided on a round or two is revisited at once where trying loses little: two processes whose costs
+    differ by a few per cent land on either side of break-even, and a drop kept for a whole call made the same
+    prompts 15% slower in one process than in the other (issue 35). A drafter far below break-even waits longer,
+    and longer after each failed try (at most the probe's wait)."""
+    waits = {}
+    for name, acceptance in (("near", 0.08), ("poor", 0.0)):
+        c = DraftLengthController(CPU_LIKE, max_draft=8)  # probe_every 16
+        c.update(1, 0)  # (tried: the drafter's first round)
+        c.acceptance.values = [acceptance] * 8
+        c._drafting = False  # dropped
+        gain = c.best()[1]
+        waits[name] = [rounds_until_a_try(c)]
+        c.update(1, 0)  # the try fails (below break-even, as estimated)
+        c.acceptance.values = [acceptance] * 8
+        waits[name].append(rounds_until_a_try(c))
+        assert gain < c.keep_gain if name == "poor" else 0.95 < gain < 1.0, gain
+    relative = DraftLengthController(CPU_LIKE).costs.relative_cost(1)
+    assert waits["near"][0] <= 3 and waits["near"][1] <= 6, waits  # (a try loses ~2% of a round)
+    assert 8 <= waits["poor"][0] <= math.ceil(16 * relative), waits  # (a try loses ~10% of a round: 1% of ten)
+    assert waits["poor"][1] >= 2 * waits["poor"][0] - 1, waits  # (a failed try: the share halves)
+
+
 def test_a_batch_probes_less_often_as_its_probes_pad_every_row():
     """In a batch of 16 a depth-1 probe verifies 16 x 2 tokens: it costs more plain rounds, and comes rarer."""
     one, batch = (DraftLengthController(CPU_LIKE, max_draft=8, rows=rows) for rows in (1, 16))

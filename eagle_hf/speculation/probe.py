@@ -3,7 +3,9 @@
 The adaptive schedule drops the drafter where its drafts do not pay, the copy source drops its branches where
 they keep failing; both must notice when that changes, at a cost that shrinks the longer nothing changes. A
 `Probe` counts the rounds a source sat out; once they reach its wait the source drafts once (a *probe*); a
-probe that fails doubles the wait (up to `most`), one that pays brings it back to `every`.
+probe that fails doubles the wait (up to `most`), one that pays brings it back to `every`. A try expected to lose
+little (a source just below break-even) need not sit out the whole wait: `absorbs` says when the rounds sat out
+pay for it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ class Probe:
     def due(self, scale: float = 1.0) -> bool:
         """Whether the source has sat out its wait (times `scale`: a costlier probe waits longer)."""
         return self.skipped >= self.wait * scale
+
+    def absorbs(self, loss: float, share: float) -> bool:
+        """Whether the rounds sat out absorb a try's expected `loss` (in rounds) at `share` of their time: a
+        cheap try comes soon. The share halves as the wait doubles: a source whose tries keep failing waits
+        longer however little they cost."""
+        return self.skipped * share * self.every / self.wait >= loss
 
     def skip(self) -> None:
         """The source sat out a round."""

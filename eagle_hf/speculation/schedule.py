@@ -7,13 +7,16 @@ Four parts, each in its own module, meet here:
   depth k yields;
 * `RoundCosts` (`round_costs`): what a round of depth k costs, in one-token target forwards (the cost model's
   forwards plus the overheads the loop times);
-* `Probe` (`probe`): when a dropped drafter tries again (a wait that doubles after each failed try);
+* `Probe` (`probe`): the longest a dropped drafter waits before it tries again (a wait that doubles after each
+  failed try);
 * `LossBudget` (`loss_budget`): a batch's verdict from its own timed rounds.
 
 The schedule drafts ``argmax_k E(k) / cost(k)`` (against a plain round's one token for its cost) while that beats
-plain decoding, with hysteresis (start above `min_gain`, keep until below `keep_gain`, after a warm-up); it
-probes after a wait when it does not, so a drafter that never helps costs almost nothing; a drafter never tried
-drafts once first. A round's timings enter through one door (`observe`), its acceptance through another
+plain decoding, with hysteresis (start above `min_gain`, keep until below `keep_gain`, after a warm-up). When it does
+not, a dropped drafter tries again once the rounds it sat out absorb a try's expected loss at `PROBE_SHARE` of
+their time (just below break-even: within a round or two; a poor drafter waits, at most the probe's wait), so a
+drafter that never helps costs about that share, and a drop decided on a few rounds is soon revisited; a drafter
+never tried drafts once first. A round's timings enter through one door (`observe`), its acceptance through another
 (`update`). Given the same measurements it makes the same decisions.
 """
 
@@ -28,6 +31,10 @@ from .probe import Probe
 from .round_costs import RoundCosts
 
 logger = logging.getLogger(__name__)
+
+#: the share of the time a dropped drafter's tries may be expected to lose (by the model): a try comes once the
+#: rounds sat out since the last one would absorb its expected loss at this share (halved with each failed try)
+PROBE_SHARE = 0.01
 
 
 class DraftLengthController:
@@ -105,14 +112,24 @@ class DraftLengthController:
             self._tried = True
             self.probe.restart()
             return k
-        if self.probe.due(self.costs.relative_cost(k)):  # probe: draft once to refresh the estimates (waiting
-            # longer the more a probe costs: in a big batch it pads every row's round)
+        if self._probe_due(k, gain):  # probe: draft once to refresh the estimates
             self.probe.restart()
             self.probe.failed()  # (until a round pays again)
             return k
         self.probe.skip()
         self.budget.since_plain = 0
         return 0
+
+    def _probe_due(self, k: int, gain: float) -> bool:
+        """Whether a dropped drafter tries again this round (at depth k, expected to yield `gain` of a plain
+        round's rate): once the rounds it sat out absorb the try's expected loss at `PROBE_SHARE` of their time
+        (halved with each failed try), and at the latest after the probe's wait, longer the more a try costs (in a big batch it pads every row's
+        round). A drafter just below break-even loses little by trying and tries again within a round or two:
+        a drop decided on a few rounds' acceptance and costs measured a few per cent apart (as two processes
+        measure them) is not kept for a whole call; a poor drafter waits."""
+        cost = self.costs.relative_cost(k)  # a try, in plain rounds
+        loss = cost * max(1.0 - gain, 0.0)  # plain rounds a try is expected to lose
+        return self.probe.absorbs(loss, PROBE_SHARE) or self.probe.due(cost)
 
     def _rest(self) -> int:
         self.rest, self.budget.since_plain = True, 0

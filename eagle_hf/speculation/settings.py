@@ -83,7 +83,8 @@ class DraftSettings:
         confidence_threshold: chain: end the chain after a draft whose probability is below this (transformers'
             ``assistant_confidence_threshold``); tree: prune branches whose cumulative draft probability is
             below it (a fully pruned tree is a plain step). 0 turns it off.
-        probe_every: adaptive: plain steps before drafting is tried again (doubles after each failed probe).
+        probe_every: adaptive: the most plain steps before a dropped drafter tries again (doubles after each failed
+            try; a drafter just below break-even tries sooner, once the plain steps absorb a try's expected loss).
         min_gain: adaptive: start drafting when the expected speedup over plain decoding exceeds this ...
         keep_gain: adaptive: ... and keep drafting until it falls below this (hysteresis, after a warm-up).
         draft_sources: who drafts: ``"eagle"`` (the drafter), ``"copy"`` (continuations of earlier occurrences of
