@@ -281,3 +281,22 @@ def test_each_round_drafts_with_the_sources_that_pay():
     assert failing.choose_depth(room=50) > 0 and not failing.copy.branches  # the drafter alone: copies rest
     both = _speculator("eagle+copy", copy_first=0.15, drafter_acceptance=0.6)  # short copies, a shallow tree
     assert both.choose_depth(room=50) > 0 and both.copy.branches
+
+
+def test_a_resting_drafter_drafts_beside_copies_where_its_margin_pays():
+    """The controller rests a drafter whose rounds of its own would not pay; where copies draft anyway it costs
+    only its margin beside them (its levels, its catch-up, a few more verified tokens), and joins the round when
+    that pays (issue 35: a drafter dropped on its first rounds stayed out of the copies' rounds for the call)."""
+    outcomes = {}
+    for name, copy_first in (("missing", 0.1), ("streaming", 0.9)):
+        sp = _speculator("eagle+copy", copy_first=copy_first, drafter_acceptance=0.45)
+        c = sp.controller
+        c.costs.cycle_overhead = 0.4  # a drafting round's own cost: dear enough that the drafter alone rests
+        c.update(1, 1)  # (tried)
+        c.acceptance.values = [0.45] * 5
+        c._drafting = False
+        assert c.best()[1] < c.min_gain
+        outcomes[name] = sp.choose_depth(room=50), len(sp.copy.branches), c.probe.skipped
+    assert outcomes["missing"][0] > 0 and outcomes["missing"][1] > 0  # copies keep missing: the drafter joins them
+    assert outcomes["missing"][2] == 0  # (its estimates refreshed, as by a probe: the wait starts again)
+    assert outcomes["streaming"][0] == 0 and outcomes["streaming"][1] > 0  # copies stream: it rests

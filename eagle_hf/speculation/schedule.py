@@ -131,6 +131,11 @@ class DraftLengthController:
         loss = cost * max(1.0 - gain, 0.0)  # plain rounds a try is expected to lose
         return self.probe.absorbs(loss, PROBE_SHARE) or self.probe.due(cost)
 
+    def joined(self) -> None:
+        """The drafter drafts this round beside copy branches, though a round of its own would not pay (its
+        margin beside them does: `Speculator.choose_depth`): its estimates are refreshed as a probe's are."""
+        self.probe.restart()
+
     def _rest(self) -> int:
         self.rest, self.budget.since_plain = True, 0
         return 0

@@ -119,11 +119,22 @@ class Speculator:
             probe = None if paying or planned is None else planned > 0
             # sized by their own acceptance, as copy drafting alone sizes them
             branches = self.copy.propose(room, probe_only=not paying, probe=probe)
+            # the controller rests the drafter where a round of its own would not pay; where copies draft anyway
+            # it costs only its margin beside them (its levels, its catch-up, a few more verified tokens)
+            beside = depth == 0 and branches and planned is None and self.controller is not None \
+                and self.settings.uses_eagle
+            if beside:
+                depth = min(self.controller.best()[0], room)
             if depth > 0 and branches and probe is None:  # (a batch's probe round probes the drafter too)
                 drafter, copies = self._sources_that_pay(depth)
-                depth = depth if drafter else 0
-                if not copies:
-                    self.copy.branches = branches = []  # (nothing to learn from this round: they rest)
+                if beside:  # it joins the copies or rests (alone it does not pay)
+                    depth = depth if drafter and copies else 0
+                    if depth:
+                        self.controller.joined()
+                else:
+                    depth = depth if drafter else 0
+                    if not copies:
+                        self.copy.branches = branches = []  # (nothing to learn from this round: they rest)
         self.round = "draft" if depth > 0 or branches else ("fallback" if wanted <= 0 else "final")
         return depth
 
