@@ -123,8 +123,9 @@ class DraftLengthController:
     def _probe_due(self, k: int, gain: float) -> bool:
         """Whether a dropped drafter tries again this round (at depth k, expected to yield `gain` of a plain
         round's rate): once the rounds it sat out absorb the try's expected loss at `PROBE_SHARE` of their time
-        (halved with each failed try), and at the latest after the probe's wait, longer the more a try costs (in a big batch it pads every row's
-        round). A drafter just below break-even loses little by trying and tries again within a round or two:
+        (halved with each failed try), and at the latest after the probe's wait, longer the more a try costs (in
+        a big batch it pads every row's round). A drafter just below break-even loses little by trying and tries
+        again within a round or two:
         a drop decided on a few rounds' acceptance and costs measured a few per cent apart (as two processes
         measure them) is not kept for a whole call; a poor drafter waits."""
         cost = self.costs.relative_cost(k)  # a try, in plain rounds

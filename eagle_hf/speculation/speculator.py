@@ -121,8 +121,8 @@ class Speculator:
             branches = self.copy.propose(room, probe_only=not paying, probe=probe)
             # the controller rests the drafter where a round of its own would not pay; where copies draft anyway
             # it costs only its margin beside them (its levels, its catch-up, a few more verified tokens)
-            beside = depth == 0 and branches and planned is None and self.controller is not None \
-                and self.settings.uses_eagle
+            beside = bool(depth == 0 and branches and planned is None and self.controller is not None
+                          and self.settings.uses_eagle)
             if beside:
                 depth = min(self.controller.best()[0], room)
             if depth > 0 and branches and probe is None:  # (a batch's probe round probes the drafter too)
