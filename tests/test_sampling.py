@@ -213,3 +213,25 @@ def test_harness_fits_plain_sampling(target):
     exact = exact_distribution(target, processors, 1)
     assert chi_square(rows, exact, (0,)) > ALPHA
     assert sum(1 for p in exact.values() if p > 0) == 6  # top-k support
+
+
+def test_sampling_warpers_process_a_tree_without_building_its_ids():
+    """Temperature and top-p read only the scores: a tree's nodes are processed in one call, with no ids built
+    from the context (a copy proportional to its length every round); a processor that reads the ids still gets
+    each node's own."""
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
+
+    from eagle_hf.speculation.verification import process_logits
+
+    prefix, paths = torch.tensor([[5, 6, 7]]), [[], [3], [3, 4], [9]]
+    logits = torch.randn(4, 20, generator=torch.Generator().manual_seed(0))
+
+    def one_by_one(processors):
+        return torch.cat([processors(torch.tensor([[5, 6, 7, *p]]), logits[i : i + 1]) for i, p in enumerate(paths)])
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)])
+    with mock.patch("eagle_hf.speculation.verification.pack") as pack:
+        torch.testing.assert_close(process_logits(warpers, prefix, paths, logits), one_by_one(warpers))
+    pack.assert_not_called()
+    mixed = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3), *warpers])
+    torch.testing.assert_close(process_logits(mixed, prefix, paths, logits), one_by_one(mixed))

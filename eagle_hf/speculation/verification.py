@@ -14,15 +14,24 @@ from .transfer import pack
 from .tree import DraftTree
 
 
+#: transformers' logits warpers that read the scores alone, never the ids: with only these (temperature, top-k,
+#: top-p, ...), a tree's nodes need no ids built from the context (work proportional to its length, every round)
+SCORES_ONLY = frozenset({"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+                         "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "TopHLogitsWarper"})
+
+
 def process_logits(logits_processor, prefix: torch.Tensor, paths: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
     """Apply the logits processors to each row of `logits` ([n, V]) with ``prefix + paths[row]`` as its input ids.
 
     Used for the target's logits at every tree node, and for the drafter's logits of every sampled draft, so
-    that both follow the exact processing plain `generate()` applies. prefix: [1, T]. The rows are processed in
+    that both follow the exact processing plain `generate()` applies. prefix: [1, T]. Warpers that read only the
+    scores (`SCORES_ONLY`) process every row in one call on the prefix; otherwise the rows are processed in
     one call per path length (processors take a batch of equal-length ids), their paths copied to the device at
     once; a processor that reads the batch index (``prefix_allowed_tokens_fn``) gets one row at a time."""
     if len(logits_processor) == 0:
         return logits
+    if all(type(p).__name__ in SCORES_ONLY for p in logits_processor):  # (sampling's warpers): no ids to build
+        return logits_processor(prefix.expand(logits.shape[0], -1), logits)  # (a view: nothing copied)
     if any(type(p).__name__ == "PrefixConstrainedLogitsProcessor" for p in logits_processor):
         return _process_each(logits_processor, prefix, paths, logits)
     by_length: dict[int, list[int]] = {}
