@@ -52,6 +52,20 @@ def test_bench_detects_a_broken_mode(tmp_path, monkeypatch):
     assert "broken" in results_markdown(res)
 
 
+def test_sampling_draws_every_mode_from_one_seed_a_new_one_each_repeat(tmp_path, monkeypatch):
+    """Each mode of a prompt samples from the same seed; each repeat from another (a repeat of the same draw would
+    hide the drawn text's share of the noise from the A/A band)."""
+    import eagle_hf.tools.bench as bench
+
+    target, tok, drafter, prompts = _parts(tmp_path)
+    seeds, generate = [], bench._generate
+    monkeypatch.setattr(bench, "_generate", lambda *a: (seeds.append((a[2].name, a[-1])), generate(*a))[1])
+    run_benchmark(target, tok, [Mode("plain"), Mode("again")], [prompts], max_new_tokens=4, limit=2, repeats=2,
+                  temperature=0.7)
+    calls = seeds[2:]  # (after the warm-up)
+    assert sorted(calls) == sorted((m, s) for m in ("plain", "again") for s in (0, 1, 2, 3))
+
+
 def test_a_mode_of_ones_own(tmp_path):
     target, tok, drafter, prompts = _parts(tmp_path)
     name, kwargs = parse_mode('copy b1={"draft_sources": "copy", "copy_branches": 1}')

@@ -129,7 +129,9 @@ def run_benchmark(
     batch_size: int = 1,
 ) -> dict:
     """Run every mode on every prompt (or batch of `batch_size` prompts, left-padded), interleaved; return the
-    results dict (see `write_results`). Speed is generated tokens per second (a batch's rows up to their EOS)."""
+    results dict (see `write_results`). Speed is generated tokens per second (a batch's rows up to their EOS).
+    Sampling: every mode draws a prompt's call from the same seed, a new one each repeat (a sampled text's speed
+    depends on the text drawn: repeats of the same draw would hide that noise from an A/A band)."""
     results = {"settings": dict(max_new_tokens=max_new_tokens, limit=limit, temperature=temperature, repeats=repeats,
                                 prompt_sets=prompt_sets, modes=[m.name for m in modes], batch_size=batch_size),
                "machine": machine_info(target), "sets": {}}
@@ -151,7 +153,7 @@ def run_benchmark(
                 order = modes if (i + r) % 2 == 0 else list(reversed(modes))
                 outputs = {}
                 for mode in order:
-                    new, elapsed = _generate(target, enc, mode, max_new_tokens, temperature, seed + i)
+                    new, elapsed = _generate(target, enc, mode, max_new_tokens, temperature, seed + r * len(batches) + i)
                     rec = per_mode[mode.name]
                     tokens = generated_tokens(new, eos) if batch_size > 1 else new.shape[1]
                     rec["tok_s"].append(tokens / elapsed)
