@@ -143,6 +143,25 @@ def test_best_of_sources_chooses_on_one_repeat_and_scores_on_the_others():
     assert v.verdict == "behind" and v.relative == pytest.approx(-0.25)
 
 
+def test_the_swap_band_is_the_noise_of_a_median_over_these_prompts():
+    """Swapping each prompt's values between two runs at random: identical runs give a band of 0; runs that differ
+    prompt by prompt give a band however close their medians happen to land; the same values, the same band."""
+    import random
+
+    from eagle_hf.tools.best_of_sources import compare, swap_gap
+
+    a = [1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2]
+    assert swap_gap(a, a, random.Random(0)) == 0.0
+    b = [1.3, 0.9, 1.7, 1.6, 1.5, 2.3, 1.9]  # the same median (1.6), each prompt 0.3 off
+    assert swap_gap(a, b, random.Random(0)) > 0.05
+    assert swap_gap(a, b, random.Random(0)) == swap_gap(a, b, random.Random(0))
+    run1 = _run({"eagle default": [2.0] * 7, "copy alone": a}, repeats=1)
+    run2 = _run({"eagle default": [2.2] * 7, "copy alone": b}, repeats=1)
+    (v,) = compare([run1, run2])
+    assert v.band == 0.0 and not v.processes_agree  # the realised A/A gap: 0, by luck
+    assert v.process_gap == pytest.approx(0.2 / 2.1) and v.process_gap <= v.swap_band
+
+
 def test_decision_trace_lines_up_two_processes(tmp_path, capsys):
     """scripts/decision_trace.py --compare: per prompt, the share of rounds the drafter rested in each process; a
     prompt decided apart (shares more than 30 points apart) is marked and counted."""
