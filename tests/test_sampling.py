@@ -235,3 +235,23 @@ def test_sampling_warpers_process_a_tree_without_building_its_ids():
     pack.assert_not_called()
     mixed = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3), *warpers])
     torch.testing.assert_close(process_logits(mixed, prefix, paths, logits), one_by_one(mixed))
+
+
+def test_draw_samples_each_row_from_its_weights():
+    """The two-level inverse transform: every row (unnormalised weights, a vocabulary that is no multiple of the
+    block, mass in the last partial block) drawn in proportion to its weights; a weight-0 token never."""
+    from eagle_hf.speculation.verification import DRAW_BLOCK, draw
+
+    v = 2 * DRAW_BLOCK + 88
+    weights = torch.zeros(3, v)
+    weights[0, [1, 300, v - 1]] = torch.tensor([2.0, 1.0, 1.0])  # unnormalised, one token in the partial block
+    weights[1, :] = 1.0  # uniform
+    weights[2, 7] = 0.3  # a single token
+    g = torch.Generator().manual_seed(0)
+    drawn = torch.stack([draw(weights, g) for _ in range(4000)])  # [4000, 3]
+    assert set(drawn[:, 2].tolist()) == {7}
+    assert set(drawn[:, 0].tolist()) == {1, 300, v - 1}
+    share = torch.bincount(drawn[:, 0], minlength=v)[[1, 300, v - 1]] / 4000
+    torch.testing.assert_close(share, torch.tensor([0.5, 0.25, 0.25]), atol=0.03, rtol=0)
+    assert drawn[:, 1].unique().numel() > 0.95 * v  # uniform: the whole vocabulary is reached (~99.9% expected)
+    assert abs(drawn[:, 1].double().mean().item() - (v - 1) / 2) < 0.05 * v

@@ -10,7 +10,7 @@ from ..speculation.drafting import Choice
 from ..speculation.rounds import RoundTiming
 from ..speculation.speculator import Speculator
 from ..speculation.transfer import to_device
-from ..speculation.verification import process_logits
+from ..speculation.verification import draw, process_logits
 
 
 class EagleCandidateGenerator(CandidateGenerator):
@@ -54,7 +54,7 @@ class EagleCandidateGenerator(CandidateGenerator):
         logits = self.drafter.target_logits(draft_logits.float())  # [1, V]
         logits = process_logits(self.logits_processor, prefix, [drafted], logits)
         logp = torch.log_softmax(logits, dim=-1)  # [1, V]
-        token = torch.multinomial(logp.exp(), 1)[:, 0] if self.do_sample else logp.argmax(-1)  # [1]
+        token = draw(logp.exp()) if self.do_sample else logp.argmax(-1)  # [1]
         return token, (logits if self.do_sample else None), logp.gather(1, token[:, None])[:, 0].clamp(min=-69.0)
 
     def _chooser(self, prefix: torch.Tensor):

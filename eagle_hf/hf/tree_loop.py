@@ -28,7 +28,7 @@ from ..speculation.rounds import RoundTiming
 from ..speculation.speculator import Speculator, draft_round
 from ..speculation.transfer import pack, to_device
 from ..speculation.tree import DraftTree
-from ..speculation.verification import accept_drawn, process_logits, sampling_draws, verify_greedy
+from ..speculation.verification import accept_drawn, draw, process_logits, sampling_draws, verify_greedy
 from .attention import routed_kernel
 from .cache import stacked_ancestor_masks, tree_cache
 from .call import active_call, finish_rows, speculators_for
@@ -177,7 +177,7 @@ class TreeLoop:
         self.cache.ragged = Ragged(counts, ids.shape[1], mask.clone() if padded else None)
         for b, row in enumerate(rows):
             scores = process_logits(self.logits_processor, row.seq, [[]], raw[b : b + 1])
-            token = int(torch.multinomial(torch.softmax(scores, -1), 1)) if self.do_sample else int(scores.argmax(-1))
+            token = int(draw(torch.softmax(scores, -1))[0]) if self.do_sample else int(scores.argmax(-1))
             if aux is not None:
                 real = [i for i, m in enumerate(host_mask[b][cached:]) if m]  # the row's uncached real tokens
                 after = [*ids[b, cached + 1 :].tolist(), token]
