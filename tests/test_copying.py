@@ -300,3 +300,33 @@ def test_a_resting_drafter_drafts_beside_copies_where_its_margin_pays():
     assert outcomes["missing"][0] > 0 and outcomes["missing"][1] > 0  # copies keep missing: the drafter joins them
     assert outcomes["missing"][2] == 0  # (its estimates refreshed, as by a probe: the wait starts again)
     assert outcomes["streaming"][0] == 0 and outcomes["streaming"][1] > 0  # copies stream: it rests
+
+
+def test_copy_trace_records_each_round_and_the_rank_that_hit(tmp_path, monkeypatch):
+    """scripts/copy_trace.py: every proposal of the copy source with its matches, branch lengths and how far each
+    branch got; rounds summarised by kind and by the rank of the branch that reached furthest; the copy source
+    is left as it was."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    import eagle_hf.cli
+    import eagle_hf.speculation.copying as copying
+
+    spec = importlib.util.spec_from_file_location(
+        "copy_trace", Path(__file__).resolve().parent.parent / "scripts" / "copy_trace.py")
+    trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace)
+    target = tiny_target("llama")
+    monkeypatch.setattr(eagle_hf.cli, "main", lambda argv: target.generate(
+        REPEAT, max_new_tokens=40, do_sample=False, draft_sources="copy"))
+    propose = copying.CopySource.propose
+    result = trace.trace(str(tmp_path / "t.json"), [])
+    assert copying.CopySource.propose is propose
+    rounds = json.loads((tmp_path / "t.json").read_text())["rounds"]
+    assert sum(result["rounds"].values()) == len(rounds) > 0 and result["rounds"]["drafted"] > 0
+    assert all(len(r["hits"]) == len(r["branches"]) for r in rounds if r["branches"])
+    assert trace.summary([{"matches": [2, 1], "branches": [3, 2], "hits": [0, 2]},
+                          {"matches": [], "branches": []}, {"matches": [1], "branches": []}]) == {
+        "rounds": {"drafted": 1, "no match": 1, "matched, nothing drafted": 1},
+        "hit rounds by the best branch's rank": {"rank 1": 1, "a later rank hit where the first missed": 1}}
