@@ -414,11 +414,14 @@ def test_the_batch_drafts_with_one_drafter_forward_per_level(monkeypatch):
     assert len(calls) <= 3 * rounds  # not 3 per row
 
 
-def test_rounds_that_catch_the_drafter_up_do_not_teach_the_controller(monkeypatch):
+def test_rounds_that_catch_the_drafter_up_do_not_teach_the_controller_their_catch_up(monkeypatch):
     """The first drafting round reads the prompts, a probe after plain rounds reads their rows: neither is a regular
-    drafting round, and timing one as a plain round once made drafting look cheap next to plain decoding. Every
-    round counts against the batch's loss budget, those that catch up as wide rounds (what drafting costs)."""
+    drafting round. Timing one as a plain round once made drafting look cheap next to plain decoding; left out of
+    the batch's timed drafting rounds, a resting drafter's probes taught it nothing. Such a round teaches the
+    batch's timed rounds as the regular round it would have been (its catch-up's time replaced by a regular one's),
+    never the loop's cost model, and counts against the loss budget as it was (what drafting costs)."""
     from eagle_hf.speculation.loss_budget import LossBudget
+    from eagle_hf.speculation.round_costs import RoundCosts
     from eagle_hf.speculation.schedule import DraftLengthController
 
     events = []
@@ -432,19 +435,25 @@ def test_rounds_that_catch_the_drafter_up_do_not_teach_the_controller(monkeypatc
     monkeypatch.setattr(tree_loop.TreeLoop, "plan", logged_plan)
     plan_of_rounds = iter([2, 2, 0, 0, 2, 2, 0, 2] * 4)  # drafting, plain rounds, then a probe after them
     monkeypatch.setattr(DraftLengthController, "choose", lambda self: next(plan_of_rounds))
-    for name in ("observe_plain", "observe_cycle", "account"):  # what the batch's verdict reads
-        original = getattr(LossBudget, name)
-        monkeypatch.setattr(LossBudget, name,
-                            lambda self, *a, _o=original, _n=name, **k: (events.append(_n), _o(self, *a, **k))[1])
+    watched = [(LossBudget, "observe_plain"), (LossBudget, "observe_cycle"), (LossBudget, "account"),
+               (RoundCosts, "observe_cycle")]
+    for owner, name in watched:  # what the batch's verdict and the loop's cost model read
+        original, label = getattr(owner, name), f"{owner.__name__}.{name}"
+        monkeypatch.setattr(owner, name,
+                            lambda self, *a, _o=original, _n=label, **k: (events.append(_n), _o(self, *a, **k))[1])
     target = tiny_target("llama")
     ids, mask = left_padded([5, 9, 3, 7], seed=2)
     target.generate(input_ids=ids, attention_mask=mask, assistant_model=tiny_drafter(target), max_new_tokens=12,
-                    do_sample=False, **MODES["tree adaptive"])
+                    do_sample=False, draft_sources="eagle", **MODES["tree adaptive"])  # (copy rounds rest the drafter)
     assert events[0] == "backlog"
     assert events.count("backlog") >= 3  # the prompts, then two probes after plain rounds
-    assert all(after == "account" for before, after in zip(events, events[1:]) if before == "backlog")
-    assert "observe_plain" in events and "observe_cycle" in events
-    assert events.count("account") == events.count("backlog") + events.count("round")  # every round
+    rounds = [i for i, e in enumerate(events) if e in ("backlog", "round")] + [len(events)]
+    taught = {tuple(events[a + 1 : b]) for a, b in zip(rounds, rounds[1:]) if events[a] == "backlog"}
+    assert taught == {("LossBudget.observe_cycle", "LossBudget.account")}
+    assert ("LossBudget.observe_cycle", "RoundCosts.observe_cycle", "LossBudget.account") in {
+        tuple(events[a + 1 : b]) for a, b in zip(rounds, rounds[1:]) if events[a] == "round"}
+    assert "LossBudget.observe_plain" in events
+    assert events.count("LossBudget.account") == events.count("backlog") + events.count("round")  # every round
 
 
 def test_the_head_computes_logits_only_for_real_tree_nodes(monkeypatch):

@@ -95,8 +95,8 @@ class EagleCandidateGenerator(CandidateGenerator):
         """Mark where transformers' verify forward over `width` tokens starts."""
         sp = self.speculator
         self._marks["verify"] = sp.timer.mark()
-        self._facts = dict(width=width, levels=sp.drafter_levels, drafting_rows=int(sp.eagle_depth > 0),
-                           backlog=sp.backlog)
+        self._facts = dict(width=width, levels=sp.drafter_levels, depth=sp.eagle_depth, copies=sp.copying,
+                           drafting_rows=int(sp.eagle_depth > 0), backlog=sp.backlog)
         return input_ids
 
     def _end_timing(self) -> None:

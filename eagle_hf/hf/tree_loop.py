@@ -144,6 +144,8 @@ class TreeLoop:
             drafting = [r.sp for r in active if r.sp.eagle_depth > 0]
             facts = dict(rows=len(active), width=max(t.size for t in trees), drafting_rows=len(drafting),
                          levels=max((sp.drafter_levels for sp in drafting), default=0),
+                         depth=max((sp.eagle_depth for sp in drafting), default=0),
+                         copies=any(r.sp.copying for r in active),
                          backlog=any(sp.backlog for sp in drafting), batch=len(rows) > 1)
             before = sum(r.length for r in active)  # the rows' tokens before the round
             self.verify_and_commit(active, trees, marks)

@@ -94,7 +94,8 @@ class RoundRecord:
 class RoundTiming:
     """One round's timings in seconds (None: not timed), read by the cost model, the schedule and the stats.
     `rows` verified `width` tokens each (1: a plain round); `drafting_rows` shared the drafter, whose draft
-    levels took `levels` forwards after its catch-up (fewer than the depth where a tree was pruned);
+    levels took `levels` forwards after its catch-up (fewer than the depth where a tree was pruned), the deepest
+    row's tree of `depth` (0: copy branches alone, or a plain round); `copies`: copy branches were verified;
     `tokens`: what each live row emitted on average; `backlog`: the drafter caught up on plain rounds' rows
     (not a regular round's cost); `batch`: the call decodes several rows."""
 
@@ -106,6 +107,8 @@ class RoundTiming:
     width: int = 1
     drafting_rows: int = 0
     levels: int = 0
+    depth: int = 0
+    copies: bool = False
     tokens: float = 1.0
     backlog: bool = False
     batch: bool = False

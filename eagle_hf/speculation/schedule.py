@@ -32,6 +32,11 @@ from .round_costs import RoundCosts
 
 logger = logging.getLogger(__name__)
 
+#: timed rounds of a kind (a depth, with or without copy branches) before a batch's measured rate of it counts
+MEASURED_ROUNDS = 2
+#: copy branches join a batch's drafter where its timed rounds with them beat those without by this factor: their
+#: width is certain, their hits are not, and two rates over about ten rounds differ by a few per cent by chance
+COPIES_MARGIN = 1.05
 #: the share of the time a dropped drafter's tries may be expected to lose (by the model): a try comes once the
 #: rounds sat out since the last one would absorb its expected loss at this share (halved with each failed try)
 PROBE_SHARE = 0.01
@@ -53,9 +58,13 @@ class DraftLengthController:
         self.acceptance = AcceptanceEstimate(max_draft, values=list(acceptance or []))
         self.costs = RoundCosts(cost, tree=tree, rows=rows)
         self.probe = Probe(probe_every, max_probe_every)
+        self.copy_probe = Probe(probe_every, max_probe_every)  # a batch's copy branches beside its drafter, where
+        # its timed rounds prefer the drafter alone
         self.budget = LossBudget(share=loss_budget, plain_every=plain_every)
         self.rest = False  # this round of a batch is plain for every source (copy branches rest too): it times a
         # plain round, or its loss budget is spent
+        self.copies = True  # a batch's drafting rounds carry copy branches (where its rows have them): chosen
+        # each round from the timed rounds of the drafter alone and of the drafter with copy branches
         self._drafting = True
         self._tried = False  # whether a round drafted yet (the first round that does not pay probes instead)
 
@@ -63,36 +72,106 @@ class DraftLengthController:
     def batch(self) -> bool:
         return self.costs.rows > 1
 
-    def best(self) -> tuple[int, float]:
+    def best(self, copies: bool = True) -> tuple[int, float]:
         """(k, expected speedup over plain decoding) of the best draft length: a plain round yields one token for
-        `costs.plain`, a drafting round E(k) for its cycle cost plus the loop's."""
+        `costs.plain`, a drafting round E(k) for its cycle cost plus the loop's. In a batch the timed rounds have
+        the last word (`_timed_gain`): those with copy branches beside the drafter, or without (`copies`)."""
+        gains = {k: self._gain(k) for k in range(1, self.max_draft + 1)}
+        timed = self._timed(copies) if self.batch else {}
+        for k in gains:  # from the deepest depth timed at or below k: a batch's wide forwards are what the model
+            # misjudges most, so a deeper round's shortfall says little of a shallower one (the model's own gain
+            # there, until it was timed: the shallower rounds get their try)
+            below = max((d for d in timed if d <= k), default=None)
+            if below is not None:
+                gains[k] = self._timed_gain(k, below, timed[below])
+        return max(gains.items(), key=lambda x: x[1])
+
+    def _timed(self, copies: bool) -> dict:
+        """A batch's drafter depths timed (`MEASURED_ROUNDS` times) with copy branches beside the drafter, or
+        without; where only the other kind was, those."""
+        timed = {key: sums for key, sums in self.budget.timed(MEASURED_ROUNDS).items()
+                 if 0 < key[0] <= self.max_draft and sums.expected}
+        mine = {d: sums for (d, c), sums in timed.items() if c == copies}
+        return mine or {d: sums for (d, c), sums in timed.items() if c != copies}
+
+    def _plan(self) -> tuple[int, float]:
+        """(k, gain) of this round's best draft; a batch also chooses whether copy branches join it (`copies`),
+        from the timed rounds of both kinds: the drafter alone first, then copies beside it, then the better;
+        where that is the drafter alone, copies join again after a wait that doubles with each try that did not
+        change the verdict (their acceptance changes with the text)."""
+        if not self.batch:
+            return self.best()
+        beside, alone = self.best(copies=True), self.best(copies=False)
+        timed = {c for (d, c) in self.budget.timed(MEASURED_ROUNDS) if d > 0}
+        # (the two gains are the same until both kinds were timed)
+        self.copies = timed == {False} or beside[1] > COPIES_MARGIN * alone[1]
+        return beside if self.copies else alone
+
+    def _try_copies(self) -> None:
+        """A batch's drafting round: where its timed rounds prefer the drafter alone, copies join it once their
+        wait is over (a try; the wait doubles with each)."""
+        if self.copies:
+            self.copy_probe.paid()
+            self.copy_probe.restart()
+        elif self.copy_probe.due():
+            self.copies = True
+            self.copy_probe.restart()
+            self.copy_probe.failed()
+        else:
+            self.copy_probe.skip()
+
+    def _gain(self, k: int) -> float:
+        """The model's gain at depth k."""
         c = self.costs
-        gains = [(k, self.acceptance.expected_tokens(k) * c.plain / (c.cycle_cost(k) + c.loop_overhead))
-                 for k in range(1, self.max_draft + 1)]
-        return max(gains, key=lambda x: x[1])
+        return self.acceptance.expected_tokens(k) * c.plain / (c.cycle_cost(k) + c.loop_overhead)
 
-    def measured_gain(self) -> float | None:
-        """Tokens per second of a batch's drafting rounds timed so far over those of plain rounds (measured, or
-        modelled while none was timed); None before a drafting round was timed, and for a single row. The model
-        picks the depth, the measurement has the last word on whether drafting pays at all."""
+    def _timed_gain(self, k: int, d: int, timed) -> float:
+        """A batch's gain at depth k from its rounds timed at depth d <= k (`LossBudget.timed`), against its timed
+        plain rounds. Tokens: the model's E(k), scaled by what d's rounds yielded over what the model expected of them
+        (copy branches beside the drafter, an acceptance model off for this text); the acceptance the model
+        tracks round by round stays its own, so a stretch of poor rounds is not kept once the drafter rests.
+        Seconds: d's timed rounds, scaled along the model from d to k (a plain round of many rows, or a wide
+        one, is not what one row's forwards say)."""
+        c = self.costs
+        tokens = self.acceptance.expected_tokens(k) * timed.tokens / timed.expected
+        seconds = timed.seconds / timed.weight * ((c.cycle_cost(k) + c.loop_overhead)
+                                                  / (c.cycle_cost(d) + c.loop_overhead))
+        plain = self.budget.plain_seconds or c.plain * c.cost.base_seconds * c.rows
+        return tokens / seconds * plain
+
+    def measured_gains(self) -> dict[int, float]:
+        """A batch's timed drafting rounds by (the drafter's depth, whether copy branches were verified) (depth 0:
+        copy branches alone), timed at least `MEASURED_ROUNDS` times: their tokens per second over plain rounds' (timed, or modelled while none was).
+        Empty for a single row: its costs were measured on one row, and its tokens per round vary too much (a
+        copy round yields 1 token or 12) for a running rate to judge a depth."""
         c, b = self.costs, self.budget
-        if not self.batch or b.cycle_rate <= 0 or c.cost.base_seconds <= 0:
-            return None  # one row: its costs were measured on one row, and its tokens per round vary too much
-            # (a copy round yields 1 token or 12) for a running rate to judge drafting as a whole
+        if not self.batch or c.cost.base_seconds <= 0:
+            return {}
         plain = b.plain_seconds or c.plain * c.cost.base_seconds * c.rows
-        return b.cycle_rate * plain
+        return {d: sums.tokens / max(sums.seconds, 1e-9) * plain for d, sums in b.timed(MEASURED_ROUNDS).items()}
 
-    def drafting_pays(self) -> bool:
-        """Whether the timed drafting rounds beat plain ones (True before any was timed): when they do not, copy
-        branches wait for their probes too."""
-        measured = self.measured_gain()
+    def copies_pay(self, planned: int | None = None) -> bool:
+        """Whether copy branches draft this round, not only probe: in a batch's round without the drafter
+        (`planned` 0), whether its timed rounds of copy branches alone beat plain ones (True before any was
+        timed); beside a batch's drafter, whether they join it (`copies`); a single row's copies always (its own
+        plan choice follows, `Speculator.choose_depth`)."""
+        if not self.batch or planned is None:
+            return True
+        if planned > 0:
+            return self.copies
+        measured = self.measured_gains().get((0, True))
         return measured is None or measured >= self.keep_gain
 
     def choose(self) -> int:
-        k, gain = self.best()
-        measured = self.measured_gain()
-        if measured is not None:
-            gain = min(gain, measured)
+        """This round's depth (0: a plain round; `rest`: every source rests), and in a batch whether copy
+        branches join the drafter (`copies`)."""
+        k = self._choose()
+        if self.batch and k > 0:
+            self._try_copies()
+        return k
+
+    def _choose(self) -> int:
+        k, gain = self._plan()
         keep = self.keep_gain if self.acceptance.seen[0] >= self.warmup else self.min_gain
         self.rest = False
         if (self.batch and not self.budget.plain_seconds) or not self.budget.within():
@@ -108,7 +187,8 @@ class DraftLengthController:
             self.budget.since_plain += 1
             return k
         self._drafting = False
-        if not self._tried:  # a drafter never tried is tried at once: its costs and acceptance are priors yet
+        if not self._tried or self._untimed():  # a drafter never tried is tried at once: its costs and
+            # acceptance are priors yet (in a batch, until its rounds were timed: a batch's verdict is measured)
             self._tried = True
             self.probe.restart()
             return k
@@ -119,6 +199,10 @@ class DraftLengthController:
         self.probe.skip()
         self.budget.since_plain = 0
         return 0
+
+    def _untimed(self) -> bool:
+        """Whether a batch's drafter has no kind of round timed `MEASURED_ROUNDS` times yet."""
+        return self.batch and not any(d > 0 for d, _ in self.budget.timed(MEASURED_ROUNDS))
 
     def _probe_due(self, k: int, gain: float) -> bool:
         """Whether a dropped drafter tries again this round (at depth k, expected to yield `gain` of a plain
@@ -142,10 +226,12 @@ class DraftLengthController:
         return 0
 
     def observe(self, timing) -> None:
-        """A round's timings (`eagle_hf.speculation.rounds.RoundTiming`, one round late on a GPU): the one door through which
-        they enter. The verify forward and the drafter's levels teach the cost model; whole rounds teach the
-        loop's own costs (a drafter catching up on plain rounds' rows is neither a regular drafting round nor a
-        plain one) and a batch's verdict and loss budget (every round: catching up is part of what drafting
+        """A round's timings (`eagle_hf.speculation.rounds.RoundTiming`, one round late on a GPU): the one door
+        through which they enter. The verify forward and the drafter's levels teach the cost model; whole rounds
+        teach the loop's own costs (a drafter catching up on plain rounds' rows is neither a regular drafting
+        round nor a plain one), a batch's timed drafting rounds (a round that caught up counts as the regular
+        round it would have been: its catch-up's time replaced by a regular one's, so that a resting drafter's
+        probes are timed) and its loss budget (every round as it was: catching up is part of what drafting
         costs)."""
         t, c = timing, self.costs
         c.cost.observe(t)
@@ -153,9 +239,15 @@ class DraftLengthController:
             c.observe_drafter(t.catch_up / t.drafting_rows)
         if t.seconds is None:
             return
-        if t.width > 1 and not t.backlog:
-            self.budget.observe_cycle(t.seconds, t.tokens)
-            c.observe_cycle(t.seconds, t.width, t.levels)
+        if t.width > 1:
+            seconds = t.seconds
+            if t.backlog and t.catch_up is not None:
+                seconds += c.round_overhead * c.cost.base_seconds * t.drafting_rows - t.catch_up
+            if not t.backlog or t.catch_up is not None:
+                expected = self.acceptance.expected_tokens(t.depth) if t.depth else 0.0  # (what the model expected)
+                self.budget.observe_cycle(seconds, t.tokens, (t.depth, t.copies), expected)
+            if not t.backlog:
+                c.observe_cycle(t.seconds, t.width, t.levels)
         elif not t.wide:
             self.budget.observe_plain(t.seconds)
             c.observe_plain(t.seconds)

@@ -112,8 +112,10 @@ class Speculator:
         branches = []
         rest = planned == 0 and self.controller is not None and self.controller.rest  # (the batch times a plain
         # round, or has spent its loss budget: no copy branches either)
+        if planned and self.controller is not None and not self.controller.copies:
+            rest = True  # the batch's drafter drafts without copy branches this round (`DraftLengthController.choose`)
         if self.copy is not None and not rest:
-            paying = self.controller is None or self.controller.drafting_pays()
+            paying = self.controller is None or self.controller.copies_pay(planned)
             # a batch where drafting does not pay probes its rows' copies together, in the controller's probe
             # rounds: one row's probe widens every row's round
             probe = None if paying or planned is None else planned > 0
@@ -143,6 +145,11 @@ class Speculator:
         """Catch up on the committed rows, grow this round's draft tree (a chain when top_k is 1), then graft
         the copy branches onto it (`draft_round` for a single row)."""
         return draft_round([self], [root_token], [depth], [total_tokens], [choose], marks)[0]
+
+    @property
+    def copying(self) -> bool:
+        """Whether this round verifies copy branches."""
+        return self.round == "draft" and self.copy is not None and bool(self.copy.branches)
 
     @property
     def backlog(self) -> bool:
