@@ -190,10 +190,11 @@ def test_a_batch_judges_a_resting_drafter_on_its_acceptance_now():
 def test_a_batch_lets_copy_branches_join_its_drafter_where_its_timed_rounds_say_they_pay():
     """Copy branches beside the drafter widen every row's round. A batch times both kinds of drafting round and
     keeps the better: here rounds with copy branches emit 1.6 tokens a row in 0.08 s (gain 1.0) against the
-    drafter alone's 1.5 in 0.06 s (1.25), so the drafter drafts alone, trying copies again after a wait that
-    doubles with each try; when a try emits 3 tokens a row, copies join again."""
+    drafter alone's 1.5 in 0.06 s (1.25), so the drafter drafts alone, trying copies again (two rounds, the
+    timed rounds a verdict needs) after a wait that doubles with each try; when a try emits 3 tokens a row, copies
+    join again."""
     c = _batch_told_drafting_loses()  # (the drafter alone timed)
-    assert c.choose() == 1 and c.copies  # then the kind not timed yet
+    assert c.choose() == 1 and c.copies  # copies beside it are tried at once
     for _ in range(3):
         c.observe(RoundTiming(seconds=0.08, width=12, depth=1, copies=True, tokens=1.6))
     assert c.measured_gains()[1, True] == pytest.approx(1.0)
@@ -203,7 +204,8 @@ def test_a_batch_lets_copy_branches_join_its_drafter_where_its_timed_rounds_say_
             c.observe(RoundTiming(seconds=0.05))  # (a timed plain round)
         elif c.copies:
             tries.append(i)
-    assert tries == [17, 52]  # after 16 drafting rounds, then 32 (a plain round now and then)
+    assert tries == [0, 35, 36]  # the first try's second round, then a try of two rounds after 32 drafting
+    # rounds (and two timed plain rounds)
     for _ in range(5):
         c.observe(RoundTiming(seconds=0.08, width=12, depth=1, copies=True, tokens=3.0))
     while (k := c.choose()) == 0:

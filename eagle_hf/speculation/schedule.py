@@ -59,12 +59,14 @@ class DraftLengthController:
         self.costs = RoundCosts(cost, tree=tree, rows=rows)
         self.probe = Probe(probe_every, max_probe_every)
         self.copy_probe = Probe(probe_every, max_probe_every)  # a batch's copy branches beside its drafter, where
-        # its timed rounds prefer the drafter alone
+        # its timed rounds prefer the drafter alone: tried at once the first time
+        self.copy_probe.skipped = self.copy_probe.wait
+        self._copy_try = 0  # rounds left of a try of copy branches beside a batch's drafter
         self.budget = LossBudget(share=loss_budget, plain_every=plain_every)
         self.rest = False  # this round of a batch is plain for every source (copy branches rest too): it times a
         # plain round, or its loss budget is spent
-        self.copies = True  # a batch's drafting rounds carry copy branches (where its rows have them): chosen
-        # each round from the timed rounds of the drafter alone and of the drafter with copy branches
+        self.copies = False  # this round of a batch, copy branches join its drafter (where its rows have them):
+        # chosen each round from the timed rounds of the drafter alone and of the drafter with copy branches
         self._drafting = True
         self._tried = False  # whether a round drafted yet (the first round that does not pay probes instead)
 
@@ -95,26 +97,34 @@ class DraftLengthController:
         return mine or {d: sums for (d, c), sums in timed.items() if c != copies}
 
     def _plan(self) -> tuple[int, float]:
-        """(k, gain) of this round's best draft; a batch also chooses whether copy branches join it (`copies`),
-        from the timed rounds of both kinds: the drafter alone first, then copies beside it, then the better;
-        where that is the drafter alone, copies join again after a wait that doubles with each try that did not
-        change the verdict (their acceptance changes with the text)."""
+        """(k, gain) of this round's best draft; a batch also chooses whether copy branches join its drafter
+        (`copies`): where its rounds with them, timed at k or the deepest depth below, beat the drafter's own
+        rounds by `COPIES_MARGIN`, or while copies are being tried (`_try_copies`)."""
         if not self.batch:
             return self.best()
-        beside, alone = self.best(copies=True), self.best(copies=False)
-        timed = {c for (d, c) in self.budget.timed(MEASURED_ROUNDS) if d > 0}
-        # (the two gains are the same until both kinds were timed)
-        self.copies = timed == {False} or beside[1] > COPIES_MARGIN * alone[1]
-        return beside if self.copies else alone
+        k, gain = self.best(copies=False)
+        beside = self._gain_with_copies(k)
+        self.copies = self._copy_try > 0 or (beside is not None and beside > COPIES_MARGIN * gain)
+        return (k, beside) if self.copies and beside is not None else (k, gain)
+
+    def _gain_with_copies(self, k: int) -> float | None:
+        """A batch's gain at depth k from its rounds with copy branches beside the drafter, timed at k or the
+        deepest depth below (None: none was)."""
+        timed = {d: sums for (d, c), sums in self.budget.timed(MEASURED_ROUNDS).items()
+                 if c and 0 < d <= k and sums.expected}
+        return self._timed_gain(k, max(timed), timed[max(timed)]) if timed else None
 
     def _try_copies(self) -> None:
-        """A batch's drafting round: where its timed rounds prefer the drafter alone, copies join it once their
-        wait is over (a try; the wait doubles with each)."""
-        if self.copies:
+        """A batch's drafting round: where its timed rounds do not prefer copy branches beside the drafter, they
+        join it for `MEASURED_ROUNDS` rounds (a try) once their wait is over: at once the first time, then a wait
+        that doubles with each try that did not change the verdict (their acceptance changes with the text)."""
+        if self._copy_try > 0:
+            self._copy_try -= 1
+        elif self.copies:
             self.copy_probe.paid()
             self.copy_probe.restart()
         elif self.copy_probe.due():
-            self.copies = True
+            self.copies, self._copy_try = True, MEASURED_ROUNDS - 1
             self.copy_probe.restart()
             self.copy_probe.failed()
         else:

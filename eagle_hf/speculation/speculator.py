@@ -114,6 +114,8 @@ class Speculator:
         # round, or has spent its loss budget: no copy branches either)
         if planned and self.controller is not None and not self.controller.copies:
             rest = True  # the batch's drafter drafts without copy branches this round (`DraftLengthController.choose`)
+        if self.copy is not None:
+            self.copy.branches = []  # (none left from an earlier round)
         if self.copy is not None and not rest:
             paying = self.controller is None or self.controller.copies_pay(planned)
             # a batch where drafting does not pay probes its rows' copies together, in the controller's probe
