@@ -173,6 +173,8 @@ def test_copy_alone_and_stop_strings_per_row():
     ref = target.generate(ids, **plain)
     out = target.generate(ids, draft_sources="copy", **plain)
     assert torch.equal(out, ref)
+    # copy branches draft in a batch without a drafter (a batch's plan for its drafter's rounds once rested them)
+    assert eagle_hf.last_stats().drafted_by_source.get("copy", 0) > 0
 
 
 def test_stopping_criteria_cut_each_row_where_plain_decoding_stops():

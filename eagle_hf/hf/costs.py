@@ -111,4 +111,5 @@ def controller_for(target, drafter, settings: DraftSettings, compiled: bool = Fa
         min_gain=settings.min_gain,
         keep_gain=settings.keep_gain,
         tree=(settings.top_k, settings.total_tokens) if tree else None,
+        drafts=settings.uses_eagle,
     )

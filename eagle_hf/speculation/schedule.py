@@ -46,13 +46,14 @@ class DraftLengthController:
     """Chooses the draft length (chain) or depth (tree) of each round; 0 means decode this round plainly.
 
     `tree`: (top_k, total_tokens) to cost trees of depth k instead of chains of k; `rows`: rows verified together;
-    `acceptance`: the starting estimate per depth (default: a flat prior)."""
+    `acceptance`: the starting estimate per depth (default: a flat prior); `drafts`: whether a drafter drafts
+    (False: copy branches alone, which a batch's schedule times, rests and probes all the same)."""
 
     def __init__(self, cost: CostModel, max_draft: int = 8, probe_every: int = 16, max_probe_every: int = 64,
                  min_gain: float = 1.0, keep_gain: float = 0.95, tree: tuple[int, int] | None = None, rows: int = 1,
                  warmup: int = 8, acceptance: list[float] | None = None, plain_every: int = 16,
-                 loss_budget: float = 0.03):
-        self.max_draft = max_draft
+                 loss_budget: float = 0.03, drafts: bool = True):
+        self.max_draft, self.drafts = max_draft, drafts
         self.min_gain, self.keep_gain = min_gain, keep_gain  # start drafting above min_gain, keep until keep_gain
         self.warmup = warmup  # rounds observed at the first depth before `keep_gain` applies
         self.acceptance = AcceptanceEstimate(max_draft, values=list(acceptance or []))
@@ -74,12 +75,12 @@ class DraftLengthController:
     def batch(self) -> bool:
         return self.costs.rows > 1
 
-    def best(self, copies: bool = True) -> tuple[int, float]:
+    def best(self) -> tuple[int, float]:
         """(k, expected speedup over plain decoding) of the best draft length: a plain round yields one token for
-        `costs.plain`, a drafting round E(k) for its cycle cost plus the loop's. In a batch the timed rounds have
-        the last word (`_timed_gain`): those with copy branches beside the drafter, or without (`copies`)."""
+        `costs.plain`, a drafting round E(k) for its cycle cost plus the loop's. In a batch the drafter's timed
+        rounds have the last word (`_timed_gain`)."""
         gains = {k: self._gain(k) for k in range(1, self.max_draft + 1)}
-        timed = self._timed(copies) if self.batch else {}
+        timed = self._timed() if self.batch else {}
         for k in gains:  # from the deepest depth timed at or below k: a batch's wide forwards are what the model
             # misjudges most, so a deeper round's shortfall says little of a shallower one (the model's own gain
             # there, until it was timed: the shallower rounds get their try)
@@ -88,13 +89,13 @@ class DraftLengthController:
                 gains[k] = self._timed_gain(k, below, timed[below])
         return max(gains.items(), key=lambda x: x[1])
 
-    def _timed(self, copies: bool) -> dict:
-        """A batch's drafter depths timed (`MEASURED_ROUNDS` times) with copy branches beside the drafter, or
-        without; where only the other kind was, those."""
+    def _timed(self) -> dict:
+        """A batch's drafter depths timed `MEASURED_ROUNDS` times without copy branches beside it; where none
+        was, with them."""
         timed = {key: sums for key, sums in self.budget.timed(MEASURED_ROUNDS).items()
                  if 0 < key[0] <= self.max_draft and sums.expected}
-        mine = {d: sums for (d, c), sums in timed.items() if c == copies}
-        return mine or {d: sums for (d, c), sums in timed.items() if c != copies}
+        alone = {d: sums for (d, copies), sums in timed.items() if not copies}
+        return alone or {d: sums for (d, _), sums in timed.items()}
 
     def _plan(self) -> tuple[int, float]:
         """(k, gain) of this round's best draft; a batch also chooses whether copy branches join its drafter
@@ -102,7 +103,7 @@ class DraftLengthController:
         rounds by `COPIES_MARGIN`, or while copies are being tried (`_try_copies`)."""
         if not self.batch:
             return self.best()
-        k, gain = self.best(copies=False)
+        k, gain = self.best()
         beside = self._gain_with_copies(k)
         self.copies = self._copy_try > 0 or (beside is not None and beside > COPIES_MARGIN * gain)
         return (k, beside) if self.copies and beside is not None else (k, gain)
@@ -137,8 +138,8 @@ class DraftLengthController:
 
     def _timed_gain(self, k: int, d: int, timed) -> float:
         """A batch's gain at depth k from its rounds timed at depth d <= k (`LossBudget.timed`), against its timed
-        plain rounds. Tokens: the model's E(k), scaled by what d's rounds yielded over what the model expected of them
-        (copy branches beside the drafter, an acceptance model off for this text); the acceptance the model
+        plain rounds. Tokens: the model's E(k), scaled by what d's rounds yielded over what the model expected of
+        them (copy branches beside the drafter, an acceptance model off for this text); the acceptance the model
         tracks round by round stays its own, so a stretch of poor rounds is not kept once the drafter rests.
         Seconds: d's timed rounds, scaled along the model from d to k (a plain round of many rows, or a wide
         one, is not what one row's forwards say)."""
@@ -149,25 +150,26 @@ class DraftLengthController:
         plain = self.budget.plain_seconds or c.plain * c.cost.base_seconds * c.rows
         return tokens / seconds * plain
 
-    def measured_gains(self) -> dict[int, float]:
-        """A batch's timed drafting rounds by (the drafter's depth, whether copy branches were verified) (depth 0:
-        copy branches alone), timed at least `MEASURED_ROUNDS` times: their tokens per second over plain rounds' (timed, or modelled while none was).
-        Empty for a single row: its costs were measured on one row, and its tokens per round vary too much (a
-        copy round yields 1 token or 12) for a running rate to judge a depth."""
+    def measured_gains(self) -> dict[tuple[int, bool], float]:
+        """A batch's timed drafting rounds by kind, (the drafter's depth (0: copy branches alone), whether copy
+        branches were verified), each timed at least `MEASURED_ROUNDS` times: their tokens per second over plain
+        rounds' (timed, or modelled while none was). Empty for a single row: its costs were measured on one row,
+        and its tokens per round vary too much (a copy round yields 1 token or 12) for a running rate to judge a
+        depth."""
         c, b = self.costs, self.budget
         if not self.batch or c.cost.base_seconds <= 0:
             return {}
         plain = b.plain_seconds or c.plain * c.cost.base_seconds * c.rows
         return {d: sums.tokens / max(sums.seconds, 1e-9) * plain for d, sums in b.timed(MEASURED_ROUNDS).items()}
 
-    def copies_pay(self, planned: int | None = None) -> bool:
+    def copies_pay(self, depth: int | None = None) -> bool:
         """Whether copy branches draft this round, not only probe: in a batch's round without the drafter
-        (`planned` 0), whether its timed rounds of copy branches alone beat plain ones (True before any was
-        timed); beside a batch's drafter, whether they join it (`copies`); a single row's copies always (its own
-        plan choice follows, `Speculator.choose_depth`)."""
-        if not self.batch or planned is None:
+        (its `depth` 0), whether its timed rounds of copy branches alone beat plain ones (True before any was
+        timed); beside a batch's drafter, whether they join it (`copies`); a single row's copies always (`depth`
+        None: its own plan choice follows, `Speculator.choose_depth`)."""
+        if not self.batch or depth is None:
             return True
-        if planned > 0:
+        if depth > 0:
             return self.copies
         measured = self.measured_gains().get((0, True))
         return measured is None or measured >= self.keep_gain
@@ -212,7 +214,7 @@ class DraftLengthController:
 
     def _untimed(self) -> bool:
         """Whether a batch's drafter has no kind of round timed `MEASURED_ROUNDS` times yet."""
-        return self.batch and not any(d > 0 for d, _ in self.budget.timed(MEASURED_ROUNDS))
+        return self.batch and self.drafts and not any(d > 0 for d, _ in self.budget.timed(MEASURED_ROUNDS))
 
     def _probe_due(self, k: int, gain: float) -> bool:
         """Whether a dropped drafter tries again this round (at depth k, expected to yield `gain` of a plain

@@ -112,12 +112,12 @@ class Speculator:
         branches = []
         rest = planned == 0 and self.controller is not None and self.controller.rest  # (the batch times a plain
         # round, or has spent its loss budget: no copy branches either)
-        if planned and self.controller is not None and not self.controller.copies:
+        if planned is not None and depth and self.controller is not None and not self.controller.copies:
             rest = True  # the batch's drafter drafts without copy branches this round (`DraftLengthController.choose`)
         if self.copy is not None:
             self.copy.branches = []  # (none left from an earlier round)
         if self.copy is not None and not rest:
-            paying = self.controller is None or self.controller.copies_pay(planned)
+            paying = self.controller is None or self.controller.copies_pay(None if planned is None else depth)
             # a batch where drafting does not pay probes its rows' copies together, in the controller's probe
             # rounds: one row's probe widens every row's round
             probe = None if paying or planned is None else planned > 0
