@@ -194,7 +194,7 @@ def test_a_batch_lets_copy_branches_join_its_drafter_where_its_timed_rounds_say_
     timed rounds a verdict needs) after a wait that doubles with each try; when a try emits 3 tokens a row, copies
     join again."""
     c = _batch_told_drafting_loses()  # (the drafter alone timed)
-    assert c.choose() == 1 and c.copies  # copies beside it are tried at once
+    assert c.choose() == 1 and c.copies  # copies beside it (not timed yet: preferred)
     for _ in range(3):
         c.observe(RoundTiming(seconds=0.08, width=12, depth=1, copies=True, tokens=1.6))
     assert c.measured_gains()[1, True] == pytest.approx(1.0)
@@ -204,8 +204,7 @@ def test_a_batch_lets_copy_branches_join_its_drafter_where_its_timed_rounds_say_
             c.observe(RoundTiming(seconds=0.05))  # (a timed plain round)
         elif c.copies:
             tries.append(i)
-    assert tries == [0, 35, 36]  # the first try's second round, then a try of two rounds after 32 drafting
-    # rounds (and two timed plain rounds)
+    assert tries == [16, 17, 52, 53]  # tries of two rounds, after 16 drafting rounds, then after 32
     for _ in range(5):
         c.observe(RoundTiming(seconds=0.08, width=12, depth=1, copies=True, tokens=3.0))
     while (k := c.choose()) == 0:

@@ -59,10 +59,10 @@ class DraftLengthController:
         self.acceptance = AcceptanceEstimate(max_draft, values=list(acceptance or []))
         self.costs = RoundCosts(cost, tree=tree, rows=rows)
         self.probe = Probe(probe_every, max_probe_every)
-        self.copy_probe = Probe(probe_every, max_probe_every)  # a batch's copy branches beside its drafter, where
-        # its timed rounds prefer the drafter alone: tried at once the first time
-        self.copy_probe.skipped = self.copy_probe.wait
-        self._copy_try = 0  # rounds left of a try of copy branches beside a batch's drafter
+        self.copy_probe = Probe(probe_every, max_probe_every)  # the kind of drafting round a batch does not
+        # prefer (with copy branches beside its drafter, or without)
+        self._copy_try = 0  # rounds left of a try of the kind of drafting round a batch does not prefer
+        self._copies_preferred, self._alone_untimed = True, True
         self.budget = LossBudget(share=loss_budget, plain_every=plain_every)
         self.rest = False  # this round of a batch is plain for every source (copy branches rest too): it times a
         # plain round, or its loss budget is spent
@@ -99,13 +99,17 @@ class DraftLengthController:
 
     def _plan(self) -> tuple[int, float]:
         """(k, gain) of this round's best draft; a batch also chooses whether copy branches join its drafter
-        (`copies`): where its rounds with them, timed at k or the deepest depth below, beat the drafter's own
-        rounds by `COPIES_MARGIN`, or while copies are being tried (`_try_copies`)."""
+        (`copies`, where its rows have them; each row then drafts with the sources that pay for it): they do
+        unless its drafter's own rounds, timed at k or the deepest depth below, beat its rounds with copies by
+        `COPIES_MARGIN`; the other kind is tried now and then (`_try_copies`)."""
         if not self.batch:
             return self.best()
         k, gain = self.best()
         beside = self._gain_with_copies(k)
-        self.copies = self._copy_try > 0 or (beside is not None and beside > COPIES_MARGIN * gain)
+        alone = {d for (d, c) in self.budget.timed(MEASURED_ROUNDS) if not c and 0 < d <= k}
+        self._copies_preferred = beside is None or not alone or not gain > COPIES_MARGIN * beside
+        self._alone_untimed = not alone
+        self.copies = self._copies_preferred != (self._copy_try > 0)
         return (k, beside) if self.copies and beside is not None else (k, gain)
 
     def _gain_with_copies(self, k: int) -> float | None:
@@ -116,16 +120,15 @@ class DraftLengthController:
         return self._timed_gain(k, max(timed), timed[max(timed)]) if timed else None
 
     def _try_copies(self) -> None:
-        """A batch's drafting round: where its timed rounds do not prefer copy branches beside the drafter, they
-        join it for `MEASURED_ROUNDS` rounds (a try) once their wait is over: at once the first time, then a wait
-        that doubles with each try that did not change the verdict (their acceptance changes with the text)."""
+        """A batch's drafting round: the kind its timed rounds do not prefer (with copy branches beside the
+        drafter, or without) is tried for `MEASURED_ROUNDS` rounds: the drafter's own rounds at once if they were
+        not timed yet, then after a wait that doubles with each try (copies' acceptance changes with the text)."""
         if self._copy_try > 0:
             self._copy_try -= 1
-        elif self.copies:
-            self.copy_probe.paid()
-            self.copy_probe.restart()
+        elif self._copies_preferred and self._alone_untimed:  # (the drafter's own rounds not timed yet: at once)
+            self.copies, self._copy_try = False, MEASURED_ROUNDS - 1
         elif self.copy_probe.due():
-            self.copies, self._copy_try = True, MEASURED_ROUNDS - 1
+            self.copies, self._copy_try = not self.copies, MEASURED_ROUNDS - 1
             self.copy_probe.restart()
             self.copy_probe.failed()
         else:
