@@ -105,6 +105,9 @@ class DraftLengthController:
         if not self.batch:
             return self.best()
         k, gain = self.best()
+        if not self.drafts:  # copy branches alone: their timed rounds have the last word on whether they draft
+            measured = self.measured_gains().get((0, True))
+            return k, gain if measured is None else min(gain, measured)
         beside = self._gain_with_copies(k)
         alone = {d for (d, c) in self.budget.timed(MEASURED_ROUNDS) if not c and 0 < d <= k}
         self._copies_preferred = beside is None or not alone or not gain > COPIES_MARGIN * beside
