@@ -10,7 +10,7 @@ import eagle_hf
 from eagle_hf.hf import costs
 from eagle_hf.speculation.cost_model import CostModel
 from eagle_hf.speculation.rounds import RoundTiming
-from eagle_hf.speculation.schedule import DraftLengthController
+from eagle_hf.speculation.schedule import ALONE, BESIDE, COPIES, DraftLengthController
 
 MEASURED_CPU = CostModel(verify=[1.0] + [1.4] * 15, draft_step=0.023)  # SmolLM2 bf16 on this project's CPU
 CPU_LIKE = CostModel(verify=[1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.4, 1.5], draft_step=0.06)
@@ -141,22 +141,23 @@ def test_a_batch_times_plain_rounds_before_trusting_drafting():
                               plain_every=6)
     for _ in range(20):
         c.update(4, 2)
-    plan = []
+    rests = []
     for _ in range(17):
         k = c.choose()
-        plan.append(k)
-        if k:
-            c.observe(RoundTiming(seconds=0.2, width=k + 1, levels=k, depth=k, tokens=2.0))
+        rests.append(c.rest)
+        if not c.rest:  # (the drafter's rounds, or a try of copy branches alone)
+            c.observe(RoundTiming(seconds=0.2, width=k + 5, levels=k, depth=k, copies=k == 0, tokens=2.0))
         else:
-            assert c.rest
             c.observe(RoundTiming(seconds=0.2))  # as slow as a drafting round: drafting pays
-    assert [i for i, k in enumerate(plan) if k == 0] == [0, 7, 14]
+    assert [i for i, rest in enumerate(rests) if rest] == [0, 7, 14]
     for _ in range(40):  # plain rounds become much faster: the next timed one ends the drafting
-        if (k := c.choose()) == 0:
+        k = c.choose()
+        if c.rest:
             c.observe(RoundTiming(seconds=0.05))
         else:
-            c.observe(RoundTiming(seconds=0.2, width=k + 1, levels=k, depth=k, tokens=2.0))
+            c.observe(RoundTiming(seconds=0.2, width=k + 5, levels=k, depth=k, copies=k == 0, tokens=2.0))
     assert max(c.measured_gains().values()) < c.keep_gain and c.choose() == 0 and not c.rest
+    assert c.plan is None and not c.copies_pay(0)
 
 
 def test_a_batch_drafts_at_the_depth_its_timed_rounds_say_pays():
@@ -193,23 +194,54 @@ def test_a_batch_lets_copy_branches_join_its_drafter_where_its_timed_rounds_say_
     drafter alone's 1.5 in 0.06 s (1.25), so the drafter drafts alone, trying copies again (two rounds, the
     timed rounds a verdict needs) after a wait that doubles with each try; when a try emits 3 tokens a row, copies
     join again."""
-    c = _batch_told_drafting_loses()  # (the drafter alone timed)
+    c = _batch_told_drafting_loses()  # (the drafter alone and copy branches alone timed)
     assert c.choose() == 1 and c.copies  # copies beside it (not timed yet: preferred)
     for _ in range(3):
         c.observe(RoundTiming(seconds=0.08, width=12, depth=1, copies=True, tokens=1.6))
     assert c.measured_gains()[1, True] == pytest.approx(1.0)
     tries = []
     for i in range(60):
-        if c.choose() == 0:
+        c.choose()
+        if c.rest:
             c.observe(RoundTiming(seconds=0.05))  # (a timed plain round)
-        elif c.copies:
-            tries.append(i)
-    assert tries == [16, 17, 52, 53]  # tries of two rounds, after 16 drafting rounds, then after 32
+        elif c.plan != ALONE:
+            tries.append((i, c.plan))
+    # tries of two rounds, of the kind tried longest ago, after 16 drafting rounds, then after 32
+    assert tries == [(16, COPIES), (17, COPIES), (52, BESIDE), (53, BESIDE)]
     for _ in range(5):
         c.observe(RoundTiming(seconds=0.08, width=12, depth=1, copies=True, tokens=3.0))
-    while (k := c.choose()) == 0:
+    while c.choose() == 0:
         c.observe(RoundTiming(seconds=0.05))
-    assert k == 1 and c.copies
+    assert c.plan == BESIDE and c.copies
+
+
+def test_a_batch_drafts_copy_branches_alone_where_their_timed_rounds_beat_its_drafters():
+    """Batched translation (issue 35): the drafter barely pays, copies carry the text. A batch times rounds of copy
+    branches alone as a kind of its own and drafts with them alone (depth 0, copies drafting) where they beat its
+    drafter's kinds by `KIND_MARGIN`: here 3 tokens a row in 0.06 s (gain 2.5) against the drafter's 1.25 alone and
+    1.5 beside copies. The drafter's kinds are tried now and then (two rounds, after a wait that doubles with each
+    try); once its tries with copies emit 5 tokens a row in 0.08 s (3.1), it drafts beside them again."""
+    c = _batch_told_drafting_loses()  # (the drafter alone timed: 1.25; copies alone: 0.83)
+    for _ in range(2):
+        c.observe(RoundTiming(seconds=0.08, width=12, depth=1, copies=True, tokens=2.4))
+    for _ in range(30):
+        c.observe(RoundTiming(seconds=0.06, width=8, copies=True, tokens=3.0))
+    assert c.measured_gains()[0, True] == pytest.approx(2.5, rel=0.02)
+    plans = []
+    for i in range(60):
+        k = c.choose()
+        if c.rest:
+            c.observe(RoundTiming(seconds=0.05))  # (a timed plain round)
+        elif k == 0:
+            assert c.plan == COPIES and c.copies_pay(0)  # copies alone draft
+        else:
+            plans.append((i, c.plan))
+    assert plans == [(17, ALONE), (18, ALONE), (53, BESIDE), (54, BESIDE)]
+    for _ in range(3):
+        c.observe(RoundTiming(seconds=0.08, width=12, depth=1, copies=True, tokens=5.0))
+    while c.rest or (k := c.choose()) == 0:
+        c.observe(RoundTiming(seconds=0.05))
+    assert k == 1 and c.plan == BESIDE
 
 
 def test_a_batch_times_its_resting_drafters_probes_as_regular_rounds():
@@ -235,10 +267,10 @@ def test_a_batch_drafts_until_its_drafters_rounds_were_timed():
         c.update(4, 0)
     assert c.best()[1] < 0.95
     c.observe(RoundTiming(seconds=0.05))
-    assert all(c.choose() > 0 for _ in range(3))
+    assert [c.choose() for _ in range(2)] == [1, 1] and c.plan == ALONE  # (its own rounds first: never tried)
     for _ in range(2):
         c.observe(RoundTiming(seconds=0.1, width=5, depth=1, tokens=1.0))
-    assert c.choose() == 0
+    assert c.choose() == 0 and not c.rest and c.copies_pay(0)  # it rests (copy branches draft: not timed yet)
 
 
 def _batch_told_drafting_loses() -> DraftLengthController:
@@ -250,6 +282,8 @@ def _batch_told_drafting_loses() -> DraftLengthController:
     c.observe(RoundTiming(seconds=0.05))
     for _ in range(3):
         c.observe(RoundTiming(seconds=0.06, width=5, depth=1, tokens=1.5))
+    for _ in range(2):  # (and copy branches alone: 1 token a row in 0.06 s)
+        c.observe(RoundTiming(seconds=0.06, width=8, copies=True, tokens=1.0))
     return c
 
 
@@ -272,12 +306,12 @@ def test_a_batch_widens_its_rounds_only_within_its_loss_budget():
         c.budget.account(0.1, 1.0, wide=False)
         rests += 1
     assert rests == 63  # 0.2 s lost is 3% of 6.7 s: 0.4 s so far and 63 plain rounds
-    plan = []
+    rests = []
     for _ in range(40):  # wide rounds that gain (3 tokens a row in 0.2 s): no rest but the timed plain rounds
-        k = c.choose()
-        plan.append(k)
-        c.budget.account(0.2 if k else 0.1, 3.0 if k else 1.0, wide=k > 0)
-    assert [i for i, k in enumerate(plan) if k == 0] == [15, 32]
+        c.choose()  # (the drafter's rounds, or copy branches alone: wide rounds both)
+        rests.append(c.rest)
+        c.budget.account(0.1 if c.rest else 0.2, 1.0 if c.rest else 3.0, wide=not c.rest)
+    assert [i for i, rest in enumerate(rests) if rest] == [15, 32]
 
 
 def test_first_cycles_move_the_estimate_fast():

@@ -34,9 +34,13 @@ logger = logging.getLogger(__name__)
 
 #: timed rounds of a kind (a depth, with or without copy branches) before a batch's measured rate of it counts
 MEASURED_ROUNDS = 2
-#: copy branches join a batch's drafter where its timed rounds with them beat those without by this factor: their
-#: width is certain, their hits are not, and two rates over about ten rounds differ by a few per cent by chance
-COPIES_MARGIN = 1.05
+#: a batch's kinds of drafting round: its drafter alone, its drafter with copy branches beside it, copy branches
+#: alone (their timed rounds are `LossBudget` keys (depth, copies): (k, False), (k, True) and (0, True))
+ALONE, BESIDE, COPIES = "drafter alone", "drafter and copies", "copies alone"
+#: a batch leaves its preferred kind of round (the drafter with copy branches) for another only where that one's
+#: timed rounds beat it by this factor: copies' width is certain, their hits are not, and two rates over about ten
+#: rounds differ by a few per cent by chance
+KIND_MARGIN = 1.05
 #: the share of the time a dropped drafter's tries may be expected to lose (by the model): a try comes once the
 #: rounds sat out since the last one would absorb its expected loss at this share (halved with each failed try)
 PROBE_SHARE = 0.01
@@ -59,15 +63,20 @@ class DraftLengthController:
         self.acceptance = AcceptanceEstimate(max_draft, values=list(acceptance or []))
         self.costs = RoundCosts(cost, tree=tree, rows=rows)
         self.probe = Probe(probe_every, max_probe_every)
-        self.copy_probe = Probe(probe_every, max_probe_every)  # the kind of drafting round a batch does not
-        # prefer (with copy branches beside its drafter, or without)
-        self._copy_try = 0  # rounds left of a try of the kind of drafting round a batch does not prefer
-        self._copies_preferred, self._alone_untimed = True, True
+        self.kind_probe = Probe(probe_every, max_probe_every)  # a batch's tries of the kinds of drafting round
+        # it does not prefer (`ALONE`, `BESIDE`, `COPIES`)
+        self._trying, self._try_left = None, 0  # the kind a batch tries, and the rounds left of its try
+        self._tries = {}  # kind -> the drafting round a batch last tried it in (never tried: absent)
+        self._rounds = 0  # a batch's drafting rounds so far
+        self._gains = {}  # kind -> a batch's gain of it this round (None: not timed; `_kind_gains`)
         self.budget = LossBudget(share=loss_budget, plain_every=plain_every)
         self.rest = False  # this round of a batch is plain for every source (copy branches rest too): it times a
         # plain round, or its loss budget is spent
-        self.copies = False  # this round of a batch, copy branches join its drafter (where its rows have them):
-        # chosen each round from the timed rounds of the drafter alone and of the drafter with copy branches
+        self.plan = None  # this round's kind of drafting round in a batch (`ALONE`, `BESIDE`, `COPIES`; None: no
+        # drafting round, copy branches draft where their own timed rounds pay): chosen each round from the
+        # timed rounds of each kind
+        self._preferred = self._drafter_plan = BESIDE  # the kinds a batch's timed rounds prefer, of all and of
+        # those where its drafter drafts (`_plan`)
         self._drafting = True
         self._tried = False  # whether a round drafted yet (the first round that does not pay probes instead)
 
@@ -97,45 +106,58 @@ class DraftLengthController:
         alone = {d: sums for (d, copies), sums in timed.items() if not copies}
         return alone or {d: sums for (d, _), sums in timed.items()}
 
+    @property
+    def copies(self) -> bool:
+        """Whether copy branches join a batch's drafter this round (where its rows have them)."""
+        return self.plan != ALONE
+
     def _plan(self) -> tuple[int, float]:
-        """(k, gain) of this round's best draft; a batch also chooses whether copy branches join its drafter
-        (`copies`, where its rows have them; each row then drafts with the sources that pay for it): they do
-        unless its drafter's own rounds, timed at k or the deepest depth below, beat its rounds with copies by
-        `COPIES_MARGIN`; the other kind is tried now and then (`_try_copies`)."""
-        if not self.batch:
-            return self.best()
+        """(k, gain) of this round's best draft; a batch also chooses its kind of drafting round (`plan`): the
+        drafter with copy branches beside it (each row then drafts with the sources that pay for it), unless the
+        drafter alone or copy branches alone beat it by `KIND_MARGIN` in their timed rounds; a kind is gained
+        by its timed rounds where two were timed, at k or the deepest depth below for the drafter's, and the
+        kinds not preferred are tried now and then (`_try_kinds`)."""
         k, gain = self.best()
+        if not self.batch:
+            return k, gain
+        copies = self.measured_gains().get((0, True))
         if not self.drafts:  # copy branches alone: their timed rounds have the last word on whether they draft
-            measured = self.measured_gains().get((0, True))
-            return k, gain if measured is None else min(gain, measured)
-        beside = self._gain_with_copies(k)
-        alone = {d for (d, c) in self.budget.timed(MEASURED_ROUNDS) if not c and 0 < d <= k}
-        self._copies_preferred = beside is None or not alone or not gain > COPIES_MARGIN * beside
-        self._alone_untimed = not alone
-        self.copies = self._copies_preferred != (self._copy_try > 0)
-        return (k, beside) if self.copies and beside is not None else (k, gain)
+            return k, gain if copies is None else min(gain, copies)
+        self._gains = gains = self._kind_gains(k, gain, copies)
+        def score(kind):  # (ties to the earlier kind: the drafter with copies first)
+            return (gains[kind] or 0.0) / (1.0 if kind == BESIDE else KIND_MARGIN)
+        self._drafter_plan = max((BESIDE, ALONE), key=score)
+        self.plan = self._preferred = max((self._drafter_plan, COPIES), key=score)
+        return k, gains[self.plan]
 
-    def _gain_with_copies(self, k: int) -> float | None:
-        """A batch's gain at depth k from its rounds with copy branches beside the drafter, timed at k or the
-        deepest depth below (None: none was)."""
-        timed = {d: sums for (d, c), sums in self.budget.timed(MEASURED_ROUNDS).items()
-                 if c and 0 < d <= k and sums.expected}
-        return self._timed_gain(k, max(timed), timed[max(timed)]) if timed else None
+    def _kind_gains(self, k: int, gain: float, copies: float | None) -> dict[str, float | None]:
+        """A batch's gain of each kind of drafting round at depth k (None: not timed): the drafter alone (`gain`,
+        `best`), with copy branches beside it (the model's gain while none was timed) and copy branches alone."""
+        timed = self.budget.timed(MEASURED_ROUNDS)
+        alone = any(0 < d <= k and not c and sums.expected for (d, c), sums in timed.items())
+        beside = {d: sums for (d, c), sums in timed.items() if c and 0 < d <= k and sums.expected}
+        beside_gain = self._timed_gain(k, max(beside), beside[max(beside)]) if beside else None
+        return {ALONE: gain if alone else None, BESIDE: gain if beside_gain is None else beside_gain, COPIES: copies}
 
-    def _try_copies(self) -> None:
-        """A batch's drafting round: the kind its timed rounds do not prefer (with copy branches beside the
-        drafter, or without) is tried for `MEASURED_ROUNDS` rounds: the drafter's own rounds at once if they were
-        not timed yet, then after a wait that doubles with each try (copies' acceptance changes with the text)."""
-        if self._copy_try > 0:
-            self._copy_try -= 1
-        elif self._copies_preferred and self._alone_untimed:  # (the drafter's own rounds not timed yet: at once)
-            self.copies, self._copy_try = False, MEASURED_ROUNDS - 1
-        elif self.copy_probe.due():
-            self.copies, self._copy_try = not self.copies, MEASURED_ROUNDS - 1
-            self.copy_probe.restart()
-            self.copy_probe.failed()
+    def _try_kinds(self, paying: bool) -> None:
+        """A batch's drafting round: a kind it does not prefer is tried for `MEASURED_ROUNDS` rounds, at once if
+        it was never tried, else (while drafting pays) after a wait that doubles with each try (copies'
+        acceptance changes with the text), the kind tried longest ago first."""
+        self._rounds += 1
+        if self._try_left > 0:
+            self._try_left -= 1
+            self.plan = self._trying
+            return
+        others = [kind for kind in (ALONE, COPIES, BESIDE) if kind != self._preferred]
+        fresh = [kind for kind in others if self._gains[kind] is None and kind not in self._tries]
+        if fresh or (paying and self.kind_probe.due()):
+            if not fresh:
+                self.kind_probe.restart()
+                self.kind_probe.failed()
+            self.plan = self._trying = (fresh or sorted(others, key=lambda kind: self._tries.get(kind, -1)))[0]
+            self._try_left, self._tries[self.plan] = MEASURED_ROUNDS - 1, self._rounds
         else:
-            self.copy_probe.skip()
+            self.kind_probe.skip()
 
     def _gain(self, k: int) -> float:
         """The model's gain at depth k."""
@@ -169,24 +191,24 @@ class DraftLengthController:
         return {d: sums.tokens / max(sums.seconds, 1e-9) * plain for d, sums in b.timed(MEASURED_ROUNDS).items()}
 
     def copies_pay(self, depth: int | None = None) -> bool:
-        """Whether copy branches draft this round, not only probe: in a batch's round without the drafter
-        (its `depth` 0), whether its timed rounds of copy branches alone beat plain ones (True before any was
-        timed); beside a batch's drafter, whether they join it (`copies`); a single row's copies always (`depth`
-        None: its own plan choice follows, `Speculator.choose_depth`)."""
+        """Whether copy branches draft this round, not only probe: beside a batch's drafter, whether they join
+        it (`copies`); in a batch's round without the drafter (its `depth` 0), whether they draft alone (`plan`)
+        or their timed rounds alone beat plain ones (True before any was timed); a single row's copies always
+        (`depth` None: its own plan choice follows, `Speculator.choose_depth`)."""
         if not self.batch or depth is None:
             return True
-        if depth > 0:
+        if depth > 0 or self.plan == COPIES:
             return self.copies
         measured = self.measured_gains().get((0, True))
         return measured is None or measured >= self.keep_gain
 
     def choose(self) -> int:
-        """This round's depth (0: a plain round; `rest`: every source rests), and in a batch whether copy
-        branches join the drafter (`copies`)."""
+        """This round's drafter depth (0: a plain round, or copy branches alone; `rest`: every source rests), and
+        in a batch its kind of drafting round (`plan`)."""
         k = self._choose()
-        if self.batch and k > 0:
-            self._try_copies()
-        return k
+        if self.batch and self.drafts and k > 0:
+            self._try_kinds(paying=self._drafting)
+        return 0 if self.plan == COPIES else k
 
     def _choose(self) -> int:
         k, gain = self._plan()
@@ -205,6 +227,8 @@ class DraftLengthController:
             self.budget.since_plain += 1
             return k
         self._drafting = False
+        if self.plan == COPIES:  # (nothing pays: the drafter tries alone or beside copies, as it prefers)
+            self.plan = self._drafter_plan
         if not self._tried or self._untimed():  # a drafter never tried is tried at once: its costs and
             # acceptance are priors yet (in a batch, until its rounds were timed: a batch's verdict is measured)
             self._tried = True
@@ -215,7 +239,7 @@ class DraftLengthController:
             self.probe.failed()  # (until a round pays again)
             return k
         self.probe.skip()
-        self.budget.since_plain = 0
+        self.budget.since_plain, self.plan = 0, None
         return 0
 
     def _untimed(self) -> bool:
@@ -240,7 +264,7 @@ class DraftLengthController:
         self.probe.restart()
 
     def _rest(self) -> int:
-        self.rest, self.budget.since_plain = True, 0
+        self.rest, self.budget.since_plain, self.plan = True, 0, None
         return 0
 
     def observe(self, timing) -> None:
