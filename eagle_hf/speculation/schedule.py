@@ -67,6 +67,7 @@ class DraftLengthController:
         # it does not prefer (`ALONE`, `BESIDE`, `COPIES`)
         self._trying, self._try_left = None, 0  # the kind a batch tries, and the rounds left of its try
         self._tries = {}  # kind -> the drafting round a batch last tried it in (never tried: absent)
+        self._kind_rounds = {}  # kind -> a batch's wide rounds of it so far (`_first_of_kind`)
         self._rounds = 0  # a batch's drafting rounds so far
         self._gains = {}  # kind -> a batch's gain of it this round (None: not timed; `_kind_gains`)
         self.budget = LossBudget(share=loss_budget, plain_every=plain_every)
@@ -294,7 +295,16 @@ class DraftLengthController:
             self.budget.observe_plain(t.seconds)
             c.observe_plain(t.seconds)
         if t.batch:
-            self.budget.account(t.seconds, t.tokens, t.wide)
+            self.budget.account(t.seconds, t.tokens, t.wide and not self._first_of_kind(t))
+
+    def _first_of_kind(self, t) -> bool:
+        """Whether a batch's wide round is among the first `MEASURED_ROUNDS` of its kind (`ALONE`, `BESIDE`,
+        `COPIES`) in this call: what a measured verdict on the kind needs, at most six rounds a call, so their loss
+        is not held against the loss budget (else one losing try at the start of a call, a few plain rounds'
+        time in, would spend it and rest every source for a dozen rounds)."""
+        kind = (ALONE, BESIDE)[t.copies] if t.depth else COPIES
+        self._kind_rounds[kind] = self._kind_rounds.get(kind, 0) + 1
+        return self._kind_rounds[kind] <= MEASURED_ROUNDS
 
     def update(self, drafted: int, accepted: int, confidences: list[float] | None = None) -> None:
         """A drafting round's outcome for the drafter: see `AcceptanceEstimate.update`."""
