@@ -110,16 +110,16 @@ def test_measured_rounds_overrule_a_model_that_says_drafting_pays():
         c.update(4, 4)
     assert c.choose() == 0 and c.rest  # a batch times a plain round first
     c.observe(RoundTiming(seconds=0.1))
-    assert c.choose() > 0 and c.copies_pay(0)  # (nothing timed yet)
+    assert c.choose() > 0 and c.copy_branches(0) == "draft"  # (nothing timed yet)
     for _ in range(5):  # (every depth timed: a depth not timed yet gets its try first)
         c.observe(RoundTiming(seconds=0.1))
         for k in range(1, 5):
             c.observe(RoundTiming(seconds=0.3, width=k + 1, levels=k, depth=k, tokens=2.0))
     assert c.measured_gains()[4, False] == pytest.approx(2.0 / 0.3 * 0.1)
-    assert c.choose() == 0 and c.copies_pay(0)
+    assert c.choose() == 0 and c.copy_branches(0) == "draft"
     for _ in range(2):
         c.observe(RoundTiming(seconds=0.3, width=9, copies=True, tokens=2.0))
-    assert not c.copies_pay(0) and c.copies_pay()  # (a single row's copies: its own plan choice)
+    assert c.copy_branches(0) == "probe" and c.copy_branches() == "draft"  # (a single row's: its own plan choice)
 
 
 def test_a_batch_judges_its_drafting_rounds_on_their_total_time():
@@ -157,7 +157,7 @@ def test_a_batch_times_plain_rounds_before_trusting_drafting():
         else:
             c.observe(RoundTiming(seconds=0.2, width=k + 5, levels=k, depth=k, copies=k == 0, tokens=2.0))
     assert max(c.measured_gains().values()) < c.keep_gain and c.choose() == 0 and not c.rest
-    assert c.plan is None and not c.copies_pay(0)
+    assert c.plan is None and c.copy_branches(0) == "probe"
 
 
 def test_a_batch_drafts_at_the_depth_its_timed_rounds_say_pays():
@@ -233,7 +233,7 @@ def test_a_batch_drafts_copy_branches_alone_where_their_timed_rounds_beat_its_dr
         if c.rest:
             c.observe(RoundTiming(seconds=0.05))  # (a timed plain round)
         elif k == 0:
-            assert c.plan == COPIES and c.copies_pay(0)  # copies alone draft
+            assert c.plan == COPIES and c.copy_branches(0) == "draft"  # copies alone draft
         else:
             plans.append((i, c.plan))
     assert plans == [(17, ALONE), (18, ALONE), (53, BESIDE), (54, BESIDE)]
@@ -242,6 +242,33 @@ def test_a_batch_drafts_copy_branches_alone_where_their_timed_rounds_beat_its_dr
     while c.rest or (k := c.choose()) == 0:
         c.observe(RoundTiming(seconds=0.05))
     assert k == 1 and c.plan == BESIDE
+
+
+def test_a_batch_times_its_plans_rounds_as_their_kind_whatever_its_rows_drafted():
+    """A round of copy branches alone where no row found a match is a plain round: it is timed as a round of
+    copies alone (the plan's rate), else copies alone would be judged on their lucky rounds only (batched math_word:
+    copies alone were preferred over the drafter with copies, and the default fell from 1.25x to 1.13x plain)."""
+    c = _batch_told_drafting_loses()
+    for _ in range(30):
+        c.observe(RoundTiming(seconds=0.06, width=8, copies=True, tokens=3.0))
+    lucky = c.measured_gains()[0, True]
+    for _ in range(30):
+        c.observe(RoundTiming(seconds=0.05, kind=(0, True)))  # (no row found a match)
+    assert c.measured_gains()[0, True] < 0.5 * lucky and c.budget.plain_seconds == 0.05
+
+
+def test_a_batch_without_copy_branches_drafts_its_drafter_alone():
+    """EAGLE alone in a batch (no copy source): its drafter's own rounds are its only kind, none other is tried (a
+    try of copy branches alone would be a plain round)."""
+    c = DraftLengthController(CostModel(verify=[1.0] * 33, draft_step=0.01, base_seconds=0.1), max_draft=4, rows=4,
+                              copying=False)
+    for _ in range(20):
+        c.update(4, 4)
+    c.choose()
+    c.observe(RoundTiming(seconds=0.1))
+    plans = [(c.choose(), c.plan) for _ in range(40)]
+    assert {plan for k, plan in plans if k} == {ALONE}
+    assert all(k > 0 for k, plan in plans if plan is not None)  # (the rest: timed plain rounds)
 
 
 def test_a_batch_times_its_resting_drafters_probes_as_regular_rounds():
@@ -270,7 +297,7 @@ def test_a_batch_drafts_until_its_drafters_rounds_were_timed():
     assert [c.choose() for _ in range(2)] == [1, 1] and c.plan == ALONE  # (its own rounds first: never tried)
     for _ in range(2):
         c.observe(RoundTiming(seconds=0.1, width=5, depth=1, tokens=1.0))
-    assert c.choose() == 0 and not c.rest and c.copies_pay(0)  # it rests (copy branches draft: not timed yet)
+    assert c.choose() == 0 and c.copy_branches(0) == "draft"  # it rests (copy branches draft: not timed yet)
 
 
 def _batch_told_drafting_loses() -> DraftLengthController:

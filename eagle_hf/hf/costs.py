@@ -112,4 +112,5 @@ def controller_for(target, drafter, settings: DraftSettings, compiled: bool = Fa
         keep_gain=settings.keep_gain,
         tree=(settings.top_k, settings.total_tokens) if tree else None,
         drafts=settings.uses_eagle,
+        copying=settings.uses_copy,
     )

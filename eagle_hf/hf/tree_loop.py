@@ -146,7 +146,8 @@ class TreeLoop:
                          levels=max((sp.drafter_levels for sp in drafting), default=0),
                          depth=max((sp.eagle_depth for sp in drafting), default=0),
                          copies=any(r.sp.copying for r in active),
-                         backlog=any(sp.backlog for sp in drafting), batch=len(rows) > 1)
+                         backlog=any(sp.backlog for sp in drafting), batch=len(rows) > 1,
+                         kind=None if planned is None else self.controller.kind)
             before = sum(r.length for r in active)  # the rows' tokens before the round
             self.verify_and_commit(active, trees, marks)
             marks["end"] = self.timer.mark()

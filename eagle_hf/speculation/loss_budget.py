@@ -8,8 +8,9 @@ then (every `plain_every` drafting rounds) gives what plain decoding would do. F
 each depth (`DraftLengthController.best`). A *loss budget* keeps the total honest: a wide round (drafts or copy
 branches) that emitted fewer tokens than plain rounds would have in its time adds the difference to the loss (one
 that emitted more takes it off), and the batch widens its rounds only while the loss stays within `share` of its
-time. Where drafting pays the loss is negative and nothing changes; where it does not, probes and copy branches
-together cost at most a few per cent.
+time (the first rounds of each kind of drafting round in a call, what its measured verdict needs, are not held
+against it: `DraftLengthController._first_of_kind`). Where drafting pays the loss is negative and nothing
+changes; where it does not, probes and copy branches together cost at most a few per cent.
 """
 
 from __future__ import annotations

@@ -97,7 +97,8 @@ class RoundTiming:
     levels took `levels` forwards after its catch-up (fewer than the depth where a tree was pruned), the deepest
     row's tree of `depth` (0: copy branches alone, or a plain round); `copies`: copy branches were verified;
     `tokens`: what each live row emitted on average; `backlog`: the drafter caught up on plain rounds' rows
-    (not a regular round's cost); `batch`: the call decodes several rows."""
+    (not a regular round's cost); `batch`: the call decodes several rows; `kind`: the kind of drafting round a
+    batch planned (`DraftLengthController.kind`), whatever its rows then drafted."""
 
     seconds: float | None = None  # the whole round
     catch_up: float | None = None  # the drafter reading the rows committed since its last round
@@ -112,6 +113,7 @@ class RoundTiming:
     tokens: float = 1.0
     backlog: bool = False
     batch: bool = False
+    kind: tuple[int, bool] | None = None
 
     @classmethod
     def from_marks(cls, at: dict[str, float], **facts) -> RoundTiming:

@@ -51,13 +51,14 @@ class DraftLengthController:
 
     `tree`: (top_k, total_tokens) to cost trees of depth k instead of chains of k; `rows`: rows verified together;
     `acceptance`: the starting estimate per depth (default: a flat prior); `drafts`: whether a drafter drafts
-    (False: copy branches alone, which a batch's schedule times, rests and probes all the same)."""
+    (False: copy branches alone, which a batch's schedule times, rests and probes all the same); `copying`: whether
+    copy branches draft (False: the drafter alone, a batch's only kind of drafting round)."""
 
     def __init__(self, cost: CostModel, max_draft: int = 8, probe_every: int = 16, max_probe_every: int = 64,
                  min_gain: float = 1.0, keep_gain: float = 0.95, tree: tuple[int, int] | None = None, rows: int = 1,
                  warmup: int = 8, acceptance: list[float] | None = None, plain_every: int = 16,
-                 loss_budget: float = 0.03, drafts: bool = True):
-        self.max_draft, self.drafts = max_draft, drafts
+                 loss_budget: float = 0.03, drafts: bool = True, copying: bool = True):
+        self.max_draft, self.drafts, self.copying = max_draft, drafts, copying
         self.min_gain, self.keep_gain = min_gain, keep_gain  # start drafting above min_gain, keep until keep_gain
         self.warmup = warmup  # rounds observed at the first depth before `keep_gain` applies
         self.acceptance = AcceptanceEstimate(max_draft, values=list(acceptance or []))
@@ -76,6 +77,9 @@ class DraftLengthController:
         self.plan = None  # this round's kind of drafting round in a batch (`ALONE`, `BESIDE`, `COPIES`; None: no
         # drafting round, copy branches draft where their own timed rounds pay): chosen each round from the
         # timed rounds of each kind
+        self.kind = None  # this round's kind as a batch's timed rounds key it, (the drafter's depth (0: copy
+        # branches alone), whether copy branches join it), where a plan chose it: the plan's rounds are timed as
+        # its own whatever its rows then drafted (copies alone where no row found a match: a plain round)
         self._preferred = self._drafter_plan = BESIDE  # the kinds a batch's timed rounds prefer, of all and of
         # those where its drafter drafts (`_plan`)
         self._drafting = True
@@ -120,6 +124,9 @@ class DraftLengthController:
         kinds not preferred are tried now and then (`_try_kinds`)."""
         k, gain = self.best()
         if not self.batch:
+            return k, gain
+        if not self.copying:
+            self.plan = ALONE
             return k, gain
         copies = self.measured_gains().get((0, True))
         if not self.drafts:  # copy branches alone: their timed rounds have the last word on whether they draft
@@ -191,25 +198,31 @@ class DraftLengthController:
         plain = b.plain_seconds or c.plain * c.cost.base_seconds * c.rows
         return {d: sums.tokens / max(sums.seconds, 1e-9) * plain for d, sums in b.timed(MEASURED_ROUNDS).items()}
 
-    def copies_pay(self, depth: int | None = None) -> bool:
-        """Whether copy branches draft this round, not only probe: beside a batch's drafter, whether they join
-        it (`copies`); in a batch's round without the drafter (its `depth` 0), whether they draft alone (`plan`)
-        or their timed rounds alone beat plain ones (True before any was timed); a single row's copies always
-        (`depth` None: its own plan choice follows, `Speculator.choose_depth`)."""
-        if not self.batch or depth is None:
-            return True
-        if depth > 0 or self.plan == COPIES:
-            return self.copies
+    def copy_branches(self, depth: int | None = None) -> str:
+        """What copy branches do this round: "draft", "probe" (only a probe, in the probe rounds) or "rest". A
+        single row's (`depth` None) draft: its own plan choice follows (`Speculator.choose_depth`). A batch's
+        (`depth`: its drafter's this round) rest with every source (`rest`) and where its drafter drafts alone;
+        they draft beside its drafter and where they draft alone (`plan`); in a round where its drafter rests
+        while nothing pays, they draft while their timed rounds alone beat plain ones (before any was timed too),
+        else only probe."""
+        if depth is None:
+            return "draft"
+        if self.rest or (depth > 0 and not self.copies):
+            return "rest"
+        if not self.batch or depth > 0 or self.plan == COPIES:
+            return "draft"
         measured = self.measured_gains().get((0, True))
-        return measured is None or measured >= self.keep_gain
+        return "draft" if measured is None or measured >= self.keep_gain else "probe"
 
     def choose(self) -> int:
         """This round's drafter depth (0: a plain round, or copy branches alone; `rest`: every source rests), and
         in a batch its kind of drafting round (`plan`)."""
         k = self._choose()
-        if self.batch and self.drafts and k > 0:
+        if self.batch and self.drafts and self.copying and k > 0:
             self._try_kinds(paying=self._drafting)
-        return 0 if self.plan == COPIES else k
+        depth = 0 if self.plan == COPIES else k
+        self.kind = None if self.plan is None or not self.batch else (depth, self.plan != ALONE)
+        return depth
 
     def _choose(self) -> int:
         k, gain = self._plan()
@@ -272,9 +285,9 @@ class DraftLengthController:
         """A round's timings (`eagle_hf.speculation.rounds.RoundTiming`, one round late on a GPU): the one door
         through which they enter. The verify forward and the drafter's levels teach the cost model; whole rounds
         teach the loop's own costs (a drafter catching up on plain rounds' rows is neither a regular drafting
-        round nor a plain one), a batch's timed drafting rounds (a round that caught up counts as the regular
-        round it would have been: its catch-up's time replaced by a regular one's, so that a resting drafter's
-        probes are timed) and its loss budget (every round as it was: catching up is part of what drafting
+        round nor a plain one), a batch's timed drafting rounds (by the kind its plan chose, whatever its rows
+        then drafted; a round that caught up counts as the regular round it would have been: its catch-up's time
+        replaced by a regular one's, so that a resting drafter's probes are timed) and its loss budget (every round as it was: catching up is part of what drafting
         costs)."""
         t, c = timing, self.costs
         c.cost.observe(t)
@@ -282,16 +295,17 @@ class DraftLengthController:
             c.observe_drafter(t.catch_up / t.drafting_rows)
         if t.seconds is None:
             return
-        if t.width > 1:
+        kind = t.kind or (t.depth, t.copies)
+        if t.width > 1 or t.kind:
             seconds = t.seconds
             if t.backlog and t.catch_up is not None:
                 seconds += c.round_overhead * c.cost.base_seconds * t.drafting_rows - t.catch_up
             if not t.backlog or t.catch_up is not None:
-                expected = self.acceptance.expected_tokens(t.depth) if t.depth else 0.0  # (what the model expected)
-                self.budget.observe_cycle(seconds, t.tokens, (t.depth, t.copies), expected)
-            if not t.backlog:
+                expected = self.acceptance.expected_tokens(kind[0]) if kind[0] else 0.0  # (what the model expected)
+                self.budget.observe_cycle(seconds, t.tokens, kind, expected)
+            if not t.backlog and t.width > 1:
                 c.observe_cycle(t.seconds, t.width, t.levels)
-        elif not t.wide:
+        if not t.wide:
             self.budget.observe_plain(t.seconds)
             c.observe_plain(t.seconds)
         if t.batch:
@@ -302,7 +316,8 @@ class DraftLengthController:
         `COPIES`) in this call: what a measured verdict on the kind needs, at most six rounds a call, so their loss
         is not held against the loss budget (else one losing try at the start of a call, a few plain rounds'
         time in, would spend it and rest every source for a dozen rounds)."""
-        kind = (ALONE, BESIDE)[t.copies] if t.depth else COPIES
+        depth, copies = t.kind or (t.depth, t.copies)
+        kind = (ALONE, BESIDE)[copies] if depth else COPIES
         self._kind_rounds[kind] = self._kind_rounds.get(kind, 0) + 1
         return self._kind_rounds[kind] <= MEASURED_ROUNDS
 

@@ -110,14 +110,12 @@ class Speculator:
             wanted = self.controller.choose()
         depth = max(min(wanted, room), 0)
         branches = []
-        rest = planned == 0 and self.controller is not None and self.controller.rest  # (the batch times a plain
-        # round, or has spent its loss budget: no copy branches either)
-        if planned is not None and depth and self.controller is not None and not self.controller.copies:
-            rest = True  # the batch's drafter drafts without copy branches this round (`DraftLengthController.choose`)
+        copies = "draft" if self.controller is None else self.controller.copy_branches(
+            None if planned is None else depth)  # (a batch's plan: `DraftLengthController.copy_branches`)
         if self.copy is not None:
             self.copy.branches = []  # (none left from an earlier round)
-        if self.copy is not None and not rest:
-            paying = self.controller is None or self.controller.copies_pay(None if planned is None else depth)
+        if self.copy is not None and copies != "rest":
+            paying = copies == "draft"
             # a batch where drafting does not pay probes its rows' copies together, in the controller's probe
             # rounds: one row's probe widens every row's round
             probe = None if paying or planned is None else planned > 0
