@@ -257,6 +257,22 @@ def test_a_batch_times_its_plans_rounds_as_their_kind_whatever_its_rows_drafted(
     assert c.measured_gains()[0, True] < 0.5 * lucky and c.budget.plain_seconds == 0.05
 
 
+def test_a_batch_tries_a_kind_at_one_depth():
+    """A try's rounds are what the kind's verdict needs, and a batch times its rounds per depth: the try keeps the
+    depth it started at, though the acceptance (and the best depth) moves between its rounds."""
+    c = DraftLengthController(CostModel(verify=[1.0 + 0.05 * i for i in range(33)], draft_step=0.01,
+                                        base_seconds=0.1), max_draft=4, rows=4)
+    for _ in range(20):
+        c.update(4, 4)
+    c.choose()
+    c.observe(RoundTiming(seconds=0.1))
+    first = c.choose()
+    assert first == 4 and c.plan == ALONE  # (the drafter's own rounds: never tried)
+    for _ in range(20):
+        c.update(4, 1)
+    assert c.best()[0] < first and c.choose() == first and c.plan == ALONE
+
+
 def test_a_batch_without_copy_branches_drafts_its_drafter_alone():
     """EAGLE alone in a batch (no copy source): its drafter's own rounds are its only kind, none other is tried (a
     try of copy branches alone would be a plain round)."""

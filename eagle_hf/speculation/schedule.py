@@ -66,7 +66,8 @@ class DraftLengthController:
         self.probe = Probe(probe_every, max_probe_every)
         self.kind_probe = Probe(probe_every, max_probe_every)  # a batch's tries of the kinds of drafting round
         # it does not prefer (`ALONE`, `BESIDE`, `COPIES`)
-        self._trying, self._try_left = None, 0  # the kind a batch tries, and the rounds left of its try
+        self._trying, self._try_left, self._try_depth = None, 0, 0  # the kind a batch tries, the rounds left of
+        # its try and their depth
         self._tries = {}  # kind -> the drafting round a batch last tried it in (never tried: absent)
         self._kind_rounds = {}  # kind -> a batch's wide rounds of it so far (`_first_of_kind`)
         self._rounds = 0  # a batch's drafting rounds so far
@@ -147,15 +148,16 @@ class DraftLengthController:
         beside_gain = self._timed_gain(k, max(beside), beside[max(beside)]) if beside else None
         return {ALONE: gain if alone else None, BESIDE: gain if beside_gain is None else beside_gain, COPIES: copies}
 
-    def _try_kinds(self, paying: bool) -> None:
-        """A batch's drafting round: a kind it does not prefer is tried for `MEASURED_ROUNDS` rounds, at once if
-        it was never tried, else (while drafting pays) after a wait that doubles with each try (copies'
-        acceptance changes with the text), the kind tried longest ago first."""
+    def _try_kinds(self, k: int, paying: bool) -> int:
+        """A batch's drafting round at depth k: a kind it does not prefer is tried for `MEASURED_ROUNDS` rounds at
+        one depth (the rounds a verdict needs, timed per depth), at once if it was never tried, else (while
+        drafting pays) after a wait that doubles with each try (copies' acceptance changes with the text), the
+        kind tried longest ago first. Returns the round's depth."""
         self._rounds += 1
         if self._try_left > 0:
             self._try_left -= 1
             self.plan = self._trying
-            return
+            return self._try_depth
         others = [kind for kind in (ALONE, COPIES, BESIDE) if kind != self._preferred]
         fresh = [kind for kind in others if self._gains[kind] is None and kind not in self._tries]
         if fresh or (paying and self.kind_probe.due()):
@@ -163,9 +165,10 @@ class DraftLengthController:
                 self.kind_probe.restart()
                 self.kind_probe.failed()
             self.plan = self._trying = (fresh or sorted(others, key=lambda kind: self._tries.get(kind, -1)))[0]
-            self._try_left, self._tries[self.plan] = MEASURED_ROUNDS - 1, self._rounds
+            self._try_left, self._tries[self.plan], self._try_depth = MEASURED_ROUNDS - 1, self._rounds, k
         else:
             self.kind_probe.skip()
+        return k
 
     def _gain(self, k: int) -> float:
         """The model's gain at depth k."""
@@ -219,7 +222,7 @@ class DraftLengthController:
         in a batch its kind of drafting round (`plan`)."""
         k = self._choose()
         if self.batch and self.drafts and self.copying and k > 0:
-            self._try_kinds(paying=self._drafting)
+            k = self._try_kinds(k, paying=self._drafting)
         depth = 0 if self.plan == COPIES else k
         self.kind = None if self.plan is None or not self.batch else (depth, self.plan != ALONE)
         return depth
