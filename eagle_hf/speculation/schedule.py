@@ -151,8 +151,7 @@ class DraftLengthController:
     def _try_kinds(self, k: int, paying: bool) -> int:
         """A batch's drafting round at depth k: a kind it does not prefer is tried for `MEASURED_ROUNDS` rounds at
         one depth (the rounds a verdict needs, timed per depth), at once if it was never tried, else (while
-        drafting pays) after a wait that doubles with each try (copies' acceptance changes with the text), the
-        kind tried longest ago first. Returns the round's depth."""
+        drafting pays) the kind tried longest ago whose try is due (`_try_due`). Returns the round's depth."""
         self._rounds += 1
         if self._try_left > 0:
             self._try_left -= 1
@@ -160,15 +159,28 @@ class DraftLengthController:
             return self._try_depth
         others = [kind for kind in (ALONE, COPIES, BESIDE) if kind != self._preferred]
         fresh = [kind for kind in others if self._gains[kind] is None and kind not in self._tries]
-        if fresh or (paying and self.kind_probe.due()):
+        due = [kind for kind in sorted(others, key=lambda kind: self._tries.get(kind, -1)) if self._try_due(kind)]
+        if fresh or (paying and due):
             if not fresh:
                 self.kind_probe.restart()
                 self.kind_probe.failed()
-            self.plan = self._trying = (fresh or sorted(others, key=lambda kind: self._tries.get(kind, -1)))[0]
+            self.plan = self._trying = (fresh or due)[0]
             self._try_left, self._tries[self.plan], self._try_depth = MEASURED_ROUNDS - 1, self._rounds, k
         else:
             self.kind_probe.skip()
         return k
+
+    def _try_due(self, kind: str) -> bool:
+        """Whether a try of a kind not preferred is due: after the try's wait (16 drafting rounds, doubling with
+        each try), once the rounds since the last try absorb its expected loss against the preferred kind (by
+        their timed gains) at `PROBE_SHARE` of their time, as a dropped drafter's tries are paced
+        (`_probe_due`), and at the latest after the longest wait. A kind close to the preferred one is tried
+        every wait; one far below it seldom (batched translation: the drafter's own rounds at 1.0x plain beside
+        copies alone at 2.4x, each try a loss of more than a round)."""
+        p, gains = self.kind_probe, self._gains
+        best, gain = gains[self._preferred] or 0.0, gains[kind]
+        loss = MEASURED_ROUNDS * (max(1.0 - gain / best, 0.0) if gain is not None and best > 0 else 0.0)
+        return p.due() and (p.absorbs(loss, PROBE_SHARE) or p.skipped >= p.most)
 
     def _gain(self, k: int) -> float:
         """The model's gain at depth k."""
