@@ -119,6 +119,7 @@ def test_measured_rounds_overrule_a_model_that_says_drafting_pays():
     assert c.choose() == 0 and c.copy_branches(0) == "draft"
     for _ in range(2):
         c.observe(RoundTiming(seconds=0.3, width=9, copies=True, tokens=2.0))
+    c.choose()  # (a round's plan reads its timed rounds)
     assert c.copy_branches(0) == "probe" and c.copy_branches() == "draft"  # (a single row's: its own plan choice)
 
 

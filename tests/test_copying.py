@@ -23,6 +23,16 @@ def test_index_prefers_the_longest_then_the_most_recent_match():
     assert index.matches(1, 2) == [([4, 9], 3)]
 
 
+def test_a_continuation_cut_by_the_end_of_the_text_is_the_longer_one_that_runs_on():
+    """The suffix (1, 2) occurred just before the end, where its continuation is cut short (3, 1, 2 and then the
+    text ends), and long ago, where the same tokens ran on: the branch is the longer continuation, in the rank
+    of the recent one; different continuations keep their own ranks."""
+    index = CopyIndex(max_ngram=2)
+    index.extend([1, 2, 3, 1, 2, 6, 8, 9, 1, 2, 4, 1, 2, 3, 1, 2])
+    assert index.matches(num_branches=8, length=5) == [([3, 1, 2, 6, 8], 2), ([4, 1, 2, 3, 1], 2),
+                                                       ([6, 8, 9, 1, 2], 2)]
+
+
 def test_index_update_and_lookup_cost_do_not_grow_with_the_context():
     index = CopyIndex(max_ngram=4)
     index.extend([7] * 5000)  # one n-gram occurring everywhere: the worst case for a scan
@@ -320,6 +330,7 @@ def test_copy_trace_records_each_round_and_the_rank_that_hit(tmp_path, monkeypat
     target = tiny_target("llama")
     monkeypatch.setattr(eagle_hf.cli, "main", lambda argv: target.generate(
         REPEAT, max_new_tokens=40, do_sample=False, draft_sources="copy"))
+    monkeypatch.setenv("EAGLE_HF_COST_CACHE", "off")  # (the script sets it for its own process: never leak it)
     propose = copying.CopySource.propose
     result = trace.trace(str(tmp_path / "t.json"), [])
     assert copying.CopySource.propose is propose

@@ -46,7 +46,11 @@ def test_default_mode_runs_on_a_static_cache(caplog, monkeypatch):
     assert torch.equal(out, ref)
     s = eagle_hf.last_stats()
     assert s.accepted_by_source["copy"] > 10 and s.cycles > 0
-    assert cuts  # near the end, copy branches longer than the buffer's free slots were cut to fit
+    out = target.generate(REPEAT, max_new_tokens=40, do_sample=False, assistant_model=drafter,
+                          num_assistant_tokens_schedule="constant",
+                          **cache_kwarg(StaticCache(config=target.config, max_cache_len=ref.shape[1] - 1)))
+    assert torch.equal(out, ref)
+    assert cuts  # near the end, the drafter's tree with copy branches grafted on was cut to the free slots
 
 
 def test_a_chain_on_a_static_cache_runs_in_eagle_hfs_loop(caplog):

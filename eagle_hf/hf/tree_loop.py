@@ -197,7 +197,9 @@ class TreeLoop:
         fully pruned tree). The rows draft together: one drafter forward per level. `planned`: the drafter depth
         the shared controller chose for the batch's round."""
         depths, sizes = [], []
-        fits = self.cache.room(self.total_tokens)  # a static cache's free slots (None: a dynamic cache grows)
+        # a static cache's free slots, up to the widest verify it keeps room for (copy branches are not sized by
+        # the drafter's budget); None: a dynamic cache grows
+        fits = self.cache.room(VERIFY_BUCKETS[-1])
         for row in active:
             if row.done:  # a passenger: its root alone
                 depths.append(0)

@@ -42,9 +42,10 @@ class CopyIndex:
 
     def matches(self, num_branches: int, length: int) -> list[tuple[list[int], int]]:
         """Up to `num_branches` distinct continuations (at most `length` tokens) of the current suffix, as
-        ``(tokens, match length)``: longest match first, then the most recent occurrence."""
-        out: list[tuple[list[int], int]] = []
-        seen: set[tuple[int, ...]] = set()
+        ``(tokens, match length)``: longest match first, then the most recent occurrence. A continuation cut short
+        by the end of the text (a recent occurrence) that an older occurrence's runs on past is that longer one,
+        in its place."""
+        out: list[tuple[tuple[int, ...], int]] = []
         suffix = self.tokens[-self.max_ngram :]
         end = len(self.tokens)
         for n in range(min(self.max_ngram, len(suffix), end - 1), 0, -1):  # (the whole text: no match)
@@ -55,14 +56,19 @@ class CopyIndex:
                     continue  # the suffix itself
                 scanned += 1
                 cont = tuple(self.tokens[e : e + length])
-                if cont and cont not in seen and not any(s[: len(cont)] == cont for s in seen):
-                    seen.add(cont)
-                    out.append((list(cont), n))
-                    if len(out) == num_branches:
-                        return out
+                if cont and not any(c[: len(cont)] == cont for c, _ in out):  # (not one of them, nor a prefix)
+                    cut = next((i for i, (c, _) in enumerate(out) if cont[: len(c)] == c), None)
+                    if cut is not None:  # an earlier one is this one cut short: this one runs on, in its rank
+                        out[cut] = (cont, out[cut][1])
+                    else:
+                        out.append((cont, n))
+                        if len(out) == num_branches:
+                            break
                 if scanned == MAX_OCCURRENCES:
                     break
-        return out
+            if len(out) == num_branches:
+                break
+        return [(list(c), n) for c, n in out]
 
 
 @dataclass

@@ -72,6 +72,7 @@ class DraftLengthController:
         self._kind_rounds = {}  # kind -> a batch's wide rounds of it so far (`_first_of_kind`)
         self._rounds = 0  # a batch's drafting rounds so far
         self._gains = {}  # kind -> a batch's gain of it this round (None: not timed; `_kind_gains`)
+        self._copies_gain = None  # a batch's timed rounds of copy branches alone this round (None: not timed)
         self.budget = LossBudget(share=loss_budget, plain_every=plain_every)
         self.rest = False  # this round of a batch is plain for every source (copy branches rest too): it times a
         # plain round, or its loss budget is spent
@@ -126,10 +127,10 @@ class DraftLengthController:
         k, gain = self.best()
         if not self.batch:
             return k, gain
+        self._copies_gain = copies = self.measured_gains().get((0, True))  # (read by `copy_branches`)
         if not self.copying:
             self.plan = ALONE
             return k, gain
-        copies = self.measured_gains().get((0, True))
         if not self.drafts:  # copy branches alone: their timed rounds have the last word on whether they draft
             return k, gain if copies is None else min(gain, copies)
         self._gains = gains = self._kind_gains(k, gain, copies)
@@ -226,7 +227,7 @@ class DraftLengthController:
             return "rest"
         if not self.batch or depth > 0 or self.plan == COPIES:
             return "draft"
-        measured = self.measured_gains().get((0, True))
+        measured = self._copies_gain
         return "draft" if measured is None or measured >= self.keep_gain else "probe"
 
     def choose(self) -> int:
