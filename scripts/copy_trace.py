@@ -50,11 +50,14 @@ def trace(out: str, bench_args: list[str]) -> dict:
         return update(self, taken)
 
     copying.CopySource.propose, copying.CopySource.update = proposing, updating
+    cache = os.environ.get("EAGLE_HF_COST_CACHE")  # (learnt costs off for the trace; the caller's setting kept)
     os.environ.setdefault("EAGLE_HF_COST_CACHE", "off")
     try:
         main(["bench", "--dtype", "bfloat16", *bench_args, "--out", out + ".bench"])
     finally:
         copying.CopySource.propose, copying.CopySource.update = propose, update
+        if cache is None:
+            os.environ.pop("EAGLE_HF_COST_CACHE", None)
     result = summary(rounds)
     with open(out, "w") as f:
         json.dump({"summary": result, "rounds": rounds}, f)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import tiny_drafter, tiny_target
@@ -330,10 +332,10 @@ def test_copy_trace_records_each_round_and_the_rank_that_hit(tmp_path, monkeypat
     target = tiny_target("llama")
     monkeypatch.setattr(eagle_hf.cli, "main", lambda argv: target.generate(
         REPEAT, max_new_tokens=40, do_sample=False, draft_sources="copy"))
-    monkeypatch.setenv("EAGLE_HF_COST_CACHE", "off")  # (the script sets it for its own process: never leak it)
+    monkeypatch.delenv("EAGLE_HF_COST_CACHE", raising=False)
     propose = copying.CopySource.propose
     result = trace.trace(str(tmp_path / "t.json"), [])
-    assert copying.CopySource.propose is propose
+    assert copying.CopySource.propose is propose and "EAGLE_HF_COST_CACHE" not in os.environ  # (nothing leaks)
     rounds = json.loads((tmp_path / "t.json").read_text())["rounds"]
     assert sum(result["rounds"].values()) == len(rounds) > 0 and result["rounds"]["drafted"] > 0
     assert all(len(r["hits"]) == len(r["branches"]) for r in rounds if r["branches"])
