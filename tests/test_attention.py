@@ -131,7 +131,8 @@ def test_routing_is_per_call_and_undone_by_unroute(flash_like_kernel):
     assert attention.routed_kernel(target) == {attention.TREE_VERIFY: True}
     assert ALL_ATTENTION_FUNCTIONS[flash_like_kernel] is not flash_like
     with pytest.raises(AssertionError, match="4D mask"):  # without the keyword, the kernel itself runs
-        target(REPEAT, attention_mask=torch.zeros(1, 1, REPEAT.shape[1], REPEAT.shape[1]))
+        target(REPEAT.to(target.device),
+               attention_mask=torch.zeros(1, 1, REPEAT.shape[1], REPEAT.shape[1], device=target.device))
     attention.unroute_all()
     assert ALL_ATTENTION_FUNCTIONS[flash_like_kernel] is flash_like
     eager = tiny_target("llama", attn_implementation="eager")

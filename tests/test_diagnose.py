@@ -43,14 +43,16 @@ def test_recording_attention_leaves_outputs_bit_identical(t, past, masked):
     from eagle_hf.drafter.modeling import KV, causal_mask
 
     drafter = tiny_drafter()
-    drafter.bind_target_embedding(torch.nn.Embedding(96, 64))
+    dev = drafter.device
+    drafter.bind_target_embedding(torch.nn.Embedding(96, 64).to(dev))
     g = torch.Generator().manual_seed(0)
-    hidden, ids = torch.randn(1, t, 64, generator=g), torch.randint(0, 96, (1, t), generator=g)
-    pos = torch.arange(past, past + t)[None]
-    cache = KV(torch.randn(1, 2, past, 16, generator=g), torch.randn(1, 2, past, 16, generator=g)) if past else None
+    hidden, ids = torch.randn(1, t, 64, generator=g).to(dev), torch.randint(0, 96, (1, t), generator=g).to(dev)
+    pos = torch.arange(past, past + t, device=dev)[None]
+    cache = KV(torch.randn(1, 2, past, 16, generator=g).to(dev),
+               torch.randn(1, 2, past, 16, generator=g).to(dev)) if past else None
     mask = None
     if masked:  # a tree-style mask: some past rows hidden
-        mask = causal_mask(t, past, "cpu").clone()
+        mask = causal_mask(t, past, dev).clone()
         mask[..., 1] = False
     plain = drafter.step(hidden, ids, pos, past=cache, mask=mask)
     with drafter.recording_attention() as probs:
@@ -59,7 +61,7 @@ def test_recording_attention_leaves_outputs_bit_identical(t, past, masked):
     assert torch.equal(plain.logits, recorded.logits) and torch.equal(plain.hidden, recorded.hidden)
     (p,) = probs
     assert p.shape == (1, 4, t, past + t) and p.dtype == torch.float32
-    torch.testing.assert_close(p.sum(-1), torch.ones(1, 4, t))
+    torch.testing.assert_close(p.sum(-1), torch.ones(1, 4, t, device=dev))
     if masked:
         assert float(p[..., 1].abs().max()) == 0.0
     # the probabilities reproduce the attention output: softmax(QK^T) V through o_proj equals the SDPA path

@@ -197,11 +197,12 @@ def test_drafter_cache_equals_recomputation(family, k):
     aux_ids = default_aux_layer_ids(num_layers)
     assert generator.aux_ids == aux_ids
     with torch.no_grad():
+        out = out.to(target.device)
         hs = target(out, output_hidden_states=hidden_state_request(aux_ids)).hidden_states
         aux_full = gather_aux(hs, aux_ids)  # [1, T, A*H]
         # real row t pairs the features of position t with token t + 1, at position t
         ref = drafter.step(
-            drafter.fuse(aux_full[:, :rows]), out[:, 1 : rows + 1], torch.arange(rows)[None]
+            drafter.fuse(aux_full[:, :rows]), out[:, 1 : rows + 1], torch.arange(rows, device=out.device)[None]
         )
     assert ref.kv.keys.shape == state.kv.keys.shape
     assert torch.allclose(state.kv.keys, ref.kv.keys, atol=1e-5), (state.kv.keys - ref.kv.keys).abs().max()

@@ -160,14 +160,14 @@ def ours(drafter, tmp_path) -> EagleDrafter:
 @torch.no_grad()
 def probe(drafter, target) -> dict[str, torch.Tensor]:
     """Everything a drafter computes on fixed random inputs, in float32."""
-    drafter = drafter.float().eval()
+    drafter = drafter.float().eval().to(target.device)
     if drafter.embed_tokens is None:
         drafter.bind_target_embedding(target.get_input_embeddings())
     cfg = drafter.config
     gen = torch.Generator().manual_seed(123)
-    aux = torch.randn(1, 7, cfg.num_aux_hidden_states * cfg.target_hidden_size, generator=gen)
-    ids = torch.randint(0, VOCAB, (1, 7), generator=gen)
-    pos = torch.arange(7)[None]
+    aux = torch.randn(1, 7, cfg.num_aux_hidden_states * cfg.target_hidden_size, generator=gen).to(target.device)
+    ids = torch.randint(0, VOCAB, (1, 7), generator=gen).to(target.device)
+    pos = torch.arange(7, device=target.device)[None]
     logits = drafter(aux, ids)
     s0 = drafter.step(drafter.fuse(aux), ids, pos)
     s1 = drafter.step(s0.hidden[:, -1:], ids[:, -1:], pos[:, -1:] + 1, past=s0.kv)
@@ -187,7 +187,7 @@ def assert_same(loaded, expected, target):
     assert sorted(a) == sorted(b)
     for k in a:
         assert a[k].dtype == b[k].dtype or a[k].is_floating_point(), k
-        assert torch.equal(a[k].to(b[k].dtype), b[k]), k
+        assert torch.equal(a[k].to(b[k].device, b[k].dtype), b[k]), k
     for field in (
         "hidden_size", "target_hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
         "draft_vocab_size", "num_aux_hidden_states", "rms_norm_eps", "rope_theta", "fc_norm", "norm_output",

@@ -96,9 +96,9 @@ def exact_distribution(target, processors, length: int, prompt: torch.Tensor = P
         logits = target(prefix).logits[:, -1].float()
         probs = torch.softmax(processors(prefix, logits), dim=-1)[0].double()
         for t in torch.nonzero(probs > 0).flatten().tolist():
-            walk(torch.cat([prefix, torch.tensor([[t]])], 1), tokens + (t,), prob * float(probs[t]))
+            walk(torch.cat([prefix, torch.tensor([[t]], device=prefix.device)], 1), tokens + (t,), prob * float(probs[t]))
 
-    walk(prompt, (), 1.0)
+    walk(prompt.to(target.device), (), 1.0)
     total = sum(dist.values())
     assert abs(total - 1.0) < 1e-6
     return dist

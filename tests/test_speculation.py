@@ -78,7 +78,7 @@ def _drafter_state(seed=3, peaky=30.0):
     drafter.bind_target_embedding(target.get_input_embeddings())
     with torch.no_grad():
         drafter.lm_head.weight.mul_(peaky)
-    ids = torch.randint(1, 96, (1, 9), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(1, 96, (1, 9), generator=torch.Generator().manual_seed(seed)).to(target.device)
     from eagle_hf.drafter.capture import gather_aux
     from eagle_hf.hf import check_compatible
 
@@ -100,7 +100,7 @@ def test_a_chain_is_the_tree_with_top_k_one():
         tok = int(drafter.draft_to_target(lg.argmax(-1))[0])
         tokens.append(tok)
         pos += 1
-        out = drafter.step(h, torch.tensor([[tok]]), torch.tensor([[pos]]), past=past)
+        out = drafter.step(h, torch.tensor([[tok]], device=h.device), torch.tensor([[pos]], device=h.device), past=past)
         past, lg, h = past.append(out.kv), out.logits[:, -1], out.hidden
     assert tree.tokens[1:].tolist() == tokens
     # the chain's confidences are each draft's own probability
@@ -242,7 +242,7 @@ def test_drafter_costs_are_timed_on_the_device_without_a_sync(monkeypatch):
     timer = Timer(time_fn=lambda: pytest.fail("the wall clock was read"), event_fn=queue.event)
     sp = Speculator(drafter, DraftSettings(), stats, controller, timer=timer)
     sp.state = state
-    aux = torch.zeros(1, 1, drafter.fc.weight.shape[1])
+    aux = torch.zeros(1, 1, drafter.fc.weight.shape[1], device=drafter.device)
     timings = []
 
     def observe(at):  # what the decoding loops do with a round's marks
@@ -251,7 +251,7 @@ def test_drafter_costs_are_timed_on_the_device_without_a_sync(monkeypatch):
         controller.observe(timing)  # (the schedule's one door: it teaches the cost model too)
 
     for i in range(40):  # regular cycles: commit one real row, draft 4, all rejected
-        sp.commit(aux, torch.tensor([[5]]), position=sp.state.next_position)
+        sp.commit(aux, torch.tensor([[5]], device=aux.device), position=sp.state.next_position)
         sp.choose_depth(room=8)
         sp.round = "draft"
         marks = {"start": timer.mark()}
