@@ -128,22 +128,22 @@ def test_no_drafter_no_change(target):
     if getattr(installed, "_eagle_hf_test_shim", False):  # EAGLE_HF_TEST_DEVICE's shim wraps the hook (conftest.py)
         installed = installed.__wrapped__
     assert installed is hf_integration.generate  # the hook is installed
-    ids = prompt(6)
+    ids = prompt(6).to(target.device)  # (transformers' own generate() is called bare: no test-device shim)
     greedy = dict(max_new_tokens=8, do_sample=False)
-    assert torch.equal(target.generate(ids, **greedy), hf_integration._original_generate(target, ids, **greedy))
+    assert torch.equal(target.generate(ids, **greedy).cpu(), hf_integration._original_generate(target, ids, **greedy).cpu())
 
     sampled = dict(max_new_tokens=8, do_sample=True, top_k=20)
     torch.manual_seed(3)
     a = target.generate(ids, **sampled)
     torch.manual_seed(3)
     b = hf_integration._original_generate(target, ids, **sampled)
-    assert torch.equal(a, b)
+    assert torch.equal(a.cpu(), b.cpu())
 
     helper = tiny_target("llama", layers=2, seed=5)  # classic (non-EAGLE) assisted decoding passes through too
     c = target.generate(ids, assistant_model=helper, **greedy)
     d = hf_integration._original_generate(target, ids, assistant_model=helper, **greedy)
-    assert torch.equal(c, d)
-    assert torch.equal(c, target.generate(ids, **greedy))
+    assert torch.equal(c.cpu(), d.cpu())
+    assert torch.equal(c.cpu(), target.generate(ids, **greedy).cpu())
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

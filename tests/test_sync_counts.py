@@ -82,10 +82,11 @@ def test_the_probe_counts_what_a_gpu_would_wait_for():
 
 
 def test_aten_ops_of_a_drafter_step_are_counted(models):
-    _, drafter = models
-    h = drafter.config.hidden_size
-    ops, by_op = count_aten_ops(drafter.step, torch.zeros(1, 4, h), torch.zeros(1, 4, dtype=torch.long),
-                                torch.full((1, 4), 3))
+    target, drafter = models
+    drafter.bind_target_embedding(target.get_input_embeddings())  # (generate() binds it; xdist may run this first)
+    h, dev = drafter.config.hidden_size, drafter.device
+    ops, by_op = count_aten_ops(drafter.step, torch.zeros(1, 4, h, device=dev),
+                                torch.zeros(1, 4, dtype=torch.long, device=dev), torch.full((1, 4), 3, device=dev))
     assert 20 < ops < 400 and by_op
 
 

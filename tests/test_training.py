@@ -84,14 +84,15 @@ def test_capture_and_loss_mask_match_a_plain_forward():
     aux_ids = [2, 3, 4]
     samples = generate_with_capture(target, prompts, aux_ids, max_new_tokens=6, eos_token_ids=[2], pad_token_id=0)
     for p, s in zip(prompts, samples):
-        ids = s["input_ids"].long()
+        ids = s["input_ids"].long().to(target.device)
         assert ids[: len(p)].tolist() == p
         assert s["loss_mask"][: len(p)].sum() == 0 and s["loss_mask"][len(p) :].all()
         out = target(ids[None], output_hidden_states=aux_ids + [-1])
         ref_aux = torch.cat([out.hidden_states[i] for i in aux_ids], -1)[0]
         t = ids.shape[0]
-        assert torch.allclose(s["aux"][: t - 1].float(), ref_aux[: t - 1], atol=0.05, rtol=0.02)
-        assert torch.allclose(s["final"][: t - 1].float(), out.hidden_states[-1][0, : t - 1], atol=0.05, rtol=0.02)
+        assert torch.allclose(s["aux"][: t - 1].float().to(ids.device), ref_aux[: t - 1], atol=0.05, rtol=0.02)
+        assert torch.allclose(s["final"][: t - 1].float().to(ids.device), out.hidden_states[-1][0, : t - 1],
+                              atol=0.05, rtol=0.02)
         # the response is the target's own greedy continuation
         assert ids[len(p) :].tolist() == target.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p) :].tolist()
 
@@ -123,31 +124,32 @@ def test_ttt_step0_matches_inference_and_chain_step_matches_drafting():
     drafter = tiny_drafter(target)
     drafter.bind_target_embedding(target.get_input_embeddings())
     T, A = 9, 3 * 64
-    aux = torch.randn(1, T, A)
-    ids = torch.randint(1, VOCAB, (1, T))
-    W = torch.randn(VOCAB, 64) * 0.1
-    final = torch.randn(1, T, 64)
-    ones = torch.ones(1, T, dtype=torch.bool)
+    dev = target.device
+    aux = torch.randn(1, T, A).to(dev)
+    ids = torch.randint(1, VOCAB, (1, T)).to(dev)
+    W = (torch.randn(VOCAB, 64) * 0.1).to(dev)
+    final = torch.randn(1, T, 64).to(dev)
+    ones = torch.ones(1, T, dtype=torch.bool, device=dev)
     out = ttt_loss(drafter, aux, final, W, ids, ones, ones, steps=3)
     assert len(out.step_losses) == 3 and out.loss.requires_grad
     # reproduce step 2 of row 4 with explicit chain drafting
     t = 4
     with torch.no_grad():
-        real = drafter.step(drafter.fuse(aux[:, : t + 1]), ids[:, 1 : t + 2], torch.arange(t + 1)[None])
+        real = drafter.step(drafter.fuse(aux[:, : t + 1]), ids[:, 1 : t + 2], torch.arange(t + 1, device=dev)[None])
         past, hidden = real.kv, real.hidden[:, -1:]
         for k in (1, 2):
-            o = drafter.step(hidden, ids[:, t + k + 1 : t + k + 2], torch.tensor([[t + k]]), past=past)
+            o = drafter.step(hidden, ids[:, t + k + 1 : t + k + 2], torch.tensor([[t + k]], device=dev), past=past)
             past, hidden = past.append(o.kv), o.hidden
         # same row through the TTT unroll
         from eagle_hf.training.ttt import ttt_mask as mk
 
         h = drafter.fuse(aux)
-        pos = torch.arange(T)[None]
+        pos = torch.arange(T, device=dev)[None]
         s0 = drafter.step(h, torch.nn.functional.pad(ids[:, 1:], (0, 1)), pos)
         kv = s0.kv
-        s1 = drafter.step(s0.hidden, torch.nn.functional.pad(ids[:, 2:], (0, 2)), pos + 1, past=kv, mask=mk(T, 1, "cpu"))
+        s1 = drafter.step(s0.hidden, torch.nn.functional.pad(ids[:, 2:], (0, 2)), pos + 1, past=kv, mask=mk(T, 1, dev))
         kv = kv.append(s1.kv)
-        s2 = drafter.step(s1.hidden, torch.nn.functional.pad(ids[:, 3:], (0, 3)), pos + 2, past=kv, mask=mk(T, 2, "cpu"))
+        s2 = drafter.step(s1.hidden, torch.nn.functional.pad(ids[:, 3:], (0, 3)), pos + 2, past=kv, mask=mk(T, 2, dev))
     assert torch.allclose(s2.logits[0, t], o.logits[0, -1], atol=1e-5)
 
 
@@ -163,6 +165,7 @@ def test_fast_ttt_loss_equals_the_reference():
     mask = torch.zeros(B, T, dtype=torch.bool)
     mask[0, 3:], mask[1, 4:9] = True, True  # prompts, and padding after row 1's answer
     W = torch.randn(48, 64, generator=g)
+    aux, final, ids, mask, W = (x.to(target.device) for x in (aux, final, ids, mask, W))
     results = []
     for fast in (False, True):
         drafter.zero_grad()
@@ -231,7 +234,8 @@ def test_end_to_end_tiny_training_overfits_and_reloads(tmp_path):
     drafter = drafter.float()
     for d in (drafter, reloaded):
         d.bind_target_embedding(target.get_input_embeddings())
-    aux, ids = torch.randn(1, 6, 192), torch.randint(0, VOCAB, (1, 6))
+    reloaded = reloaded.to(target.device)
+    aux, ids = torch.randn(1, 6, 192).to(target.device), torch.randint(0, VOCAB, (1, 6)).to(target.device)
     with torch.no_grad():
         assert torch.allclose(drafter(aux, ids), reloaded(aux, ids), atol=1e-5)
 
@@ -296,9 +300,10 @@ def test_training_on_responses_produced_elsewhere(tmp_path):
     s = samples[0]
     resp = s["input_ids"][s["loss_mask"].bool()].tolist()
     assert tok.decode(resp[:-1]) == "w2 w3 w4" and resp[-1] == tok.eos_token_id
-    out = target(s["input_ids"].long()[None], output_hidden_states=[2, 3, -1])
+    out = target(s["input_ids"].long()[None].to(target.device), output_hidden_states=[2, 3, -1])
     n = s["input_ids"].shape[0]
-    assert torch.allclose(s["aux"][: n - 1, :64].float(), out.hidden_states[2][0, : n - 1], atol=0.05, rtol=0.02)
+    assert torch.allclose(s["aux"][: n - 1, :64].float().to(target.device), out.hidden_states[2][0, : n - 1],
+                          atol=0.05, rtol=0.02)
 
 
 def test_resume_from_a_checkpoint_before_the_interruption(tmp_path):
@@ -337,6 +342,7 @@ def test_chain_lengths_and_heldout_tau_on_a_hand_built_case():
     ids = torch.randint(0, VOCAB, (1, T))
     aux, final = torch.randn(1, T, 3 * 64), torch.randn(1, T, 64)
     head = torch.randn(48, 64)
+    aux, final, head, ids, mask, targ = (x.to(target.device) for x in (aux, final, head, ids, mask, targ))
     out = ttt_evaluate(drafter, aux, final, head, ids, mask, drafter.t2d[ids], targ, steps=2, chain=5)
     # counted rows 1..9 (the token at t+2 is an answer token); row t may draft up to position 11 (5 drafts at most)
     expected = [1, 0, 5, 5, 5, 4, 3, 2, 1]
@@ -476,6 +482,7 @@ def test_warm_start_keeps_the_drafter_its_vocabulary_and_its_loss(tmp_path):
     run = RunConfig(responses=str(path), init_from=str(tmp_path / "init"), data_root=str(tmp_path / "cap"), train=cfg)
     out = run_training(target, tok, tmp_path / "out", run)
     assert out.config.draft_vocab_size == 48 and out.config.fc_norm and out.config.norm_output
+    init = init.to(target.device)  # the trained drafter is on the target's device
     assert torch.equal(out.d2t, init.d2t) and torch.equal(out.t2d, init.t2d)
     assert json.loads((tmp_path / "out" / "train_run.json").read_text())["draft_vocab_size"] == 48
     for k, v in init.state_dict().items():  # lr 0: no ridge init, no change (saved in bf16)
@@ -487,7 +494,7 @@ def test_warm_start_keeps_the_drafter_its_vocabulary_and_its_loss(tmp_path):
     (batch,) = make_batches([samples[i]["input_ids"].shape[0] for i in train_idx], cfg.tokens_per_batch, 0)
     batch = [train_idx[i] for i in batch]  # one batch holds the whole training split
     head = target.lm_head.weight[torch.arange(48) + init.d2t].detach()
-    ids, aux, final, mask, in_vocab = collate(samples, batch, cfg.max_seq_len, head, init.t2d, torch.device("cpu"))
+    ids, aux, final, mask, in_vocab = collate(samples, batch, cfg.max_seq_len, head, init.t2d, target.device)
     init.bind_target_embedding(target.get_input_embeddings())
     with torch.no_grad():
         ref = ttt_loss(init, aux, final, head, ids, mask, in_vocab, 2).loss

@@ -44,7 +44,7 @@ def resolve_folder(name_or_path: str | os.PathLike, revision: str | None = None,
     if path.exists():
         raise DrafterLoadError(f"{path} is a file; pass the folder that holds config.json and the weights.")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
     try:
         folder = snapshot_download(
@@ -53,7 +53,12 @@ def resolve_folder(name_or_path: str | os.PathLike, revision: str | None = None,
             allow_patterns=["*.json", "*.safetensors", "*.bin", "*.md"],
             **hub_kwargs,
         )
-    except LocalEntryNotFoundError as err:
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as err:
+        # offline, huggingface_hub 1.x asks the Hub for a pinned revision's file list even when its snapshot is
+        # cached (2.x reads the cache): the cached snapshot is the answer either way
+        cached = _cached_snapshot(str(name_or_path), revision, hub_kwargs.get("cache_dir"))
+        if cached is not None:
+            return cached
         raise DrafterLoadError(
             f"Drafter {name_or_path!r} (revision {revision or 'main'}) is neither a local folder nor in the Hugging "
             "Face cache, and the Hub cannot be reached (offline, or HF_HUB_OFFLINE=1). Download it once with "
@@ -65,6 +70,18 @@ def resolve_folder(name_or_path: str | os.PathLike, revision: str | None = None,
             f"exists at {Path(name_or_path).resolve()}."
         ) from err
     return Path(folder)
+
+
+def _cached_snapshot(repo_id: str, revision: str | None, cache_dir) -> Path | None:
+    """The Hugging Face cache's snapshot folder of `repo_id` at `revision` (a branch or a commit), if it holds a
+    config.json; None otherwise."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache_dir, revision=revision)
+    except ValueError:  # not a valid repo id
+        return None
+    return Path(found).parent if isinstance(found, str) else None
 
 
 def read_config(folder: Path) -> dict[str, Any]:
