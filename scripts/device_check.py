@@ -51,10 +51,10 @@ SITE = ROOT / ".device" / "site"
 FLOOR = (5, 23)
 _REEXEC = "EAGLE_HF_DEVICE_SITE"  # set in the re-executed process: what the bootstrap did, as JSON
 
-STAGES = ("env", "suite", "equality", "replay", "sync", "memory", "kernels", "quant", "sampling")
+STAGES = ("env", "suite", "equality", "replay", "sync", "profile", "memory", "kernels", "quant", "sampling")
 #: seconds per stage: (full shapes on a GPU, --small)
 #: (full: three groups of stages fit the lent machine's ten minutes a command, docs/gpu.md)
-BUDGETS = {"env": (30, 30), "suite": (540, 900), "equality": (200, 120), "replay": (300, 120), "sync": (120, 90),
+BUDGETS = {"env": (30, 30), "suite": (540, 900), "equality": (200, 120), "replay": (300, 120), "sync": (120, 90), "profile": (120, 60),
            "memory": (130, 60), "kernels": (210, 120), "quant": (120, 90), "sampling": (120, 120)}
 
 
@@ -410,6 +410,12 @@ def sequences(out):
     return getattr(out, "sequences", out)
 
 
+def loop_rounds(st) -> int:
+    """The call's rounds after the prefill: a batch's merged stats add its rows' rounds, the loop ran the
+    longest row's (one verify forward a round for all rows)."""
+    return max(r.steps for r in st.per_row) if st.per_row else st.steps
+
+
 def timed(ctx: Context, fn, *args, **kwargs):
     """fn(*args, **kwargs) and its wall time, the device synchronised before and after."""
     ctx.sync()
@@ -713,7 +719,8 @@ def stage_replay(ctx: Context, budget: Budget) -> StageResult:
         last_cell = time.perf_counter() - start
         res["data"] = {"speed": table}
         ctx.partial(res)
-    res.find("times per round (from the last timed run): ms_per_round = median time / rounds; drafter = eagle_hf's "
+    res.find("times per round (from the last timed run): ms_per_round = median time / rounds (a batch's: its "
+             "longest row's, one verify forward each); drafter = eagle_hf's "
              "own drafter clock (stats.drafter_time), rest = the target's "
              "verify forward plus bookkeeping; host clocks, on a GPU only approximate (no device sync per call)")
     off = [r for r in table if r.get("timed_runs_off_table")]
@@ -768,7 +775,7 @@ def _replay_cell(ctx, target, drafter, vocab, ctx_len, rows, modes, budget) -> l
                     info[mode]["first_off"] = min(info[mode].get("first_off", 1 << 30), first % got.shape[1])
                 if kwargs is not None:  # the round's split, from a timed (warm) run
                     st = last_stats()
-                    info[mode].update(tau=st.mean_acceptance_length, rounds=st.steps + 1, drafter=st.drafter_time,
+                    info[mode].update(tau=st.mean_acceptance_length, rounds=loop_rounds(st) + 1, drafter=st.drafter_time,
                                       total=st.total_time, replayed=counts["replayed"], unmatched=counts["unmatched"])
     plain = statistics.median(times["plain"]) if times["plain"] else float("nan")
     out = [{"context": ctx_len, "batch": rows, "mode": "plain", "median_s": plain, "runs": len(times["plain"]),
@@ -819,7 +826,7 @@ def stage_sync(ctx: Context, budget: Budget) -> StageResult:
                     torch.cuda.set_sync_debug_mode(0)
             syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
             st = last_stats()
-            rounds = st.steps + 1  # the prefill is a round too
+            rounds = loop_rounds(st) + 1  # the prefill is a round too
             where = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
             row.update(rounds=rounds, cycles=st.cycles, syncs=len(syncs), syncs_per_round=len(syncs) / rounds,
                        top_sites="; ".join(f"{k} x{v}" for k, v in where.most_common(6)))
@@ -891,7 +898,78 @@ def _profile(ctx, target, drafter, vocab) -> dict:
     device_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in on_device)
     kernels = sum(e.count for e in on_device)
     return {"wall_s (profiled)": wall, "device_busy_s": device_us / 1e6, "device_busy_fraction": device_us / 1e6 / wall,
-            "rounds": last_stats().steps + 1, "kernel_launches": kernels}
+            "rounds": loop_rounds(last_stats()) + 1, "kernel_launches": kernels}
+
+
+def stage_profile(ctx: Context, budget: Budget) -> StageResult:
+    """Where a round's time goes: plain decoding and a tree round (a random drafter, so about one token a round)
+    under torch.profiler at each CONTEXTxBATCH cell, the prefill subtracted (a one-token call profiled beside it):
+    wall and device time per round and the kernels (CPU: the operators) that take it."""
+    res = StageResult()
+    target, drafter = ctx.pair("bf16")
+    vocab = target.config.vocab_size
+    spec = ctx.args.profile_cells or ("64x1" if ctx.small else "512x1")
+    cells = [tuple(int(x) for x in cell.split("x")) for cell in spec.split(",") if cell]
+    table, last_cell = [], 0.0
+    for ctx_len, rows in cells:
+        if not budget.allows(last_cell * 1.2 + 5):
+            res.find(f"budget: skipped context {ctx_len} x batch {rows}")
+            res["status"] = "partial"
+            continue
+        start = time.perf_counter()
+        ids, mask = prompts(rows, ctx_len, vocab, seed=13, device=ctx.device)
+        for mode, kwargs in (("plain", None), ("tree", TREE)):
+            table.append(_profile_round(ctx, target, drafter if kwargs else None, ids, mask, kwargs or {},
+                                        f"{ctx_len}x{rows}", mode))
+        last_cell = time.perf_counter() - start
+        res["data"] = {"per round": table}
+        ctx.partial(res)
+    res.find("per round = (a 7-token call - a 1-token call) / its rounds after the prefill; a batch's rounds are "
+             "its verify forwards (the longest row's); device time is the kernels' own (CUDA), on the CPU the "
+             "operators' self time; trace_<cell>.json.gz: the tree call's chrome trace (CUDA only)")
+    res["summary"] = "; ".join(f"{r['cell']} {r['mode']}: {r['wall_ms_per_round']:.1f} ms wall, "
+                               f"{r['device_ms_per_round']:.1f} ms device a round" for r in table)
+    return res
+
+
+def _profile_round(ctx, target, drafter, ids, mask, kwargs, cell: str, mode: str, new: int = 7) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    runs = {}
+    for tokens in (1, new):
+        generate(target, ids, mask, tokens, drafter, **kwargs)  # warm-up (one-time costs are not rounds)
+        ctx.sync()
+        start = time.perf_counter()
+        with profile(activities=activities) as prof:
+            generate(target, ids, mask, tokens, drafter, **kwargs)
+            ctx.sync()
+        wall = time.perf_counter() - start
+        rounds = loop_rounds(last_stats()) if drafter is not None else tokens - 1
+        if ctx.cuda and drafter is not None and tokens == new:
+            raw = ctx.out / f"trace_{cell}.json"
+            prof.export_chrome_trace(str(raw))
+            with open(raw, "rb") as f, gzip.open(ctx.out / f"trace_{cell}.json.gz", "wb") as g:
+                shutil.copyfileobj(f, g)
+            raw.unlink()
+        per_op = {}
+        for e in prof.key_averages():
+            on_device = str(getattr(e, "device_type", "")).endswith("CUDA")
+            if on_device != ctx.cuda:
+                continue
+            us = (getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) if ctx.cuda
+                  else e.self_cpu_time_total)
+            per_op[e.key] = (us / 1e3, e.count)
+        runs[tokens] = dict(wall=wall, rounds=rounds, ops=per_op)
+    short, long = runs[1], runs[new]
+    n = max(long["rounds"] - short["rounds"], 1)
+    diff = {k: ((ms - short["ops"].get(k, (0.0, 0))[0]) / n, (c - short["ops"].get(k, (0.0, 0))[1]) / n)
+            for k, (ms, c) in long["ops"].items()}
+    top = sorted(diff.items(), key=lambda kv: -kv[1][0])[:8]
+    return {"cell": cell, "mode": mode, "rounds": n, "wall_ms_per_round": 1e3 * (long["wall"] - short["wall"]) / n,
+            "device_ms_per_round": sum(ms for ms, _ in diff.values()),
+            "launches_per_round": sum(c for _, c in diff.values()),
+            "top": "; ".join(f"{k[:60]} {ms:.2f} ms x{c:.0f}" for k, (ms, c) in top)}
 
 
 def stage_memory(ctx: Context, budget: Budget) -> StageResult:
@@ -1227,6 +1305,7 @@ def chi2_sf(x: float, k: int) -> float:
 
 
 STAGE_FUNCTIONS = {"env": stage_env, "suite": stage_suite, "equality": stage_equality, "replay": stage_replay,
+                   "profile": stage_profile,
                    "sync": stage_sync, "memory": stage_memory, "kernels": stage_kernels, "quant": stage_quant,
                    "sampling": stage_sampling}
 
@@ -1246,6 +1325,8 @@ def parse_args(argv=None):
                    "flash_attention_2,static,static+compile (default: all)")
     p.add_argument("--replay-cells", default="", help="replay stage: CONTEXTxBATCH cells in this order, e.g. "
                    "8192x1,1024x16 (default: every context x batch of the shapes, batch 1 first)")
+    p.add_argument("--profile-cells", default="", help="profile stage: CONTEXTxBATCH cells, e.g. 8192x1,1024x4 "
+                   "(default: 512x1; --small: 64x1)")
     p.add_argument("--suite-args", nargs="*", help="pytest arguments of the suite stage (default: tests)")
     args = p.parse_args(argv)
     chosen = [x for x in (args.only.split(",") if args.only else STAGES) if x]

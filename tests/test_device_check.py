@@ -28,23 +28,27 @@ def load_script():
 
 
 def test_small_run_on_cpu_writes_the_report_and_greedy_equality_holds(tmp_path):
-    """About a minute here: versions, float32 and bf16 equality, the sync probe, kernels and caches."""
+    """About a minute here: versions, float32 and bf16 equality, the sync probe, a round's profile, kernels and
+    caches."""
     out = tmp_path / "report"
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     env.pop("EAGLE_HF_TEST_DEVICE", None)
     proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--small", "--only",
-                           "env,equality,sync,kernels", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
+                           "env,equality,sync,profile,kernels", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     markdown = (out / "report.md").read_text()
     stages = report["stages"]
-    assert list(stages) == ["env", "equality", "sync", "kernels"]
+    assert list(stages) == ["env", "equality", "sync", "profile", "kernels"]
     assert all(s["status"] == "ok" for s in stages.values()), {k: s["summary"] for k, s in stages.items()}
     float32 = stages["equality"]["data"]["float32"]
     assert float32 and all(r["equal"] for r in float32)  # random drafters: rejections every round, still exact
     assert {r["mode"] for r in float32} == {"chain", "tree", "default"}
     assert any(r["case"].startswith("batch") for r in float32)
+    profiled = stages["profile"]["data"]["per round"]  # plain and a tree round, the prefill subtracted
+    assert [r["mode"] for r in profiled] == ["plain", "tree"] and all(r["rounds"] >= 1 for r in profiled)
+    assert all(r["wall_ms_per_round"] > 0 and r["top"] for r in profiled)
     # today's limits are findings, not crashes: the static cache in tree mode (issue #33)
     kernels = stages["kernels"]["data"]["runs"]
     assert any(r["case"] == "chain 5" and r["cache"] == "static" and r["runs"] for r in kernels)
