@@ -410,19 +410,20 @@ def _choose(drafter, top_k, growth: list[_Growth], logits_of: dict, all_logits: 
     together."""
     growing = list(logits_of)
     default = [b for b in growing if growth[b].chooser is None]
-    choices, owners = [], []
-    if default:
+    custom = [b for b in growing if growth[b].chooser is not None]
+    choices = [growth[b].chooser(logits_of[b], paths_of[b]) for b in custom]
+    if default:  # every row's at once, read as one block (no per-row slices on the device)
         batch = top_k_choice(drafter, all_logits, top_k)  # [B, k, top_k]
-        for b in default:
-            k = len(paths_of[b])
-            choices.append(Choice(batch.tokens[b, :k], batch.logp[b, :k]))
-            owners.append(b)
-    for b in growing:
-        if growth[b].chooser is not None:
-            choices.append(growth[b].chooser(logits_of[b], paths_of[b]))
-            owners.append(b)
+        width = batch.tokens.shape[1]
+        choices.append(Choice(batch.tokens.flatten(0, 1), batch.logp.flatten(0, 1)))  # [B * k, top_k]
     read = read_choices(choices) if choices else []
-    return {b: (tokens, logp, c.q_logits) for b, c, (tokens, logp) in zip(owners, choices, read)}
+    out = {b: (tokens, logp, c.q_logits) for b, c, (tokens, logp) in zip(custom, choices, read)}
+    if default:
+        tokens, logp = read[-1]
+        for b in default:
+            rows = slice(b * width, b * width + len(paths_of[b]))
+            out[b] = (tokens[rows], logp[rows], None)
+    return out
 
 
 def _level_layout(growth: list[_Growth], k: int, positions) -> dict:
@@ -436,15 +437,16 @@ def _level_layout(growth: list[_Growth], k: int, positions) -> dict:
         out["base"] = [p - 1 for p in positions]
     first = growth[0]
     chain = rows == 1 and k == 1 and _ancestors(first.frontier[0], first.cands.parent) == first.fed
-    if not chain:
-        anc = torch.zeros(rows, k, fed_width + k, dtype=torch.bool)
+    if not chain:  # built in host lists, one tensor at the end (no per-element tensor writes)
+        anc = [[[False] * (fed_width + k) for _ in range(k)] for _ in range(rows)]
         for b, g in enumerate(growth):
             slot = {c: i for i, c in enumerate(g.fed) if c >= 0}
             for i, c in enumerate(g.frontier):
                 for a in _ancestors(c, g.cands.parent):
-                    anc[b, i, slot[a]] = True
-        anc[:, :, fed_width:] |= torch.eye(k, dtype=torch.bool)  # itself (a padding node: only itself)
-        out["ancestors"] = anc
+                    anc[b][i][slot[a]] = True
+            for i in range(k):
+                anc[b][i][fed_width + i] = True  # itself (a padding node: only itself)
+        out["ancestors"] = torch.tensor(anc, dtype=torch.bool)  # [B, k, fed + k]
     return out
 
 

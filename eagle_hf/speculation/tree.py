@@ -112,10 +112,11 @@ class DraftTree:
     def ancestor_mask(self) -> torch.Tensor:
         """bool [N+1, N+1]: row i sees node j iff j is i or an ancestor of i."""
         n = self.size
-        m = torch.zeros(n, n, dtype=torch.bool)
+        rows = [[False] * n for _ in range(n)]
         for i in range(n):
-            m[i, self.host.path(i)] = True
-        return m
+            for j in self.host.path(i):
+                rows[i][j] = True
+        return torch.tensor(rows, dtype=torch.bool)
 
     def paths(self) -> list[list[int]]:
         """Root-to-leaf node paths (one per leaf), in node order of their leaves."""
