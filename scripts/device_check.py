@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """Check eagle_hf on one device in one command and leave a report: versions, the test suite, greedy equality with
-plain generate(), the loop's ceiling with a replay drafter, host-device syncs, memory, attention kernels and caches,
-quantized targets, and the sampling distribution. Nothing is downloaded: every model is random, built from a config.
+plain generate(), the loop's ceiling with a replay drafter, host-device syncs, where a round's time goes (profile),
+memory, attention kernels and caches, quantized targets, and the sampling distribution. Nothing is downloaded: every model is random, built from a config.
 
     python scripts/device_check.py                                     # every stage, on cuda when there is one
     python scripts/device_check.py --only env,equality,sampling         # some stages; the report keeps earlier ones
     python scripts/device_check.py --device cpu --small --skip suite    # small shapes, on this CPU (a few minutes)
 
-Writes ``<out>/report.md`` and ``<out>/report.json`` (plus ``trace.json.gz``, ``suite.log``, ``suite.xml``); the
+Writes ``<out>/report.md`` and ``<out>/report.json`` (plus ``trace.json.gz``, ``trace_<cell>.json.gz``,
+``suite.log``, ``suite.xml``); the
 report is rewritten after every stage, so a later failure or a kill leaves the earlier stages' findings. Each stage
 has a time budget (``--budget-s``) and the whole run one more (``--total-s``): a stage that runs out records what
 it skipped. An exception in a stage is recorded with its traceback; the next stage runs.
