@@ -283,19 +283,23 @@ def plot_results(results: dict, path: Path) -> Path | None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
     width = 0.8 / max(1, len(modes))
     for j, mode in enumerate(modes):
-        ax1.bar([i + j * width for i in range(len(sets))], [results["sets"][s][mode]["speedup_median"] for s in sets], width, label=mode)
+        ax1.bar([i + j * width for i in range(len(sets))], [results["sets"][s][mode]["speedup_median"] for s in sets], width,
+                label=mode, color=f"C{j}")
     ax1.axhline(1.0, color="k", lw=0.8)
     ax1.set_xticks([i + 0.4 - width / 2 for i in range(len(sets))], sets)
     ax1.set_ylabel("speedup over plain generate() (median)")
     ax1.legend(fontsize=7)
-    for mode in modes:
-        for s in sets:
-            acc = results["sets"][s][mode].get("acceptance_per_position")
-            if acc and mode.startswith("eagle chain"):
-                ax2.plot(range(1, len(acc) + 1), acc, marker=".", label=f"{mode} / {s}")
-    ax2.set_xlabel("draft position")
+    curves = [(f"{mode} / {s}" if len(sets) > 1 else mode, f"C{j}", acc) for j, mode in enumerate(modes) for s in sets
+              if (acc := results["sets"][s][mode].get("acceptance_per_position"))]
+    for label, color, acc in curves:  # every drafting mode's (chains, trees, copies), in its bar's colour
+        ax2.plot(range(1, len(acc) + 1), acc, marker=".", label=label, color=color)
+    ax2.set_xlabel("draft position (depth in the tree)")
     ax2.set_ylabel("P(accepted | proposed)")
-    ax2.legend(fontsize=6)
+    if curves:
+        ax2.legend(fontsize=6)
+    else:
+        ax2.text(0.5, 0.5, "no mode recorded acceptance per position", ha="center", va="center",
+                 transform=ax2.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
