@@ -411,6 +411,20 @@ def sequences(out):
     return getattr(out, "sequences", out)
 
 
+def parse_cells(spec: str) -> list[tuple[int, int]]:
+    """"8192x1,1024x4" -> [(8192, 1), (1024, 4)]: (context, batch) cells, in the order given."""
+    return [tuple(int(x) for x in cell.split("x")) for cell in spec.split(",") if cell]
+
+
+def save_trace(prof, path: Path) -> None:
+    """The profiler's chrome trace, gzipped at `path` (``*.json.gz``)."""
+    raw = path.with_suffix("")  # *.json
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as f, gzip.open(path, "wb") as g:
+        shutil.copyfileobj(f, g)
+    raw.unlink()
+
+
 def loop_rounds(st) -> int:
     """The call's rounds after the prefill: a batch's merged stats add its rows' rounds, the loop ran the
     longest row's (one verify forward a round for all rows)."""
@@ -702,7 +716,7 @@ def stage_replay(ctx: Context, budget: Budget) -> StageResult:
     cells = [(c, b) for b in s.batches for c in s.contexts]
     cells.sort(key=lambda cb: (cb[1] > 1, cb[0] > s.contexts[0], cb[1]))  # batch 1 first, then the short context
     if ctx.args.replay_cells:  # CONTEXTxBATCH,... in the order given
-        cells = [tuple(int(x) for x in cell.split("x")) for cell in ctx.args.replay_cells.split(",") if cell]
+        cells = parse_cells(ctx.args.replay_cells)
     table, last_cell = [], 0.0
     for ctx_len, rows in cells:
         if not budget.allows(last_cell * 1.2 + 5):
@@ -889,11 +903,7 @@ def _profile(ctx, target, drafter, vocab) -> dict:
         generate(target, ids, mask, 6, drafter, **TREE)  # a random drafter: about one token per round
         ctx.sync()
     wall = time.perf_counter() - start
-    raw = ctx.out / "trace.json"
-    prof.export_chrome_trace(str(raw))
-    with open(raw, "rb") as f, gzip.open(ctx.out / "trace.json.gz", "wb") as g:
-        shutil.copyfileobj(f, g)
-    raw.unlink()
+    save_trace(prof, ctx.out / "trace.json.gz")
     events = prof.key_averages()
     on_device = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]  # kernels, memcpys
     device_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in on_device)
@@ -910,7 +920,7 @@ def stage_profile(ctx: Context, budget: Budget) -> StageResult:
     target, drafter = ctx.pair("bf16")
     vocab = target.config.vocab_size
     spec = ctx.args.profile_cells or ("64x1" if ctx.small else "512x1")
-    cells = [tuple(int(x) for x in cell.split("x")) for cell in spec.split(",") if cell]
+    cells = parse_cells(spec)
     table, last_cell = [], 0.0
     for ctx_len, rows in cells:
         if not budget.allows(last_cell * 1.2 + 5):
@@ -948,11 +958,7 @@ def _profile_round(ctx, target, drafter, ids, mask, kwargs, cell: str, mode: str
         wall = time.perf_counter() - start
         rounds = loop_rounds(last_stats()) if drafter is not None else tokens - 1
         if ctx.cuda and drafter is not None and tokens == new:
-            raw = ctx.out / f"trace_{cell}.json"
-            prof.export_chrome_trace(str(raw))
-            with open(raw, "rb") as f, gzip.open(ctx.out / f"trace_{cell}.json.gz", "wb") as g:
-                shutil.copyfileobj(f, g)
-            raw.unlink()
+            save_trace(prof, ctx.out / f"trace_{cell}.json.gz")
         per_op = {}
         for e in prof.key_averages():
             on_device = str(getattr(e, "device_type", "")).endswith("CUDA")
