@@ -1,6 +1,7 @@
 """`eagle-hf bench` on tiny models: every field present, and a broken mode's differing outputs are reported."""
 
 import json
+import math
 
 import pytest
 from conftest import tiny_drafter
@@ -160,6 +161,26 @@ def test_the_swap_band_is_the_noise_of_a_median_over_these_prompts():
     (v,) = compare([run1, run2])
     assert v.band == 0.0 and not v.processes_agree  # the realised A/A gap: 0, by luck
     assert v.process_gap == pytest.approx(0.2 / 2.1) and v.process_gap <= v.swap_band
+
+
+def test_paired_moves_compare_each_prompt_with_itself_run_against_run():
+    """A median over prompts whose speedups span a wide range jumps when the prompt at the middle moves; the
+    paired figures (each prompt's last run over its first) see a mode move as a whole, and how far prompts wander."""
+    from eagle_hf.tools.best_of_sources import compare, markdown, paired_move
+
+    assert paired_move([1.0, 2.0, 4.0], [1.0, 2.0, 4.0]) == (1.0, 0.0)
+    ratio, move = paired_move([1.0, 2.0, 4.0], [1.1, 2.2, 4.4])
+    assert ratio == pytest.approx(1.1) and move == pytest.approx(math.log(1.1))
+    # one prompt of the default moves (the middle one, to its neighbour's value): its median jumps from 3.0 to 5.0
+    default1, default2 = [1.0, 2.0, 3.0, 5.0, 8.0], [1.0, 2.0, 5.0, 5.0, 8.0]
+    run1 = _run({"eagle default": default1, "copy alone": [1.0, 2.0, 3.0, 5.0, 8.0]}, repeats=1)
+    run2 = _run({"eagle default": default2, "copy alone": [1.1, 2.2, 3.3, 5.5, 8.8]}, repeats=1)
+    (v,) = compare([run1, run2])
+    assert v.process_gap == pytest.approx(0.5) and not v.processes_agree
+    assert v.paired["copy alone"] == pytest.approx((1.1, math.log(1.1)))
+    assert v.paired_band == pytest.approx((0.1, math.log(1.1)))
+    assert v.paired["eagle default"][0] == pytest.approx(1.0)
+    assert "1.00, moves" in markdown([v], [run1, run2])
 
 
 def test_decision_trace_lines_up_two_processes(tmp_path, capsys):

@@ -17,7 +17,7 @@ import torch
 from conftest import VOCAB, tiny_drafter, tiny_target
 from safetensors.torch import load_file, save_file
 
-from eagle_hf import EagleDrafter
+from eagle_hf import DrafterLoadError, EagleDrafter
 
 DRAFT_VOCAB = 48
 LAYERS = 6  # tiny target depth: boundary ids 0..5
@@ -368,6 +368,29 @@ def test_hub_cache_offline(target, tmp_path, offline):
     old = EagleDrafter.from_pretrained(repo, cache_dir=cache, revision=sha_old)
     assert_same(old, ours(ref_old, tmp_path / "b"), target)
     assert not torch.equal(old.fc.weight, drafter.fc.weight)
+
+
+@pytest.mark.parametrize("error", ["OfflineModeIsEnabled", "LocalEntryNotFoundError"])
+def test_hub_cache_offline_when_the_hub_client_asks_the_hub(target, tmp_path, offline, monkeypatch, error):
+    """huggingface_hub 1.x raises offline for a pinned revision whose snapshot is cached (2.x reads the cache, so CI
+    never sees it): the cached snapshot is loaded either way. Simulated here so any hub version runs this path."""
+    import huggingface_hub
+    import huggingface_hub.errors
+
+    cache = tmp_path / "hub"
+    repo = "org/tiny-eagle3"
+    ref = reference(target, aux_layer_ids=[2, 3, 4], seed=3)
+    sha = _hub_cache_snapshot(cache, repo, specforge_config(ref, [1, 2, 3], dtype="float32"), eagle_tensors(ref), 3)
+    raised = getattr(huggingface_hub.errors, error)
+
+    def asks_the_hub(*args, **kwargs):
+        raise raised("Cannot reach the Hub: offline mode is enabled.")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", asks_the_hub)
+    drafter = EagleDrafter.from_pretrained(repo, cache_dir=cache, revision=sha)
+    assert_same(drafter, ours(ref, tmp_path / "a"), target)
+    with pytest.raises(DrafterLoadError, match="neither a local folder nor in the Hugging Face cache"):
+        EagleDrafter.from_pretrained(repo, cache_dir=cache, revision="0" * 40)
 
 
 # ------------------------------------------------------------------------------------------ overrides

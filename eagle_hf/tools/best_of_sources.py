@@ -17,7 +17,11 @@ of `eagle-hf bench` with two or more repeats) and reports:
 * the *swap band*: a steadier estimate of the same noise. The A/A band is one realised gap per control, itself a
   draw: two runs of a mode over the same 20 prompts land 1% or 8% apart by chance. Swapping the two runs' values
   of a prompt at random (they are exchangeable if the runs differ only by noise) gives the gap's distribution
-  under that null; the swap band is its 90th percentile, the largest over the controls.
+  under that null; the swap band is its 90th percentile, the largest over the controls;
+* *paired, run against run*: each prompt's speedup in the last run (the second process) over the first, per mode;
+  their median (does the mode move as a whole?) and the median size of a prompt's move (how much does one prompt's
+  speedup wander?), the default's beside the controls' largest. A set median over 20 prompts whose speedups span
+  1.3x-10x can jump by a gap between neighbours; the paired figures cannot.
 
 Medians of per-prompt speedups over plain `generate()`, measured in the same run, prompt by prompt.
 """
@@ -25,6 +29,7 @@ Medians of per-prompt speedups over plain `generate()`, measured in the same run
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 from dataclasses import dataclass, field
@@ -51,6 +56,8 @@ class SetVerdict:
     ratio_quartiles: tuple[float, float, float]  # per prompt: default / chosen source, quartiles
     worst: list[dict] = field(default_factory=list)  # the prompts where the default trails the chosen source most
     swap_band: float = 0.0  # 90th percentile of a control's gap between two runs with prompts' values swapped
+    # per mode, last run over first, prompt by prompt: (median ratio, median |log ratio|)
+    paired: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def relative(self) -> float:
@@ -68,6 +75,12 @@ class SetVerdict:
         """Whether the default's medians in the separate processes differ by no more than the A/A band (both
         relative to the pair's mean)."""
         return self.process_gap <= self.band
+
+    @property
+    def paired_band(self) -> tuple[float, float]:
+        """The controls' largest paired move, run against run: (|median ratio - 1|, median |log ratio|)."""
+        controls = [v for m, v in self.paired.items() if m != DEFAULT_MODE]
+        return (max(abs(r - 1.0) for r, _ in controls), max(c for _, c in controls)) if controls else (0.0, 0.0)
 
     @property
     def process_gap(self) -> float:
@@ -91,6 +104,13 @@ def per_repeat(entry: dict, repeats: int) -> list[list[float]]:
     values = entry["speedups"]
     n = len(values) // repeats
     return [values[r * n : (r + 1) * n] for r in range(repeats)]
+
+
+def paired_move(first: list[float], last: list[float]) -> tuple[float, float]:
+    """Two runs of one mode over the same prompts: the median of each prompt's ratio last / first, and the median
+    size of a prompt's move, |log(last / first)| (0.07: a prompt's speedup typically moves by about 7%)."""
+    ratios = [b / a for a, b in zip(first, last)]
+    return statistics.median(ratios), statistics.median(abs(math.log(r)) for r in ratios)
 
 
 def _relative_gap(a: float, b: float) -> float:
@@ -140,7 +160,8 @@ def compare(runs: list[dict], default: str = DEFAULT_MODE, singles: tuple[str, .
             by_mode={m: statistics.median(x for rep in reps for x in rep) for m, reps in repeats.items()},
             per_process=per_process, ratio_quartiles=(q[0], statistics.median(ratios), q[2]),
             worst=[_explain(runs[0]["sets"][name], n, i, ratios[i], default, chosen) for i in order],
-            swap_band=swap_band))
+            swap_band=swap_band,
+            paired={m: paired_move(reps[0], reps[-1]) for m, reps in repeats.items()}))
     return verdicts
 
 
@@ -173,11 +194,14 @@ def markdown(verdicts: list[SetVerdict], runs: list[dict]) -> str:
         "Best single source: chosen on the first repeat, scored (as is the default) on the others. A/A band: the "
         "largest gap between two runs of one single source (the controls), relative to their mean. Swap band: the "
         "90th percentile of that gap with each prompt's two values swapped at random, the largest over the controls "
-        "(a steadier estimate of the same noise than one realised gap)."),
+        "(a steadier estimate of the same noise than one realised gap). Last run / first: each prompt's speedup in "
+        "the last run over the first, the median of those ratios and the median size of a prompt's move, the "
+        "default's and (in brackets) the controls' largest."),
         "",
         ("| set | prompts | " + " | ".join(SINGLE_SOURCES) + " | default | best single (chosen) | default vs best "
-         "| A/A band | swap band | verdict | default per process | per prompt: default / best (quartiles) |"),
-        "|---|---|" + "---|" * (len(SINGLE_SOURCES) + 8),
+         "| A/A band | swap band | verdict | default per process | per prompt: default / best (quartiles) "
+         "| last run / first, per prompt: default (controls' largest) |"),
+        "|---|---|" + "---|" * (len(SINGLE_SOURCES) + 9),
     ]
     for v in verdicts:
         singles = " | ".join(f"{v.by_mode[x]:.2f}x" if x in v.by_mode else "–" for x in SINGLE_SOURCES)
@@ -185,7 +209,7 @@ def markdown(verdicts: list[SetVerdict], runs: list[dict]) -> str:
             f"| {v.name} | {v.prompts} | {singles} | {v.by_mode[DEFAULT_MODE]:.2f}x | {v.best:.2f}x ({v.chosen}) "
             f"| {v.relative:+.1%} | ±{v.band:.1%} | ±{v.swap_band:.1%} | **{v.verdict}** | "
             + " / ".join(f"{x:.2f}x" for x in v.per_process) + _agreement(v)
-            + " | " + " / ".join(f"{x:.2f}" for x in v.ratio_quartiles) + " |")
+            + " | " + " / ".join(f"{x:.2f}" for x in v.ratio_quartiles) + " | " + _paired(v) + " |")
     lines += ["", "Worst prompts per set (what each drafted and got accepted in the first scoring repeat):", "",
               "| set | prompt | default / best | default | best single |", "|---|---|---|---|---|"]
     for v in verdicts:
@@ -193,6 +217,14 @@ def markdown(verdicts: list[SetVerdict], runs: list[dict]) -> str:
             lines.append(f"| {v.name} | {w['prompt']} | {w['ratio']:.2f} | {_sources(w.get('default'))} "
                          f"| {_sources(w.get('chosen'))} |")
     return "\n".join(lines) + "\n"
+
+
+def _paired(v: SetVerdict) -> str:
+    """'0.99, moves 6.8% (±4.0%, 7.1%)': the default's median ratio and a prompt's median move, run against run;
+    in brackets the controls' largest of each."""
+    ratio, move = v.paired.get(DEFAULT_MODE, (1.0, 0.0))
+    band, control_move = v.paired_band
+    return f"{ratio:.2f}, moves {move:.1%} (±{band:.1%}, {control_move:.1%})"
 
 
 def _agreement(v: SetVerdict) -> str:
