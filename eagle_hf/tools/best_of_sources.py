@@ -222,7 +222,7 @@ def markdown(verdicts: list[SetVerdict], runs: list[dict]) -> str:
 def _paired(v: SetVerdict) -> str:
     """'0.99, moves 6.8% (±4.0%, 7.1%)': the default's median ratio and a prompt's median move, run against run;
     in brackets the controls' largest of each."""
-    ratio, move = v.paired.get(DEFAULT_MODE, (1.0, 0.0))
+    ratio, move = v.paired[DEFAULT_MODE]
     band, control_move = v.paired_band
     return f"{ratio:.2f}, moves {move:.1%} (±{band:.1%}, {control_move:.1%})"
 
