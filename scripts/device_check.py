@@ -914,7 +914,7 @@ def _profile(ctx, target, drafter, vocab) -> dict:
 
 def stage_profile(ctx: Context, budget: Budget) -> StageResult:
     """Where a round's time goes: plain decoding and a tree round (a random drafter, so about one token a round)
-    under torch.profiler at each CONTEXTxBATCH cell, the prefill subtracted (a one-token call profiled beside it):
+    under torch.profiler at each CONTEXTxBATCH cell, the prefill and catch-up subtracted (a shorter call beside it):
     wall and device time per round and the kernels (CPU: the operators) that take it."""
     res = StageResult()
     target, drafter = ctx.pair("bf16")
@@ -935,7 +935,8 @@ def stage_profile(ctx: Context, budget: Budget) -> StageResult:
         last_cell = time.perf_counter() - start
         res["data"] = {"per round": table}
         ctx.partial(res)
-    res.find("per round = (a 7-token call - a 1-token call) / its rounds after the prefill; a batch's rounds are "
+    res.find("per round = (a 10-token call - a 4-token call) / the difference in rounds (both calls hold the prefill "
+             "and the drafter's catch-up over the prompt); a batch's rounds are "
              "its verify forwards (the longest row's); device time is the kernels' own (CUDA), on the CPU the "
              "operators' self time; trace_<cell>.json.gz: the tree call's chrome trace (CUDA only)")
     res["summary"] = "; ".join(f"{r['cell']} {r['mode']}: {r['wall_ms_per_round']:.1f} ms wall, "
@@ -943,12 +944,15 @@ def stage_profile(ctx: Context, budget: Budget) -> StageResult:
     return res
 
 
-def _profile_round(ctx, target, drafter, ids, mask, kwargs, cell: str, mode: str, new: int = 7) -> dict:
+def _profile_round(ctx, target, drafter, ids, mask, kwargs, cell: str, mode: str, new: int = 6, base: int = 4) -> dict:
+    """Per round: a call of `base` + `new` tokens less one of `base` tokens, over the difference in rounds. Both
+    calls hold the prefill and the drafter's catch-up over the prompt (which the first drafting round runs: a
+    one-token call has none), so the difference is rounds alone."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
     runs = {}
-    for tokens in (1, new):
+    for tokens in (base, base + new):
         generate(target, ids, mask, tokens, drafter, **kwargs)  # warm-up (one-time costs are not rounds)
         ctx.sync()
         start = time.perf_counter()
@@ -957,7 +961,7 @@ def _profile_round(ctx, target, drafter, ids, mask, kwargs, cell: str, mode: str
             ctx.sync()
         wall = time.perf_counter() - start
         rounds = loop_rounds(last_stats()) if drafter is not None else tokens - 1
-        if ctx.cuda and drafter is not None and tokens == new:
+        if ctx.cuda and drafter is not None and tokens == base + new:
             save_trace(prof, ctx.out / f"trace_{cell}.json.gz")
         per_op = {}
         for e in prof.key_averages():
@@ -968,7 +972,7 @@ def _profile_round(ctx, target, drafter, ids, mask, kwargs, cell: str, mode: str
                   else e.self_cpu_time_total)
             per_op[e.key] = (us / 1e3, e.count)
         runs[tokens] = dict(wall=wall, rounds=rounds, ops=per_op)
-    short, long = runs[1], runs[new]
+    short, long = runs[base], runs[base + new]
     n = max(long["rounds"] - short["rounds"], 1)
     diff = {k: ((ms - short["ops"].get(k, (0.0, 0))[0]) / n, (c - short["ops"].get(k, (0.0, 0))[1]) / n)
             for k, (ms, c) in long["ops"].items()}

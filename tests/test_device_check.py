@@ -91,3 +91,18 @@ def test_homogeneity_test_separates_equal_from_different_distributions():
     assert dc.homogeneity(a, c, 16)[2] < 1e-6
     # the fallback approximation of the chi-square tail is close to scipy's
     assert abs(dc.chi2_sf(30.0, 20) - 0.0699) < 0.005
+
+
+def test_verify_attention_bench_times_every_case_on_the_cpu(tmp_path):
+    """scripts/verify_attention_bench.py (the one-layer bench of docs/gpu.md) runs here with a short context: every
+    case either times or says why its backend refused, and the JSON holds them all."""
+    out = tmp_path / "va.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "verify_attention_bench.py"), "--device", "cpu",
+                    "--contexts", "48", "--batches", "1", "--out", str(out)], check=True, capture_output=True,
+                   timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    cases = {r["case"] for r in rows}
+    assert {"plain 1 token (gqa)", "stacked auto", "gqa auto", "matmul", "stacked auto, views", "write in place",
+            "cat contiguous", "cat view"} <= cases
+    assert all(r["us"] is not None or r["note"] for r in rows)
+    assert all(r["us"] > 0 for r in rows if r["case"] in ("stacked auto", "matmul", "cat view"))

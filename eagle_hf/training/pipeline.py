@@ -299,7 +299,8 @@ def finalize(drafter: EagleDrafter, target, out: Path, result: dict, vocab, info
     if best and (best_dir / "model.safetensors").is_file():
         for name in ("config.json", "model.safetensors"):
             shutil.copyfile(best_dir / name, out / name)
-        drafter = EagleDrafter.from_pretrained(out)
+        device = next(drafter.parameters()).device  # the saved best comes back where training ran
+        drafter = EagleDrafter.from_pretrained(out).to(device)
         notes = (
             f"These are the weights of step {best['step']} (of {result.get('step')} trained so far), the highest "
             f"held-out acceptance length of the run's evaluations (τ {best['eval_tau']:.3f}: greedy chain of "
