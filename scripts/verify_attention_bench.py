@@ -3,8 +3,10 @@ against plain decoding's one-token step (the 2026-11-27 H100 profile found the m
 at 8k context taking 25x plain's, and the cache's concatenation 4.5x: docs/gpu.md).
 
     python scripts/verify_attention_bench.py [--device cuda] [--contexts 1024,8192] [--batches 1,4] [--out FILE]
+                                             [--heads 32 --kv-heads 8 --head-dim 128]
 
-Llama-3.1-8B's attention shape (32 query heads, 8 K/V heads, head dim 128, bf16), N = 16 tree nodes. Rows:
+Llama-3.1-8B's attention shape by default (32 query heads, 8 K/V heads, head dim 128; SmolLM2-135M's: 9, 3, 64),
+bf16, N = 16 tree nodes. Rows:
 
 - ``plain 1 token``: plain decoding's attention (one query per head, no mask, K/V repeated per query head as
   transformers' sdpa path does);
@@ -70,6 +72,7 @@ def sdpa(backend, *args, **kwargs):
 
 
 def cell(device: torch.device, rows: int, context: int, dtype=torch.bfloat16) -> list[dict]:
+    """Every case at one batch size and context length: one row each (us: microseconds a call, or a note)."""
     g = torch.Generator(device=device).manual_seed(0)
     groups, n, length = HEADS // KV_HEADS, NODES, context + NODES
 
@@ -124,12 +127,17 @@ def cell(device: torch.device, rows: int, context: int, dtype=torch.bfloat16) ->
 
 
 def main() -> None:
+    global HEADS, KV_HEADS, HEAD_DIM
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--contexts", default="1024,8192")
     p.add_argument("--batches", default="1,4")
     p.add_argument("--out", default="")
+    p.add_argument("--heads", type=int, default=HEADS)
+    p.add_argument("--kv-heads", type=int, default=KV_HEADS)
+    p.add_argument("--head-dim", type=int, default=HEAD_DIM)
     args = p.parse_args()
+    HEADS, KV_HEADS, HEAD_DIM = args.heads, args.kv_heads, args.head_dim
     device = torch.device(args.device)
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
@@ -138,7 +146,8 @@ def main() -> None:
                 rows.append(r)
                 print(f"{r['batch']:>3} {r['context']:>6} {r['case']:<24} {r['us'] if r['us'] is not None else r['note']}",
                       flush=True)
-    meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", torch=torch.__version__)
+    meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", torch=torch.__version__,
+                heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, nodes=NODES)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)

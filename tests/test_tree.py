@@ -142,8 +142,42 @@ def test_tree_mode_greedy_equals_plain_generate(family):
         cache = DynamicCache(config=target.config)
         target(seq[:, :-1].to(target.device), **cache_kwarg(cache), use_cache=True)
         for a, b in zip(output_cache(res).layers, cache.layers):
+            assert type(a) is type(b)  # transformers' own layers again (they grew in place during the call)
             assert a.keys.shape == b.keys.shape
             assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
+
+
+def test_a_growing_cache_layer_writes_each_forward_in_place_and_holds_what_concatenation_would():
+    """`GrowingLayer` (the dynamic cache during a tree call): each update writes its slots into room after the live
+    ones, views of one buffer, as a commit crops the cache and a batch row leaves; the live slots always equal
+    transformers' concatenation. One copy of the cache per eighth of growth, not one per forward."""
+    from transformers.cache_utils import DynamicLayer
+
+    from eagle_hf.hf.cache import ROOM_SLOTS, GrowingLayer
+
+    g = torch.Generator().manual_seed(0)
+    layer, ref = GrowingLayer(), DynamicLayer()
+    prompt = torch.randn(2, 3, 40, 8, generator=g)
+    layer.update(prompt, -prompt)
+    ref.update(prompt, -prompt)
+    buffers, batch = set(), 2
+    for step in range(150):
+        new = torch.randn(batch, 3, 1 + step % 7, 8, generator=g)  # [B, H, N, D] a verify forward's nodes
+        keys, values = layer.update(new, -new)
+        ref.update(new, -new)
+        assert keys is layer.keys and torch.equal(keys, ref.keys) and torch.equal(values, ref.values)
+        buffers.add(keys._base.data_ptr())
+        keep = step % 3  # a commit: the last nodes rejected, the cache cropped to a view
+        if keep:
+            layer.keys, layer.values = layer.keys[:, :, :-keep], layer.values[:, :, :-keep]
+            ref.crop(-keep)
+        if step == 20:  # a batch row leaves: new tensors, a new buffer at the next write
+            rows = torch.tensor([1])
+            layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+            ref.batch_select_indices(rows)
+            batch = 1
+    assert layer.keys.shape[2] > 40 + ROOM_SLOTS  # it grew past the first buffer's room
+    assert len(buffers) <= 3, len(buffers)  # the first buffer, the one after the row left, one regrowth
 
 
 def test_sliding_window_target_falls_back_to_chain(caplog):

@@ -38,7 +38,7 @@ def cache_unsupported_reason(cache=None, implementation: str | None = None) -> s
     static caches only. `cache`: a cache object passed in; `implementation`: generate()'s `cache_implementation`."""
     if cache is not None:
         kinds = {type(layer) for layer in cache.layers}
-        if kinds and not (kinds <= {DynamicLayer} or kinds <= {StaticLayer}):
+        if kinds and not (kinds <= {DynamicLayer, GrowingLayer} or kinds <= {StaticLayer}):
             names = ", ".join(sorted(k.__name__ for k in kinds))
             return f"its cache ({names} layers) cannot hold draft trees (dynamic and static caches can)"
     elif implementation not in (None, "dynamic", "static"):
@@ -62,6 +62,55 @@ def tree_cache(cache, ragged: Ragged | None = None) -> TreeCache:
     return (StaticTreeCache if is_static(cache) else TreeCache)(cache, ragged)
 
 
+#: slots a grown buffer keeps free after the live ones: at least this many, or an eighth of the live ones
+ROOM_SLOTS = 256
+
+
+class GrowingLayer(DynamicLayer):
+    """transformers' dynamic cache layer, grown in place. Its keys and values are views [B, H, L, D] of buffers
+    with room after the L live slots; a forward writes its slots into that room and the views lengthen. transformers'
+    `DynamicLayer` concatenates instead: a copy of the whole cache every forward, and on a GPU a slow strided one
+    once a commit has cropped the cache to a view (3.3x the contiguous copy at 8k tokens on an H100: docs/gpu.md).
+    Here a forward writes only its own slots; a buffer out of room is reallocated with an eighth more (amortised
+    O(1) a slot). Anything that replaces the keys (a batch row leaving, a compaction) just gets a new buffer at the
+    next write. `TreeCache` turns the dynamic layers of the call's cache into these for the call and back after."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized or self.keys.numel() == 0:  # the first write (a prefill): a plain tensor
+            return super().update(key_states, value_states, *args, **kwargs)
+        self.keys = _write_after(self.keys, key_states)
+        self.values = _write_after(self.values, value_states)
+        return self.keys, self.values
+
+
+def _write_after(live: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """`live` [B, H, L, D] followed by `new` [B, H, n, D]: a view [B, H, L + n, D] of `live`'s buffer when it is
+    the start of one with room (`new` written into it), else of a fresh buffer with room (`live` copied once)."""
+    b, h, length, d = live.shape
+    end = length + new.shape[2]
+    base = live._base if live._base is not None else live  # [B, H, capacity, D] the buffer `live` views
+    if not (base.dim() == 4 and base.shape[:2] == live.shape[:2] and base.shape[3] == d and base.shape[2] >= end
+            and live.data_ptr() == base.data_ptr() and live.stride() == base.stride()):
+        base = torch.empty(b, h, end + max(ROOM_SLOTS, end // 8), d, dtype=live.dtype, device=live.device)
+        base[:, :, :length] = live
+    base[:, :, length:end] = new
+    return base[:, :, :end]
+
+
+def grow_in_place(cache) -> None:
+    """The call's dynamic cache layers grow in place (`GrowingLayer`) until `stop_growing_in_place`."""
+    for layer in cache.layers:
+        if type(layer) is DynamicLayer:
+            layer.__class__ = GrowingLayer
+
+
+def stop_growing_in_place(cache) -> None:
+    """Back to transformers' own layers (the views stay: the next concatenation copies from them)."""
+    for layer in cache.layers:
+        if type(layer) is GrowingLayer:
+            layer.__class__ = DynamicLayer
+
+
 def _move_accepted(layer, past_len: int, index: torch.Tensor, width: int) -> None:
     """Row b's nodes ``index[b]`` ([B, K] relative to `past_len`) to slots ``past_len .. past_len+K-1``, in place."""
     b, h, _, d = layer.keys.shape
@@ -80,7 +129,7 @@ def commit_accepted(cache, past_len: int, index: torch.Tensor | None, width: int
     for layer in cache.layers:
         if index is not None:
             _move_accepted(layer, past_len, index, width)
-        if layer.keys.shape[2] > end:  # (a view: the next update concatenates after it)
+        if layer.keys.shape[2] > end:  # (a view: the next forward writes after it, `GrowingLayer`)
             layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
 
 
@@ -139,11 +188,13 @@ class TreeCache:
     * `select_rows`: rows leave the batch; `compact`: the holes that shorter paths left go, once worth it.
 
     `ragged` says which committed slots each row reads (`eagle_hf.speculation.ragged`). Implemented here for transformers'
-    dynamic cache, which grows by concatenation on every forward (plain decoding's too) and is cropped to a
-    view; a cache with fixed buffers implements the same operations with a write position instead."""
+    dynamic cache, whose layers grow in place for the call (`GrowingLayer`: a forward writes its slots into room
+    after the live ones, where transformers concatenates) and are cropped to a view; a cache with fixed buffers
+    implements the same operations with a write position instead."""
 
     def __init__(self, cache, ragged: Ragged | None = None):
         self.cache = cache
+        grow_in_place(cache)  # (dynamic layers; until `release`)
         self.ragged = ragged or Ragged([], 0)
         # [B, 1, R, C] the verify forward's additive mask, kept between rounds: columns below `length` hold each
         # row's slot validity (0 or the dtype's min) for every query row, written as slots are committed; the
@@ -182,6 +233,10 @@ class TreeCache:
         if self.ragged.holes:
             m[:, 0, :, :length].masked_fill_(~self.ragged.valid[:, None, :], torch.finfo(dtype).min)
         return m
+
+    def release(self) -> None:
+        """The call is over: the cache's layers are transformers' own again."""
+        stop_growing_in_place(self.cache)
 
     def _keep(self, past_len: int, index: torch.Tensor | None, width: int) -> None:
         """The accepted nodes into the slots after the committed ones; the cache ends after them."""
@@ -290,6 +345,10 @@ class StaticTreeCache(TreeCache):
         block.masked_fill_(~tree, low)
         self._dirty = length + width
         return m[:, :, :width]
+
+    def release(self) -> None:
+        """The call is over: the cache's layers are transformers' own again."""
+        stop_growing_in_place(self.cache)
 
     def _keep(self, past_len: int, index: torch.Tensor | None, width: int) -> None:
         """The accepted nodes moved in place; the write position set after them (on the device, in place)."""

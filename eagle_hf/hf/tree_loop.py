@@ -133,6 +133,12 @@ class TreeLoop:
         buffer = ids.new_full((ids.shape[0], max(self.max_length, ids.shape[1])), self.pad)  # [B, max_length]
         buffer[:, : ids.shape[1]] = ids
         rows = [Row(buffer, b, ids.shape[1], sp) for b, sp in enumerate(self.speculators)]
+        try:
+            return self._decode(rows, ids, mask)
+        finally:
+            self.cache.release()
+
+    def _decode(self, rows: list[Row], ids: torch.Tensor, mask: torch.Tensor):
         self.prefill(rows, ids, mask)
         active = self.retire(rows) if any(r.done for r in rows) else rows
         while live := sum(not r.done for r in active):
