@@ -62,8 +62,8 @@ def tree_cache(cache, ragged: Ragged | None = None) -> TreeCache:
     return (StaticTreeCache if is_static(cache) else TreeCache)(cache, ragged)
 
 
-#: slots a grown buffer keeps free after the live ones: at least this many, or an eighth of the live ones
-ROOM_SLOTS = 256
+#: slots a grown buffer keeps free after the live ones: at least the widest verify forward, or an eighth of them
+ROOM_SLOTS = 64
 
 
 class GrowingLayer(DynamicLayer):
@@ -72,36 +72,52 @@ class GrowingLayer(DynamicLayer):
     `DynamicLayer` concatenates instead: a copy of the whole cache every forward, and on a GPU a slow strided one
     once a commit has cropped the cache to a view (3.3x the contiguous copy at 8k tokens on an H100: docs/gpu.md).
     Here a forward writes only its own slots; a buffer out of room is reallocated with an eighth more (amortised
-    O(1) a slot). Anything that replaces the keys (a batch row leaving, a compaction) just gets a new buffer at the
-    next write. `TreeCache` turns the dynamic layers of the call's cache into these for the call and back after."""
+    O(1) a slot), never past `slot_limit` slots when there is one (the call's longest sequence and a verify
+    forward). A layer writes in place only into buffers it allocated in this call (`_grown`): a cache passed in, or
+    keys that something else replaced (a batch row leaving, a compaction), get a buffer of their own at the next
+    write. `TreeCache.begin` turns the dynamic layers of the call's cache into these, `release` back."""
+
+    slot_limit: int | None = None
+    _grown: tuple[torch.Tensor, torch.Tensor] | None = None  # (keys, values) buffers [B, H, capacity, D]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized or self.keys.numel() == 0:  # the first write (a prefill): a plain tensor
             return super().update(key_states, value_states, *args, **kwargs)
-        self.keys = _write_after(self.keys, key_states)
-        self.values = _write_after(self.values, value_states)
+        live, new = self.keys, key_states
+        if new.shape[:2] != live.shape[:2] or new.shape[3] != live.shape[3] or new.dtype != live.dtype:
+            return super().update(key_states, value_states, *args, **kwargs)  # (what transformers does with it)
+        length, end = live.shape[2], live.shape[2] + new.shape[2]
+        keys, values = self._grown or (None, None)
+        if keys is None or live._base is not keys or self.values._base is not values or keys.shape[2] < end:
+            room = max(ROOM_SLOTS, end // 8)
+            if self.slot_limit is not None and end < self.slot_limit:  # (past it, holes of a ragged batch)
+                room = min(room, self.slot_limit - end)
+            keys = live.new_empty(*live.shape[:2], end + room, live.shape[3])  # [B, H, capacity, D]
+            values = self.values.new_empty(*self.values.shape[:2], end + room, self.values.shape[3])
+            keys[:, :, :length], values[:, :, :length] = live, self.values
+            self._grown = (keys, values)
+        keys[:, :, length:end], values[:, :, length:end] = key_states, value_states
+        self.keys, self.values = keys[:, :, :end], values[:, :, :end]
         return self.keys, self.values
 
 
-def _write_after(live: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """`live` [B, H, L, D] followed by `new` [B, H, n, D]: a view [B, H, L + n, D] of `live`'s buffer when it is
-    the start of one with room (`new` written into it), else of a fresh buffer with room (`live` copied once)."""
-    b, h, length, d = live.shape
-    end = length + new.shape[2]
-    base = live._base if live._base is not None else live  # [B, H, capacity, D] the buffer `live` views
-    if not (base.dim() == 4 and base.shape[:2] == live.shape[:2] and base.shape[3] == d and base.shape[2] >= end
-            and live.data_ptr() == base.data_ptr() and live.stride() == base.stride()):
-        base = torch.empty(b, h, end + max(ROOM_SLOTS, end // 8), d, dtype=live.dtype, device=live.device)
-        base[:, :, :length] = live
-    base[:, :, length:end] = new
-    return base[:, :, :end]
-
-
-def grow_in_place(cache) -> None:
-    """The call's dynamic cache layers grow in place (`GrowingLayer`) until `stop_growing_in_place`."""
+def grow_in_place(cache, slot_limit: int | None = None) -> None:
+    """The call's dynamic cache layers grow in place (`GrowingLayer`), layers the prefill adds too, until
+    `stop_growing_in_place`."""
     for layer in cache.layers:
         if type(layer) is DynamicLayer:
             layer.__class__ = GrowingLayer
+        if type(layer) is GrowingLayer:
+            layer.slot_limit = slot_limit
+    if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:  # (a DynamicCache() without a config)
+
+        def replicate() -> GrowingLayer:
+            layer = GrowingLayer()
+            layer.slot_limit = slot_limit
+            return layer
+
+        replicate.grows_in_place = True
+        cache.layer_class_to_replicate = replicate
 
 
 def stop_growing_in_place(cache) -> None:
@@ -109,6 +125,10 @@ def stop_growing_in_place(cache) -> None:
     for layer in cache.layers:
         if type(layer) is GrowingLayer:
             layer.__class__ = DynamicLayer
+            layer.__dict__.pop("_grown", None)
+            layer.__dict__.pop("slot_limit", None)
+    if getattr(getattr(cache, "layer_class_to_replicate", None), "grows_in_place", False):
+        cache.layer_class_to_replicate = DynamicLayer
 
 
 def _move_accepted(layer, past_len: int, index: torch.Tensor, width: int) -> None:
@@ -194,7 +214,6 @@ class TreeCache:
 
     def __init__(self, cache, ragged: Ragged | None = None):
         self.cache = cache
-        grow_in_place(cache)  # (dynamic layers; until `release`)
         self.ragged = ragged or Ragged([], 0)
         # [B, 1, R, C] the verify forward's additive mask, kept between rounds: columns below `length` hold each
         # row's slot validity (0 or the dtype's min) for every query row, written as slots are committed; the
@@ -233,6 +252,10 @@ class TreeCache:
         if self.ragged.holes:
             m[:, 0, :, :length].masked_fill_(~self.ragged.valid[:, None, :], torch.finfo(dtype).min)
         return m
+
+    def begin(self, slot_limit: int | None = None) -> None:
+        """The call starts: dynamic layers grow in place (`GrowingLayer`), to `slot_limit` slots at most."""
+        grow_in_place(self.cache, slot_limit)
 
     def release(self) -> None:
         """The call is over: the cache's layers are transformers' own again."""
@@ -345,10 +368,6 @@ class StaticTreeCache(TreeCache):
         block.masked_fill_(~tree, low)
         self._dirty = length + width
         return m[:, :, :width]
-
-    def release(self) -> None:
-        """The call is over: the cache's layers are transformers' own again."""
-        stop_growing_in_place(self.cache)
 
     def _keep(self, past_len: int, index: torch.Tensor | None, width: int) -> None:
         """The accepted nodes moved in place; the write position set after them (on the device, in place)."""

@@ -134,6 +134,7 @@ class TreeLoop:
         buffer[:, : ids.shape[1]] = ids
         rows = [Row(buffer, b, ids.shape[1], sp) for b, sp in enumerate(self.speculators)]
         try:
+            self.cache.begin(slot_limit=self.max_length + VERIFY_BUCKETS[-1])  # the longest row and a verify forward
             return self._decode(rows, ids, mask)
         finally:
             self.cache.release()
