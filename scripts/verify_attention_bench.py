@@ -71,31 +71,33 @@ def sdpa(backend, *args, **kwargs):
         return F.scaled_dot_product_attention(*args, **kwargs)
 
 
-def cell(device: torch.device, rows: int, context: int, dtype=torch.bfloat16) -> list[dict]:
+def cell(device: torch.device, rows: int, context: int, heads: int = HEADS, kv_heads: int = KV_HEADS,
+         head_dim: int = HEAD_DIM, dtype=torch.bfloat16) -> list[dict]:
     """Every case at one batch size and context length: one row each (us: microseconds a call, or a note)."""
     g = torch.Generator(device=device).manual_seed(0)
-    groups, n, length = HEADS // KV_HEADS, NODES, context + NODES
+    groups, n, length = heads // kv_heads, NODES, context + NODES
 
     def rand(*shape):
         return torch.randn(*shape, generator=g, device=device, dtype=dtype)
 
-    key, value = rand(rows, KV_HEADS, length, HEAD_DIM), rand(rows, KV_HEADS, length, HEAD_DIM)
-    query = rand(rows, HEADS, n, HEAD_DIM)  # [B, H, N, D]
+    key, value = rand(rows, kv_heads, length, head_dim), rand(rows, kv_heads, length, head_dim)
+    query = rand(rows, heads, n, head_dim)  # [B, H, N, D]
     tree = torch.tril(torch.ones(n, n, dtype=torch.bool, device=device))  # a chain: each node sees its ancestors
     mask = torch.zeros(rows, 1, n, length, dtype=dtype, device=device)
     mask[:, 0, :, context:].masked_fill_(~tree, torch.finfo(dtype).min)  # [B, 1, N, L+N]
-    stacked_q = query.reshape(rows, KV_HEADS, groups * n, HEAD_DIM)  # [B, Hkv, G*N, D]
+    stacked_q = query.reshape(rows, kv_heads, groups * n, head_dim)  # [B, Hkv, G*N, D]
     stacked_mask = mask.repeat(1, 1, groups, 1)  # [B, 1, G*N, L+N]
-    one = rand(rows, HEADS, 1, HEAD_DIM)
+    one = rand(rows, heads, 1, head_dim)
     out = []
 
     def row(name, fn):
         try:
             us = timed_us(fn, device)
-        except Exception as e:  # a backend that refuses these inputs
-            out.append(dict(batch=rows, context=context, case=name, us=None, note=f"{type(e).__name__}: {str(e)[:80]}"))
+        except RuntimeError as e:  # a backend that refuses these inputs
+            out.append({"batch": rows, "context": context, "case": name, "us": None,
+                        "note": f"{type(e).__name__}: {str(e)[:80]}"})
             return
-        out.append(dict(batch=rows, context=context, case=name, us=round(us, 1)))
+        out.append({"batch": rows, "context": context, "case": name, "us": round(us, 1)})
 
     row("plain 1 token", lambda: F.scaled_dot_product_attention(
         one, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)))
@@ -105,7 +107,7 @@ def cell(device: torch.device, rows: int, context: int, dtype=torch.bfloat16) ->
         row(f"gqa {name}", lambda b=backend: sdpa(b, query, key, value, attn_mask=mask, enable_gqa=True))
 
     def matmul():
-        scores = torch.matmul(stacked_q, key.transpose(-1, -2)).float() * HEAD_DIM ** -0.5  # [B, Hkv, G*N, L+N]
+        scores = torch.matmul(stacked_q, key.transpose(-1, -2)).float() * head_dim ** -0.5  # [B, Hkv, G*N, L+N]
         probs = torch.softmax(scores + stacked_mask.float(), dim=-1).to(dtype)
         return torch.matmul(probs, value)  # [B, Hkv, G*N, D]
 
@@ -113,21 +115,20 @@ def cell(device: torch.device, rows: int, context: int, dtype=torch.bfloat16) ->
     # K/V as views of buffers with room to grow (a cache that writes in place instead of concatenating): the
     # sequence dimension's stride is the buffer's, not the view's; do the kernels read them at the same speed?
     room = -(-(length + length // 8) // 256) * 256
-    key_buf, value_buf = rand(rows, KV_HEADS, room, HEAD_DIM), rand(rows, KV_HEADS, room, HEAD_DIM)
+    key_buf, value_buf = rand(rows, kv_heads, room, head_dim), rand(rows, kv_heads, room, head_dim)
     key_view, value_view = key_buf[:, :, :length], value_buf[:, :, :length]
     row("plain 1 token (gqa), views", lambda: F.scaled_dot_product_attention(one, key_view, value_view, enable_gqa=True))
     row("stacked auto, views", lambda: F.scaled_dot_product_attention(stacked_q, key_view, value_view,
                                                                       attn_mask=stacked_mask))
     row("write in place", lambda: key_buf[:, :, length - n:length].copy_(key[:, :, :n]))
-    full = rand(rows, KV_HEADS, length + n, HEAD_DIM)
-    view, contiguous, new = full[:, :, :length], full[:, :, :length].contiguous(), rand(rows, KV_HEADS, n, HEAD_DIM)
+    full = rand(rows, kv_heads, length + n, head_dim)
+    view, contiguous, new = full[:, :, :length], full[:, :, :length].contiguous(), rand(rows, kv_heads, n, head_dim)
     row("cat contiguous", lambda: torch.cat([contiguous, new], dim=-2))
     row("cat view", lambda: torch.cat([view, new], dim=-2))
     return out
 
 
 def main() -> None:
-    global HEADS, KV_HEADS, HEAD_DIM
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--contexts", default="1024,8192")
@@ -137,20 +138,19 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=KV_HEADS)
     p.add_argument("--head-dim", type=int, default=HEAD_DIM)
     args = p.parse_args()
-    HEADS, KV_HEADS, HEAD_DIM = args.heads, args.kv_heads, args.head_dim
     device = torch.device(args.device)
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
         for c in (int(x) for x in args.contexts.split(",")):
-            for r in cell(device, b, c):
+            for r in cell(device, b, c, args.heads, args.kv_heads, args.head_dim):
                 rows.append(r)
                 print(f"{r['batch']:>3} {r['context']:>6} {r['case']:<24} {r['us'] if r['us'] is not None else r['note']}",
                       flush=True)
-    meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", torch=torch.__version__,
-                heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, nodes=NODES)
+    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
+            "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "nodes": NODES}
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

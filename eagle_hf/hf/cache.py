@@ -83,21 +83,25 @@ class GrowingLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized or self.keys.numel() == 0:  # the first write (a prefill): a plain tensor
             return super().update(key_states, value_states, *args, **kwargs)
-        live, new = self.keys, key_states
-        if new.shape[:2] != live.shape[:2] or new.shape[3] != live.shape[3] or new.dtype != live.dtype:
-            return super().update(key_states, value_states, *args, **kwargs)  # (what transformers does with it)
-        length, end = live.shape[2], live.shape[2] + new.shape[2]
+        live = self.keys
+        b, h, length, d = live.shape
+        n = key_states.shape[2]
+        if key_states.shape != (b, h, n, d) or key_states.dtype != live.dtype:  # (no silent broadcast or cast)
+            return super().update(key_states, value_states, *args, **kwargs)  # what transformers does with it
+        end = length + n
         keys, values = self._grown or (None, None)
         if keys is None or live._base is not keys or self.values._base is not values or keys.shape[2] < end:
             room = max(ROOM_SLOTS, end // 8)
             if self.slot_limit is not None and end < self.slot_limit:  # (past it, holes of a ragged batch)
                 room = min(room, self.slot_limit - end)
-            keys = live.new_empty(*live.shape[:2], end + room, live.shape[3])  # [B, H, capacity, D]
+            keys = live.new_empty(b, h, end + room, d)  # [B, H, capacity, D]
             values = self.values.new_empty(*self.values.shape[:2], end + room, self.values.shape[3])
-            keys[:, :, :length], values[:, :, :length] = live, self.values
+            keys.narrow(2, 0, length).copy_(live)
+            values.narrow(2, 0, length).copy_(self.values)
             self._grown = (keys, values)
-        keys[:, :, length:end], values[:, :, length:end] = key_states, value_states
-        self.keys, self.values = keys[:, :, :end], values[:, :, :end]
+        keys.narrow(2, length, n).copy_(key_states)  # (narrow: the cheapest view to make, on the host)
+        values.narrow(2, length, n).copy_(value_states)
+        self.keys, self.values = keys.narrow(2, 0, end), values.narrow(2, 0, end)
         return self.keys, self.values
 
 
