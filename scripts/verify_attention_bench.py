@@ -17,9 +17,15 @@ bf16, N = 16 tree nodes. Rows:
 - ``..., views``: K/V as views of a larger buffer (a cache with room to grow), and ``write in place``: N slots
   written into such a buffer (what would replace the concatenation);
 - ``cat contiguous`` / ``cat view``: a layer's cache growing by N slots from a contiguous tensor (plain decoding's
-  case) and from a cropped view (a tree round's, after the commit crops the cache).
+  case) and from a cropped view (a tree round's, after the commit crops the cache);
+- split-key candidates for the masked attention (no fused backend splits the keys for a short masked query):
+  ``prefix unmasked``: the stacked queries against the committed slots alone, with no mask (every tree node sees
+  all of them: the part a flash-decoding kernel would take); ``prefix + tree``: the whole attention as that part
+  (flash with its log-sum-exp) merged with the N x N tree part by matmul; ``flex``: compiled ``flex_attention``
+  with a block mask (its decoding path splits the keys), ``flex block mask``: building that mask (once a forward).
 
-Times are medians of CUDA-event timed repeats (CPU: wall clock), microseconds per call (one layer).
+Times are medians of CUDA-event timed repeats (CPU: wall clock), microseconds per call (one layer). Every
+attention row over the same K/V also reports ``err``: its largest difference from a float32 reference.
 """
 
 from __future__ import annotations
@@ -89,29 +95,46 @@ def cell(device: torch.device, rows: int, context: int, heads: int = HEADS, kv_h
     stacked_mask = mask.repeat(1, 1, groups, 1)  # [B, 1, G*N, L+N]
     one = rand(rows, heads, 1, head_dim)
     out = []
+    reference = attention_reference(query, key, value, mask)  # [B, H, N, D] float32
 
-    def row(name, fn):
+    def row(name, fn, checked=False):
         try:
+            err = (fn().float().reshape(reference.shape) - reference).abs().max().item() if checked else None
             us = timed_us(fn, device)
-        except RuntimeError as e:  # a backend that refuses these inputs
+        except Exception as e:  # a backend or private op that refuses these inputs, or is missing from this torch
             out.append({"batch": rows, "context": context, "case": name, "us": None,
                         "note": f"{type(e).__name__}: {str(e)[:80]}"})
             return
-        out.append({"batch": rows, "context": context, "case": name, "us": round(us, 1)})
+        out.append({"batch": rows, "context": context, "case": name, "us": round(us, 1)}
+                   | ({"err": float(f"{err:.3g}")} if checked else {}))
 
     row("plain 1 token", lambda: F.scaled_dot_product_attention(
         one, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)))
     row("plain 1 token (gqa)", lambda: F.scaled_dot_product_attention(one, key, value, enable_gqa=True))
     for name, backend in backends().items():
-        row(f"stacked {name}", lambda b=backend: sdpa(b, stacked_q, key, value, attn_mask=stacked_mask))
-        row(f"gqa {name}", lambda b=backend: sdpa(b, query, key, value, attn_mask=mask, enable_gqa=True))
+        row(f"stacked {name}", lambda b=backend: sdpa(b, stacked_q, key, value, attn_mask=stacked_mask), True)
+        row(f"gqa {name}", lambda b=backend: sdpa(b, query, key, value, attn_mask=mask, enable_gqa=True), True)
 
     def matmul():
         scores = torch.matmul(stacked_q, key.transpose(-1, -2)).float() * head_dim ** -0.5  # [B, Hkv, G*N, L+N]
         probs = torch.softmax(scores + stacked_mask.float(), dim=-1).to(dtype)
         return torch.matmul(probs, value)  # [B, Hkv, G*N, D]
 
-    row("matmul", matmul)
+    row("matmul", matmul, True)
+    scale = head_dim ** -0.5
+    prefix_k, prefix_v = key[:, :, :context], value[:, :, :context]  # the committed slots: seen by every node
+    tree_k, tree_v, tree_mask = key[:, :, context:], value[:, :, context:], stacked_mask[..., context:]
+    row("prefix unmasked", lambda: F.scaled_dot_product_attention(stacked_q, prefix_k, prefix_v))
+    row("prefix + tree", lambda: prefix_and_tree(stacked_q, prefix_k, prefix_v, tree_k, tree_v, tree_mask, scale),
+        True)
+    try:
+        flex, block_mask = flex_parts(mask, rows, n, length, device)
+        row("flex block mask", block_mask)
+        block = block_mask()
+        row("flex", lambda: flex(query, key, value, block_mask=block, enable_gqa=True, scale=scale), True)
+    except Exception as e:  # no flex_attention in this torch, or no compiler for it on this machine
+        out.append({"batch": rows, "context": context, "case": "flex", "us": None,
+                    "note": f"{type(e).__name__}: {str(e)[:80]}"})
     # K/V as views of buffers with room to grow (a cache that writes in place instead of concatenating): the
     # sequence dimension's stride is the buffer's, not the view's; do the kernels read them at the same speed?
     room = -(-(length + length // 8) // 256) * 256
@@ -128,6 +151,50 @@ def cell(device: torch.device, rows: int, context: int, heads: int = HEADS, kv_h
     return out
 
 
+def attention_reference(query, key, value, mask) -> torch.Tensor:
+    """The masked attention in float32 by matmuls: query [B, H, N, D], key/value [B, Hkv, L, D], mask [B, 1, N, L]
+    additive -> [B, H, N, D] float32."""
+    groups = query.shape[1] // key.shape[1]
+    k, v = key.float().repeat_interleave(groups, 1), value.float().repeat_interleave(groups, 1)  # [B, H, L, D]
+    scores = query.float() @ k.transpose(-1, -2) * query.shape[-1] ** -0.5 + mask.float()  # [B, H, N, L]
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def attention_with_lse(query, key, value, scale):
+    """Unmasked attention and its log-sum-exp through the flash kernel's private op (the public SDPA returns no
+    log-sum-exp): query [B, H, Q, D], key/value [B, H, L, D] -> ([B, H, Q, D], [B, H, Q] float32)."""
+    if query.device.type == "cuda":
+        result = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, False, False, scale=scale)
+    else:
+        result = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False, scale=scale)
+    return result[0], result[1]
+
+
+def prefix_and_tree(query, prefix_k, prefix_v, tree_k, tree_v, tree_mask, scale):
+    """Exact masked attention split at the committed slots: the prefix (no mask: every node sees it) by the flash
+    kernel, the N tree slots by matmul under the tree mask, merged by their log-sum-exps. query [B, Hkv, G*N, D],
+    prefix_k/v [B, Hkv, P, D], tree_k/v [B, Hkv, N, D], tree_mask [B, 1, G*N, N] additive -> [B, Hkv, G*N, D]."""
+    out_p, lse_p = attention_with_lse(query, prefix_k, prefix_v, scale)  # [B, Hkv, G*N, D], [B, Hkv, G*N]
+    scores = (query @ tree_k.transpose(-1, -2)).float() * scale + tree_mask.float()  # [B, Hkv, G*N, N]
+    lse_t = torch.logsumexp(scores, dim=-1)  # [B, Hkv, G*N]
+    out_t = torch.softmax(scores, dim=-1).to(query.dtype) @ tree_v  # [B, Hkv, G*N, D]
+    w_p = torch.sigmoid(lse_p - lse_t).unsqueeze(-1)  # e^lse_p / (e^lse_p + e^lse_t): [B, Hkv, G*N, 1]
+    return (w_p * out_p.float() + (1 - w_p) * out_t.float()).to(query.dtype)
+
+
+def flex_parts(mask, rows, n, length, device):
+    """Compiled `flex_attention` and a builder of its block mask for the tree mask `mask` [B, 1, N, L] additive."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    allowed = mask[:, 0] == 0  # [B, N, L]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return allowed[b, q_idx, kv_idx]
+
+    return (torch.compile(flex_attention, dynamic=False),
+            lambda: create_block_mask(mask_mod, rows, None, n, length, device=device))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -139,18 +206,18 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=HEAD_DIM)
     args = p.parse_args()
     device = torch.device(args.device)
+    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
+            "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "nodes": NODES}
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
         for c in (int(x) for x in args.contexts.split(",")):
             for r in cell(device, b, c, args.heads, args.kv_heads, args.head_dim):
                 rows.append(r)
-                print(f"{r['batch']:>3} {r['context']:>6} {r['case']:<24} {r['us'] if r['us'] is not None else r['note']}",
-                      flush=True)
-    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
-            "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "nodes": NODES}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+                print(f"{r['batch']:>3} {r['context']:>6} {r['case']:<24} {r['us'] if r['us'] is not None else r['note']}"
+                      + (f"  err {r['err']}" if "err" in r else ""), flush=True)
+            if args.out:  # after every cell: a run cut short by its time limit keeps what it measured
+                with open(args.out, "w") as f:
+                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
