@@ -183,6 +183,23 @@ def test_paired_moves_compare_each_prompt_with_itself_run_against_run():
     assert "1.00, moves" in markdown([v], [run1, run2])
 
 
+def test_process_spread_is_the_gap_between_two_processes_over_every_pair():
+    """Several processes of the same code: per mode, the median and 90th percentile over every pair of processes
+    of the gap between their set medians (and their total-time speedups); plain is the yardstick, not a mode."""
+    from eagle_hf.tools.best_of_sources import process_spread, spread_markdown
+
+    def run(median, total):
+        return {"sets": {"s": {"plain": {"speedup_median": 1.0, "speedup_total": 1.0},
+                               "copy alone": {"speedup_median": median, "speedup_total": total}}}}
+
+    spread = process_spread([run(2.0, 2.0), run(2.0, 2.2), run(3.0, 2.0)])
+    x = spread["s"]["copy alone"]
+    assert "plain" not in spread["s"] and x["processes"] == 3 and (x["low"], x["high"]) == (2.0, 3.0)
+    assert x["median_gap"] == pytest.approx(0.4) and x["p90_gap"] == pytest.approx(0.4)  # gaps 0, 0.4, 0.4
+    assert x["total_median_gap"] == pytest.approx(0.2 / 2.1) and x["total_p90_gap"] == pytest.approx(0.2 / 2.1)
+    assert "| s | copy alone | 3 | 2.00x / 3.00x | 40.0% / 40.0% |" in spread_markdown(spread)
+
+
 def test_decision_trace_lines_up_two_processes(tmp_path, capsys):
     """scripts/decision_trace.py --compare: per prompt, the share of rounds the drafter rested in each process; a
     prompt decided apart (shares more than 30 points apart) is marked and counted."""

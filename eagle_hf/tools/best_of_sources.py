@@ -165,6 +165,44 @@ def compare(runs: list[dict], default: str = DEFAULT_MODE, singles: tuple[str, .
     return verdicts
 
 
+def process_spread(runs: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
+    """How far apart two processes of the same code land by chance, from several processes (same prompts and
+    settings): per set and mode, over every pair of processes, the median and 90th percentile of the gap between
+    their medians of per-prompt speedups and between their total-time speedups (all generated tokens over all
+    time), each relative to the pair's mean. Two processes give one draw of each gap; a dozen give its spread.
+    -> {set: {mode: {"processes", "median_gap", "p90_gap", "total_median_gap", "total_p90_gap", "low", "high"}}}"""
+    def spread(values: list[float]) -> tuple[float, float]:
+        gaps = sorted(_relative_gap(a, b) for i, a in enumerate(values) for b in values[i + 1 :])
+        return statistics.median(gaps), gaps[min(len(gaps) - 1, int(0.9 * len(gaps)))]
+
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name in runs[0]["sets"]:
+        for mode in runs[0]["sets"][name]:
+            entries = [r["sets"][name][mode] for r in runs if mode in r["sets"].get(name, {})]
+            if mode == "plain" or len(entries) < 2:
+                continue
+            medians = [e["speedup_median"] for e in entries]
+            (median_gap, p90_gap), (total_median, total_p90) = spread(medians), spread(
+                [e["speedup_total"] for e in entries])
+            out.setdefault(name, {})[mode] = {
+                "processes": len(entries), "median_gap": median_gap, "p90_gap": p90_gap,
+                "total_median_gap": total_median, "total_p90_gap": total_p90, "low": min(medians),
+                "high": max(medians)}
+    return out
+
+
+def spread_markdown(spread: dict[str, dict[str, dict[str, float]]]) -> str:
+    """`process_spread` as a table."""
+    lines = ["| set | mode | processes | set medians, lowest / highest | gap between two processes' medians: median "
+             "/ 90th percentile of pairs | the same, total-time speedup |", "|---|---|---|---|---|---|"]
+    for name, modes in spread.items():
+        for mode, x in modes.items():
+            lines.append(f"| {name} | {mode} | {x['processes']} | {x['low']:.2f}x / {x['high']:.2f}x "
+                         f"| {x['median_gap']:.1%} / {x['p90_gap']:.1%} "
+                         f"| {x['total_median_gap']:.1%} / {x['total_p90_gap']:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
 def _explain(modes: dict, n: int, prompt: int, ratio: float, default: str, chosen: str) -> dict:
     """What the default and the chosen source did on one prompt of `n` (the first scoring repeat: the second of
     the first run, or the first of the second run)."""
