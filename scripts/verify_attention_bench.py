@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 
 HEADS, KV_HEADS, HEAD_DIM, NODES = 32, 8, 128, 16
+#: how a backend, a private op missing from this torch or a compiler missing from this machine refuses a case
+REFUSALS = (RuntimeError, AttributeError, TypeError, NotImplementedError, ImportError, ValueError)
 
 
 def timed_us(fn, device: torch.device, repeats: int = 50, warmup: int = 10) -> float:
@@ -101,7 +103,7 @@ def cell(device: torch.device, rows: int, context: int, heads: int = HEADS, kv_h
         try:
             err = (fn().float().reshape(reference.shape) - reference).abs().max().item() if checked else None
             us = timed_us(fn, device)
-        except Exception as e:  # a backend or private op that refuses these inputs, or is missing from this torch
+        except REFUSALS as e:  # a backend or private op that refuses these inputs, or is missing from this torch
             out.append({"batch": rows, "context": context, "case": name, "us": None,
                         "note": f"{type(e).__name__}: {str(e)[:80]}"})
             return
@@ -132,7 +134,7 @@ def cell(device: torch.device, rows: int, context: int, heads: int = HEADS, kv_h
         row("flex block mask", block_mask)
         block = block_mask()
         row("flex", lambda: flex(query, key, value, block_mask=block, enable_gqa=True, scale=scale), True)
-    except Exception as e:  # no flex_attention in this torch, or no compiler for it on this machine
+    except REFUSALS as e:  # no flex_attention in this torch, or no compiler for it on this machine
         out.append({"batch": rows, "context": context, "case": "flex", "us": None,
                     "note": f"{type(e).__name__}: {str(e)[:80]}"})
     # K/V as views of buffers with room to grow (a cache that writes in place instead of concatenating): the

@@ -193,8 +193,8 @@ def process_spread(runs: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
 
 def spread_markdown(spread: dict[str, dict[str, dict[str, float]]]) -> str:
     """`process_spread` as a table."""
-    lines = ["| set | mode | processes | set medians, lowest / highest | gap between two processes' medians: median "
-             "/ 90th percentile of pairs | the same, total-time speedup |", "|---|---|---|---|---|---|"]
+    lines = [("| set | mode | processes | set medians, lowest / highest | gap between two processes' medians: median "
+              "/ 90th percentile of pairs | the same, total-time speedup |"), "|---|---|---|---|---|---|"]
     for name, modes in spread.items():
         for mode, x in modes.items():
             lines.append(f"| {name} | {mode} | {x['processes']} | {x['low']:.2f}x / {x['high']:.2f}x "
