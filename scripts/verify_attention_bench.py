@@ -41,6 +41,7 @@ import torch.nn.functional as F
 HEADS, KV_HEADS, HEAD_DIM, NODES = 32, 8, 128, 16
 #: how a backend, a private op missing from this torch or a compiler missing from this machine refuses a case
 REFUSALS = (RuntimeError, AttributeError, TypeError, NotImplementedError, ImportError, ValueError)
+_compiled_flex = None  # torch.compile(flex_attention), made on first use
 
 
 def timed_us(fn, device: torch.device, repeats: int = 50, warmup: int = 10) -> float:
@@ -193,8 +194,10 @@ def flex_parts(mask, rows, n, length, device):
     def mask_mod(b, h, q_idx, kv_idx):
         return allowed[b, q_idx, kv_idx]
 
-    return (torch.compile(flex_attention, dynamic=False),
-            lambda: create_block_mask(mask_mod, rows, None, n, length, device=device))
+    global _compiled_flex
+    if _compiled_flex is None:  # one compiled function for every cell: dynamo compiles again at most once, with
+        _compiled_flex = torch.compile(flex_attention)  # dynamic shapes (compiling per cell costs a GPU call minutes)
+    return _compiled_flex, lambda: create_block_mask(mask_mod, rows, None, n, length, device=device)
 
 
 def main() -> None:
