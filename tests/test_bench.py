@@ -38,6 +38,8 @@ def test_bench_results_have_every_field(tmp_path):
     for name, e in entry.items():
         assert {"tok_s_median", "tok_s_iqr", "speedup_median", "speedup_total", "speedups", "mismatches", "prompts"} <= set(e)
         assert e["mismatches"] == []  # greedy: every mode reproduces plain generate()
+        # per call (3 prompts x 2 repeats): tokens and seconds, whose ratio is the call's rate
+        assert len(e["tokens"]) == len(e["seconds"]) == len(e["speedups"]) == 6 and all(e["tokens"])
         if name.startswith("eagle"):
             assert {"mean_acceptance_length", "acceptance_per_position", "drafter_share"} <= set(e)
     assert entry["plain"]["speedup_median"] == 1.0

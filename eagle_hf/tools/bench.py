@@ -143,7 +143,8 @@ def run_benchmark(
     for set_name in prompt_sets:
         prompts = load_prompt_set(set_name, limit=limit)
         batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-        per_mode = {m.name: {"tok_s": [], "tokens": 0, "time": 0.0, "stats": [], "mismatches": []} for m in modes}
+        per_mode = {m.name: {"tok_s": [], "tokens": 0, "time": 0.0, "stats": [], "mismatches": [], "call_tokens": [],
+                             "call_seconds": []} for m in modes}
         for r in range(repeats):
             for i, batch in enumerate(tqdm(batches, desc=f"{set_name} (repeat {r + 1}/{repeats})")):
                 pid = ",".join(p for p, _ in batch)
@@ -159,6 +160,8 @@ def run_benchmark(
                     rec["tok_s"].append(tokens / elapsed)
                     rec["tokens"] += int(tokens)
                     rec["time"] += elapsed
+                    rec["call_tokens"].append(int(tokens))
+                    rec["call_seconds"].append(elapsed)
                     if mode.uses_drafter:
                         rec["stats"].append(last_stats())
                     outputs[mode.name] = new
@@ -189,6 +192,10 @@ def summarize(per_mode: dict, n_prompts: int) -> dict:
             "speedup_median": statistics.median(ratios),
             "speedup_total": (rec["tokens"] / rec["time"]) / (per_mode["plain"]["tokens"] / per_mode["plain"]["time"]),
             "speedups": ratios,  # per prompt (or batch), in prompt order: runs compare prompt by prompt
+            # per call, in the same order: tokens generated (a batch's rows up to their EOS) and seconds (a rate
+            # can fall because a call took longer, or because its text ended sooner)
+            "tokens": rec["call_tokens"],
+            "seconds": [round(x, 4) for x in rec["call_seconds"]],
             "mismatches": rec["mismatches"],
         }
         if rec["stats"]:
