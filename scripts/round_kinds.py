@@ -1,7 +1,8 @@
 """Where the default mode's time goes against copy drafting alone's, by kind of round (issue 35).
 
 Runs copy alone and the default on one prompt set, interleaved per prompt, and sorts every round of every call by
-its kind: a plain step (``fallback``, ``final``), copies alone, the drafter alone, or both. Per kind: rounds, wall
+its kind: a plain step (``fallback``, ``final``), copies alone, the drafter alone, or both (where the drafter drafts,
+why: its rounds pay, a first try, a paced try, or it joins copies where its margin pays). Per kind: rounds, wall
 seconds (from the end of the previous round to the end of this one: the whole loop's time, the forwards included),
 tokens emitted (accepted drafts + 1). In float32 both modes write plain `generate()`'s text, so the two calls of a
 prompt differ only in how they drafted it.
@@ -22,6 +23,7 @@ import torch
 
 from eagle_hf.drafter.default import load_drafter, load_target
 from eagle_hf.speculation import speculator
+from eagle_hf.speculation.schedule import DraftLengthController
 from eagle_hf.tools.evaluation import chat_inputs, load_prompt_set
 
 PLAIN = ("fallback", "final")
@@ -32,6 +34,20 @@ def record_rounds(log: list):
     Returns `new_call()`, to call before each generate() (it clears the log; a call's prefill starts its clock)."""
     original = speculator.Speculator.end_round
     last = {"t": None}
+    choose, probe_due = DraftLengthController.choose, DraftLengthController._probe_due
+
+    def choose_noting(self):  # why the controller drafts: its rounds pay, a first try, or a paced try (probe)
+        self.why = None
+        depth = choose(self)
+        if depth > 0 and self.why is None:
+            self.why = "pays" if self._drafting else "first try"
+        return depth
+
+    def probe_noting(self, k, gain):
+        due = probe_due(self, k, gain)
+        if due:
+            self.why = "try"
+        return due
 
     def end_round(self, accepted, last_token, path=None, cut=False):
         kind = self.round
@@ -39,6 +55,8 @@ def record_rounds(log: list):
             copies = self.copy is not None and bool(self.copy.branches)
             kind = {(True, True): "both", (True, False): "drafter alone"}.get((self.eagle_depth > 0, copies),
                                                                             "copies alone")
+            if self.eagle_depth > 0 and self.controller is not None:
+                kind += f" ({getattr(self.controller, 'why', None) or 'joins copies'})"
         record = original(self, accepted, last_token, path, cut)
         now = time.perf_counter()
         if kind != "prefill" and last["t"] is not None:
@@ -51,6 +69,7 @@ def record_rounds(log: list):
         last["t"] = None
 
     speculator.Speculator.end_round = end_round
+    DraftLengthController.choose, DraftLengthController._probe_due = choose_noting, probe_noting
     return new_call
 
 
