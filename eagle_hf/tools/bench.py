@@ -143,8 +143,8 @@ def run_benchmark(
     for set_name in prompt_sets:
         prompts = load_prompt_set(set_name, limit=limit)
         batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-        per_mode = {m.name: {"tok_s": [], "tokens": 0, "time": 0.0, "stats": [], "mismatches": [], "call_tokens": [],
-                             "call_seconds": []} for m in modes}
+        # per mode, per call: tokens generated and seconds (rates and totals are derived in `summarize`)
+        per_mode = {m.name: {"tokens": [], "seconds": [], "stats": [], "mismatches": []} for m in modes}
         for r in range(repeats):
             for i, batch in enumerate(tqdm(batches, desc=f"{set_name} (repeat {r + 1}/{repeats})")):
                 pid = ",".join(p for p, _ in batch)
@@ -157,11 +157,8 @@ def run_benchmark(
                     new, elapsed = _generate(target, enc, mode, max_new_tokens, temperature, seed + r * len(batches) + i)
                     rec = per_mode[mode.name]
                     tokens = generated_tokens(new, eos) if batch_size > 1 else new.shape[1]
-                    rec["tok_s"].append(tokens / elapsed)
-                    rec["tokens"] += int(tokens)
-                    rec["time"] += elapsed
-                    rec["call_tokens"].append(int(tokens))
-                    rec["call_seconds"].append(elapsed)
+                    rec["tokens"].append(int(tokens))
+                    rec["seconds"].append(elapsed)
                     if mode.uses_drafter:
                         rec["stats"].append(last_stats())
                     outputs[mode.name] = new
@@ -180,22 +177,26 @@ def run_benchmark(
 
 
 def summarize(per_mode: dict, n_prompts: int) -> dict:
-    base = per_mode["plain"]["tok_s"]
+    def rate(rec):  # tokens per second of each call, and of all calls together
+        return [t / s for t, s in zip(rec["tokens"], rec["seconds"])], sum(rec["tokens"]) / sum(rec["seconds"])
+
+    base, base_total = rate(per_mode["plain"])
     out = {}
     for name, rec in per_mode.items():
-        ratios = [a / b for a, b in zip(rec["tok_s"], base)]
-        q = statistics.quantiles(rec["tok_s"], n=4) if len(rec["tok_s"]) > 1 else [rec["tok_s"][0]] * 3
+        tok_s, total = rate(rec)
+        ratios = [a / b for a, b in zip(tok_s, base)]
+        q = statistics.quantiles(tok_s, n=4) if len(tok_s) > 1 else [tok_s[0]] * 3
         entry = {
             "prompts": n_prompts,
-            "tok_s_median": statistics.median(rec["tok_s"]),
+            "tok_s_median": statistics.median(tok_s),
             "tok_s_iqr": [q[0], q[2]],
             "speedup_median": statistics.median(ratios),
-            "speedup_total": (rec["tokens"] / rec["time"]) / (per_mode["plain"]["tokens"] / per_mode["plain"]["time"]),
+            "speedup_total": total / base_total,
             "speedups": ratios,  # per prompt (or batch), in prompt order: runs compare prompt by prompt
             # per call, in the same order: tokens generated (a batch's rows up to their EOS) and seconds (a rate
             # can fall because a call took longer, or because its text ended sooner)
-            "tokens": rec["call_tokens"],
-            "seconds": [round(x, 4) for x in rec["call_seconds"]],
+            "tokens": rec["tokens"],
+            "seconds": [round(x, 4) for x in rec["seconds"]],
             "mismatches": rec["mismatches"],
         }
         if rec["stats"]:
