@@ -452,6 +452,43 @@ def test_nothing_is_measured_before_the_first_token():
     assert costs.cost_model(target, drafter).observed  # the call's own forwards taught the model
 
 
+def test_a_calls_acceptance_is_the_next_calls_start():
+    """What a call learnt of its drafter's acceptance starts the process's next call of the same kind, worth one
+    observation per depth (a new text moves it within a round or two), and no longer seeded by the drafter's
+    confidences; another kind of call (sampling, another shape) starts afresh."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    greedy = eagle_hf.DraftSettings()
+    first = costs.controller_for(target, drafter, greedy)
+    assert not first.acceptance.seeded and not first._tried  # nothing known: a flat prior, and a first try
+    for _ in range(6):  # the drafter's first draft is accepted, its second never
+        first.update(5, 1, [0.9] * 5)
+    costs.keep_acceptance(drafter, greedy, first)
+    second = costs.controller_for(target, drafter, greedy)
+    a = second.acceptance
+    assert a.values == first.acceptance.values and a.seen == [1, 1, 0, 0, 0]
+    assert second._tried  # known: drafted only where its rounds are expected to pay, no first try
+    second.update(5, 0, [0.99] * 5)  # one miss moves it by a quarter; the confidences seed nothing
+    assert a.values[0] == pytest.approx(first.acceptance.values[0] * 0.75) and a.values[1] == first.acceptance.values[1]
+    assert first.acceptance.seen[0] == 6  # (the kept call's own estimate is not touched)
+    assert not costs.controller_for(target, drafter, greedy, sampling=True).acceptance.seeded
+    assert not costs.controller_for(target, drafter, eagle_hf.DraftSettings(mode="chain")).acceptance.seeded
+    costs.keep_acceptance(drafter, greedy, costs.controller_for(target, drafter, greedy, sampling=True), sampling=True)
+    assert not costs.controller_for(target, drafter, greedy, sampling=True).acceptance.seeded  # (never drafted:
+    # nothing kept)
+
+
+def test_generate_carries_the_acceptance_to_the_next_call():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids = torch.randint(1, 96, (1, 6))
+    target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter)
+    (key, kept), = costs._ACCEPTANCE[drafter].items()
+    assert key[-1] is False and kept.seeded  # (greedy)
+    target.generate(ids, max_new_tokens=12, do_sample=True, assistant_model=drafter)
+    assert sorted(k[-1] for k in costs._ACCEPTANCE[drafter]) == [False, True]
+
+
 @pytest.mark.parametrize("family,mode", [("llama", "chain"), ("gemma3", "chain"), ("llama", "tree"), ("qwen3", "tree")])
 def test_adaptive_default_is_exact_and_stats_add_up(family, mode):
     target = tiny_target(family)

@@ -52,6 +52,7 @@ class EagleCall:
     route: object | None = None  # which loop runs the call (`eagle_hf.hf.routing.Route`)
     streamer: object | None = None  # the call's streamer (tree mode feeds it itself)
     timers: list[Timer] = field(default_factory=list)  # the call's device clocks (`close`d when it returns)
+    sampling: bool = False  # whether the call samples (its drafter's acceptance is kept apart from greedy calls')
 
     def close(self, hand_over: bool = True) -> None:
         """The call returned: its timers hand over what is done (`hand_over`) and let go of the rest

@@ -1,5 +1,6 @@
-"""The cost model of a target on its device (learnt, kept per model object and on disk), and the adaptive
-schedule's controller for one call."""
+"""The cost model of a target on its device (learnt, kept per model object and on disk), the drafter's
+acceptance (kept per drafter object, from one call to the next), and the adaptive schedule's controller for one
+call."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ COST_CACHE_ENV = "EAGLE_HF_COST_CACHE"
 _COST_FORMAT = 2
 #: per model object (weakly: a model that is gone takes its costs with it) -> key -> cost model
 _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: per drafter object (weakly) -> kind of call (`_acceptance_key`) -> the acceptance its last call ended with
+_ACCEPTANCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def cost_model(target, drafter=None, compiled: bool = False) -> CostModel:
@@ -98,14 +101,18 @@ def _read_persisted(target, key: str) -> CostModel | None:
         return None
 
 
-def controller_for(target, drafter, settings: DraftSettings, compiled: bool = False) -> DraftLengthController | None:
+def controller_for(target, drafter, settings: DraftSettings, compiled: bool = False,
+                   sampling: bool = False) -> DraftLengthController | None:
     """The per-call controller of the "adaptive" schedule (None for fixed schedules), chain or tree, on the costs
-    of the forward that verifies (`compiled`: transformers' compiled one)."""
+    of the forward that verifies (`compiled`: transformers' compiled one), starting from the acceptance the
+    drafter's last call of the same kind ended with (`keep_acceptance`; `sampling`: whether the call samples)."""
     if not settings.adaptive:
         return None
     tree = settings.mode == "tree"
+    known = _ACCEPTANCE.get(drafter, {}).get(_acceptance_key(settings, sampling)) if drafter is not None else None
     return DraftLengthController(
         cost_model(target, drafter, compiled),
+        acceptance=known.carried() if known is not None else None,
         max_draft=settings.depth,
         probe_every=settings.probe_every,
         min_gain=settings.min_gain,
@@ -114,3 +121,17 @@ def controller_for(target, drafter, settings: DraftSettings, compiled: bool = Fa
         drafts=settings.uses_eagle,
         copying=settings.uses_copy,
     )
+
+
+def keep_acceptance(drafter, settings: DraftSettings, controller: DraftLengthController | None,
+                    sampling: bool = False) -> None:
+    """What the call's drafting taught of the drafter's acceptance, as the start of its next call of the same kind
+    in this process (`AcceptanceEstimate.carried`): a call that never drafted leaves the last one's."""
+    if drafter is not None and controller is not None and controller.acceptance.seeded:
+        _ACCEPTANCE.setdefault(drafter, {})[_acceptance_key(settings, sampling)] = controller.acceptance
+
+
+def _acceptance_key(settings: DraftSettings, sampling: bool) -> tuple:
+    """Calls whose acceptance carries from one to the next: the same shape of draft and the same kind of
+    decoding (sampling accepts fewer drafts than greedy decoding)."""
+    return settings.mode, settings.top_k, settings.depth, sampling

@@ -32,7 +32,7 @@ from .call import (
     speculators_for,
 )
 from .candidate import EagleCandidateGenerator
-from .costs import controller_for, keep_costs
+from .costs import controller_for, keep_acceptance, keep_costs
 from .routing import route
 from .stopping import eos_ids, trim_at_stopping_criteria
 from .tree_loop import tree_custom_generate
@@ -60,11 +60,11 @@ def generate(self, *args, **kwargs):
     settings = DraftSettings.resolve(saved, kwargs.get("generation_config"),
                                      {k: kwargs.pop(k, None) for k in CALL_KEYWORDS})
     call = EagleCall(drafter, aux_ids, settings, listeners=list(kwargs.pop("draft_listeners", None) or []),
-                     streamer=kwargs.get("streamer"))
+                     streamer=kwargs.get("streamer"), sampling=_samples(self, kwargs))
     if drafter is not None:
         prepare_drafter(self, drafter)
     call.route = route(self, drafter, settings, kwargs)  # which loop runs the call, decided once
-    call.controller = controller_for(self, drafter, settings)
+    call.controller = controller_for(self, drafter, settings, sampling=call.sampling)
     if call.route.loop == "eagle_hf":
         kwargs.pop("assistant_model", None)
         kwargs["custom_generate"] = tree_custom_generate
@@ -87,6 +87,8 @@ def _run(self, kwargs: dict, call: EagleCall):
         call.stats.total_time = time.perf_counter() - start
     if call.controller is not None:
         keep_costs(self)  # what this call's timed forwards taught, for the next process
+        if returned:  # and its drafting, for the next call
+            keep_acceptance(call.drafter, call.settings, call.controller, call.sampling)
     prompt_len = prompt_length(kwargs)
     if batch_rows(kwargs) == 1:  # a batch was cut per row in eagle_hf's loop, and counted there
         out = trim_at_stopping_criteria(out, prompt_len, kwargs)
@@ -96,6 +98,13 @@ def _run(self, kwargs: dict, call: EagleCall):
     _set_last(call.stats)
     logger.info("EAGLE generate (%s): %s", call.settings.mode, call.stats.summary())
     return out
+
+
+def _samples(target, kwargs: dict) -> bool:
+    """Whether the call samples: its ``do_sample``, else its generation config's, else the target's."""
+    if kwargs.get("do_sample") is not None:
+        return bool(kwargs["do_sample"])
+    return bool(getattr(kwargs.get("generation_config") or target.generation_config, "do_sample", False))
 
 
 def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,

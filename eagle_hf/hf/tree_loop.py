@@ -458,7 +458,7 @@ def tree_custom_generate(model, input_ids, logits_processor, stopping_criteria, 
     compiled = (model.get_compiled_call(generation_config.compile_config)
                 if model._valid_auto_compile_criteria(model_kwargs, generation_config) else None)
     if compiled is not None and call.controller is not None:  # the schedule plans on the compiled forward's costs
-        call.controller = controller_for(model, call.drafter, call.settings, compiled=True)
+        call.controller = controller_for(model, call.drafter, call.settings, compiled=True, sampling=call.sampling)
     call, speculators = speculators_for(model, input_ids.shape[0], eos_ids(generation_config))
     loop = TreeLoop(model, speculators, call.aux_ids, cache, logits_processor, stopping_criteria, generation_config,
                     call.streamer, compiled)

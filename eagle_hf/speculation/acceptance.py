@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: observations per depth a call's estimate is worth when the next call of the process starts from it: a new text
+#: moves it within a round or two, as a fresh prior would be moved
+CARRY_WEIGHT = 1
+
 
 @dataclass
 class AcceptanceEstimate:
@@ -29,6 +33,15 @@ class AcceptanceEstimate:
             run *= a
             total += run
         return total
+
+    def carried(self) -> AcceptanceEstimate:
+        """This estimate as the start of the process's next call: its values, each depth's observations capped at
+        `CARRY_WEIGHT` (the drafter's confidences no longer seed a depth that was observed). A call starting from
+        the flat prior (or the first round's confidences) spends its first rounds relearning what the last call
+        knew: on translation the trained drafter's confidences promise deep trees, and several rounds of depth 5
+        yield one token each before the estimate falls to depth 1."""
+        return AcceptanceEstimate(self.depth, self.prior, self.prior_weight, self.decay, list(self.values),
+                                  [min(n, CARRY_WEIGHT) for n in self.seen])
 
     @property
     def seeded(self) -> bool:

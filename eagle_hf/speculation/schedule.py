@@ -50,18 +50,20 @@ class DraftLengthController:
     """Chooses the draft length (chain) or depth (tree) of each round; 0 means decode this round plainly.
 
     `tree`: (top_k, total_tokens) to cost trees of depth k instead of chains of k; `rows`: rows verified together;
-    `acceptance`: the starting estimate per depth (default: a flat prior); `drafts`: whether a drafter drafts
+    `acceptance`: the starting estimate, per depth or as an `AcceptanceEstimate` (the process's last call's,
+    `AcceptanceEstimate.carried`; default: a flat prior); `drafts`: whether a drafter drafts
     (False: copy branches alone, which a batch's schedule times, rests and probes all the same); `copying`: whether
     copy branches draft (False: the drafter alone, a batch's only kind of drafting round)."""
 
     def __init__(self, cost: CostModel, max_draft: int = 8, probe_every: int = 16, max_probe_every: int = 64,
                  min_gain: float = 1.0, keep_gain: float = 0.95, tree: tuple[int, int] | None = None, rows: int = 1,
-                 warmup: int = 8, acceptance: list[float] | None = None, plain_every: int = 16,
+                 warmup: int = 8, acceptance: list[float] | AcceptanceEstimate | None = None, plain_every: int = 16,
                  loss_budget: float = 0.03, drafts: bool = True, copying: bool = True):
         self.max_draft, self.drafts, self.copying = max_draft, drafts, copying
         self.min_gain, self.keep_gain = min_gain, keep_gain  # start drafting above min_gain, keep until keep_gain
         self.warmup = warmup  # rounds observed at the first depth before `keep_gain` applies
-        self.acceptance = AcceptanceEstimate(max_draft, values=list(acceptance or []))
+        self.acceptance = (acceptance if isinstance(acceptance, AcceptanceEstimate)
+                           else AcceptanceEstimate(max_draft, values=list(acceptance or [])))
         self.costs = RoundCosts(cost, tree=tree, rows=rows)
         self.probe = Probe(probe_every, max_probe_every)
         self.kind_probe = Probe(probe_every, max_probe_every)  # a batch's tries of the kinds of drafting round
@@ -85,7 +87,8 @@ class DraftLengthController:
         self._preferred = self._drafter_plan = BESIDE  # the kinds a batch's timed rounds prefer, of all and of
         # those where its drafter drafts (`_plan`)
         self._drafting = True
-        self._tried = False  # whether a round drafted yet (the first round that does not pay probes instead)
+        self._tried = self.acceptance.seeded  # whether the drafter's acceptance was observed (in this call or the
+        # last one it starts from): a drafter never tried drafts once first, a known one only where its rounds pay
 
     @property
     def batch(self) -> bool:
