@@ -473,6 +473,7 @@ def test_a_calls_acceptance_is_the_next_calls_start():
     assert first.acceptance.seen[0] == 6  # (the kept call's own estimate is not touched)
     assert not costs.controller_for(target, drafter, greedy, sampling=True).acceptance.seeded
     assert not costs.controller_for(target, drafter, eagle_hf.DraftSettings(mode="chain")).acceptance.seeded
+    assert not costs.controller_for(target, drafter, eagle_hf.DraftSettings(draft_sources="eagle")).acceptance.seeded
     costs.keep_acceptance(drafter, greedy, costs.controller_for(target, drafter, greedy, sampling=True), sampling=True)
     assert not costs.controller_for(target, drafter, greedy, sampling=True).acceptance.seeded  # (never drafted:
     # nothing kept)

@@ -132,6 +132,8 @@ def keep_acceptance(drafter, settings: DraftSettings, controller: DraftLengthCon
 
 
 def _acceptance_key(settings: DraftSettings, sampling: bool) -> tuple:
-    """Calls whose acceptance carries from one to the next: the same shape of draft and the same kind of
-    decoding (sampling accepts fewer drafts than greedy decoding)."""
-    return settings.mode, settings.top_k, settings.depth, sampling
+    """Calls whose acceptance carries from one to the next: the same shape of draft, the same sources (beside
+    copies the drafter drafts in the rounds copies leave it, the harder ones) and the same kind of decoding
+    (sampling accepts fewer drafts than greedy decoding). A benchmark that runs EAGLE alone and the default on
+    each prompt in turn thus starts neither from the other's call on the same prompt."""
+    return settings.mode, settings.top_k, settings.depth, settings.uses_copy, sampling
