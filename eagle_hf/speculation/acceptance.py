@@ -6,7 +6,7 @@ k yields ``E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i`` tokens: the accepted drafts
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 #: observations per depth a call's estimate is worth when the next call of the process starts from it: a new text
 #: moves it within a round or two, as a fresh prior would be moved
@@ -40,8 +40,7 @@ class AcceptanceEstimate:
         the flat prior (or the first round's confidences) spends its first rounds relearning what the last call
         knew: on translation the trained drafter's confidences promise deep trees, and several rounds of depth 5
         yield one token each before the estimate falls to depth 1."""
-        return AcceptanceEstimate(self.depth, self.prior, self.prior_weight, self.decay, list(self.values),
-                                  [min(n, CARRY_WEIGHT) for n in self.seen])
+        return replace(self, values=list(self.values), seen=[min(n, CARRY_WEIGHT) for n in self.seen])
 
     @property
     def seeded(self) -> bool:
