@@ -146,6 +146,18 @@ def test_best_of_sources_chooses_on_one_repeat_and_scores_on_the_others():
     assert v.verdict == "behind" and v.relative == pytest.approx(-0.25)
 
 
+def test_the_worst_prompts_are_explained_by_the_repeat_that_scored_them():
+    """One repeat in each of two processes: the ratios are the second process's, so are the round records."""
+    from eagle_hf.tools.best_of_sources import compare
+
+    run1 = _run({"eagle default": [2.0] * 4, "copy alone": [2.2] * 4}, repeats=1)
+    run2 = _run({"eagle default": [2.0, 2.0, 0.5, 2.0], "copy alone": [2.0] * 4}, repeats=1)
+    run2["sets"]["s"]["eagle default"]["calls"] = [
+        {"cycles": c, "plain_steps": 0, "drafted_by_source": {}, "accepted_by_source": {}} for c in (7, 7, 2, 7)]
+    (v,) = compare([run1, run2])
+    assert v.worst[0]["prompt"] == 2 and v.worst[0]["default"]["cycles"] == 2  # run 2's call, not run 1's (3)
+
+
 def test_the_swap_band_is_the_noise_of_a_median_over_these_prompts():
     """Swapping each prompt's values between two runs at random: identical runs give a band of 0; runs that differ
     prompt by prompt give a band however close their medians happen to land; the same values, the same band."""

@@ -159,7 +159,7 @@ def compare(runs: list[dict], default: str = DEFAULT_MODE, singles: tuple[str, .
             default=statistics.median(scored[default]), best=statistics.median(scored[chosen]),
             by_mode={m: statistics.median(x for rep in reps for x in rep) for m, reps in repeats.items()},
             per_process=per_process, ratio_quartiles=(q[0], statistics.median(ratios), q[2]),
-            worst=[_explain(runs[0]["sets"][name], n, i, ratios[i], default, chosen) for i in order],
+            worst=[_explain(_scoring_run(runs)["sets"][name], n, i, ratios[i], default, chosen) for i in order],
             swap_band=swap_band,
             paired={m: paired_move(reps[0], reps[-1]) for m, reps in repeats.items()}))
     return verdicts
@@ -203,9 +203,14 @@ def spread_markdown(spread: dict[str, dict[str, dict[str, float]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _scoring_run(runs: list[dict]) -> dict:
+    """The run that holds the first scoring repeat: the first run where it repeated, else the second run."""
+    return runs[0] if runs[0]["settings"]["repeats"] > 1 or len(runs) == 1 else runs[1]
+
+
 def _explain(modes: dict, n: int, prompt: int, ratio: float, default: str, chosen: str) -> dict:
-    """What the default and the chosen source did on one prompt of `n` (the first scoring repeat: the second of
-    the first run, or the first of the second run)."""
+    """What the default and the chosen source did on one prompt of `n` in the first scoring repeat (`modes`: the
+    run that holds it, `_scoring_run`; the second repeat of a run that repeated, else the second run's first)."""
     out = {"prompt": prompt, "ratio": ratio}
     for label, mode in (("default", default), ("chosen", chosen)):
         calls = modes[mode].get("calls") or []
