@@ -154,12 +154,13 @@ def compare(runs: list[dict], default: str = DEFAULT_MODE, singles: tuple[str, .
             per_process.append(statistics.median(x for rep in repeats[default][start : start + count] for x in rep))
             start += count
         order = sorted(range(n), key=lambda i: ratios[i])[:worst]
+        run, repeat = _scoring_run(runs)
         verdicts.append(SetVerdict(
             name=name, prompts=n, band=band, chosen=chosen,
             default=statistics.median(scored[default]), best=statistics.median(scored[chosen]),
             by_mode={m: statistics.median(x for rep in reps for x in rep) for m, reps in repeats.items()},
             per_process=per_process, ratio_quartiles=(q[0], statistics.median(ratios), q[2]),
-            worst=[_explain(_scoring_run(runs)["sets"][name], n, i, ratios[i], default, chosen) for i in order],
+            worst=[_explain(run["sets"][name], repeat * n + i, i, ratios[i], default, chosen) for i in order],
             swap_band=swap_band,
             paired={m: paired_move(reps[0], reps[-1]) for m, reps in repeats.items()}))
     return verdicts
@@ -203,18 +204,18 @@ def spread_markdown(spread: dict[str, dict[str, dict[str, float]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _scoring_run(runs: list[dict]) -> dict:
-    """The run that holds the first scoring repeat: the first run where it repeated, else the second run."""
-    return runs[0] if runs[0]["settings"]["repeats"] > 1 or len(runs) == 1 else runs[1]
+def _scoring_run(runs: list[dict]) -> tuple[dict, int]:
+    """(the run that holds the first scoring repeat, that repeat's index in it): the first run's second repeat
+    where it repeated, else the second run's first."""
+    return (runs[0], 1) if runs[0]["settings"]["repeats"] > 1 or len(runs) == 1 else (runs[1], 0)
 
 
-def _explain(modes: dict, n: int, prompt: int, ratio: float, default: str, chosen: str) -> dict:
-    """What the default and the chosen source did on one prompt of `n` in the first scoring repeat (`modes`: the
-    run that holds it, `_scoring_run`; the second repeat of a run that repeated, else the second run's first)."""
+def _explain(modes: dict, at: int, prompt: int, ratio: float, default: str, chosen: str) -> dict:
+    """What the default and the chosen source did on one prompt in the first scoring repeat (`modes`: the run
+    that holds it, `at`: the prompt's call there, `_scoring_run`)."""
     out = {"prompt": prompt, "ratio": ratio}
     for label, mode in (("default", default), ("chosen", chosen)):
         calls = modes[mode].get("calls") or []
-        at = n + prompt if len(calls) >= 2 * n else prompt
         if at < len(calls):
             out[label] = calls[at]
     return out
