@@ -40,6 +40,7 @@ def test_bench_results_have_every_field(tmp_path):
         assert e["mismatches"] == []  # greedy: every mode reproduces plain generate()
         # per call (3 prompts x 2 repeats): tokens and seconds, whose ratio is the call's rate
         assert len(e["tokens"]) == len(e["seconds"]) == len(e["speedups"]) == 6 and all(e["tokens"])
+        assert e["texts"] == entry["plain"]["texts"]  # float32, greedy: every call wrote plain's text
         if name.startswith("eagle"):
             assert {"mean_acceptance_length", "acceptance_per_position", "drafter_share"} <= set(e)
     assert entry["plain"]["speedup_median"] == 1.0
@@ -156,6 +157,25 @@ def test_the_worst_prompts_are_explained_by_the_repeat_that_scored_them():
         {"cycles": c, "plain_steps": 0, "drafted_by_source": {}, "accepted_by_source": {}} for c in (7, 7, 2, 7)]
     (v,) = compare([run1, run2])
     assert v.worst[0]["prompt"] == 2 and v.worst[0]["default"]["cycles"] == 2  # run 2's call, not run 1's (3)
+
+
+def test_calls_are_split_by_whether_the_default_wrote_the_chosen_sources_text():
+    """bf16 flips near-ties: a loss where the two wrote different texts is the text's, not the decisions'. The
+    split reads the scoring calls only; the worst prompts say whether their texts were the same."""
+    from eagle_hf.tools.best_of_sources import compare, markdown
+
+    run = _run({"eagle default": [2.0] * 4 + [2.0, 2.0, 1.0, 2.1], "copy alone": [2.0] * 8}, repeats=2)
+    sets = run["sets"]["s"]
+    sets["eagle default"].update(texts=list("abcdabxd"), tokens=[128] * 6 + [40, 128])
+    sets["copy alone"].update(texts=list("abcdabcd"), tokens=[128] * 8)
+    (v,) = compare([run])
+    assert sorted(v.by_text["same"]) == pytest.approx([1.0, 1.0, 1.05]) and v.by_text["different"] == [0.5]
+    assert v.worst[0]["prompt"] == 2 and v.worst[0]["tokens"] == {"default": 40, "chosen": 128}
+    text = markdown([v], [run])
+    assert "| s | 3 of 4 | 1.00 (1.00-1.05) | 0.50 |" in text and "different: 40 / 128 tokens" in text
+    del sets["eagle default"]["texts"]  # runs from before the fingerprints: no split, no note
+    (v,) = compare([run])
+    assert v.by_text is None and "Same text" not in markdown([v], [run])
 
 
 def test_the_swap_band_is_the_noise_of_a_median_over_these_prompts():

@@ -7,6 +7,7 @@ and exactness: at temperature 0 every output is compared to the baseline's.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import platform
@@ -116,6 +117,17 @@ def generated_tokens(new: torch.Tensor, eos: set[int]) -> int:
     return total
 
 
+def text_hash(new: torch.Tensor, eos: set[int]) -> str:
+    """A short fingerprint of the text a call wrote ([B, n] new columns, each row up to its first EOS): in bf16
+    two modes may write different texts (a multi-token forward flips a near-tie), and their speeds compare fairly
+    only where the texts are the same."""
+    digest = hashlib.sha1()
+    for row in new.tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        digest.update(repr(row[:end]).encode())
+    return digest.hexdigest()[:12]
+
+
 def run_benchmark(
     target,
     tokenizer,
@@ -143,8 +155,8 @@ def run_benchmark(
     for set_name in prompt_sets:
         prompts = load_prompt_set(set_name, limit=limit)
         batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-        # per mode, per call: tokens generated and seconds (rates and totals are derived in `summarize`)
-        per_mode = {m.name: {"tokens": [], "seconds": [], "stats": [], "mismatches": []} for m in modes}
+        # per mode, per call: tokens generated, seconds (rates and totals are derived in `summarize`), text written
+        per_mode = {m.name: {"tokens": [], "seconds": [], "texts": [], "stats": [], "mismatches": []} for m in modes}
         for r in range(repeats):
             for i, batch in enumerate(tqdm(batches, desc=f"{set_name} (repeat {r + 1}/{repeats})")):
                 pid = ",".join(p for p, _ in batch)
@@ -159,6 +171,7 @@ def run_benchmark(
                     tokens = generated_tokens(new, eos) if batch_size > 1 else new.shape[1]
                     rec["tokens"].append(int(tokens))
                     rec["seconds"].append(elapsed)
+                    rec["texts"].append(text_hash(new, eos))
                     if mode.uses_drafter:
                         rec["stats"].append(last_stats())
                     outputs[mode.name] = new
@@ -197,6 +210,7 @@ def summarize(per_mode: dict, n_prompts: int) -> dict:
             # can fall because a call took longer, or because its text ended sooner)
             "tokens": rec["tokens"],
             "seconds": [round(x, 4) for x in rec["seconds"]],
+            "texts": rec["texts"],  # per call, a fingerprint of the text written (`text_hash`)
             "mismatches": rec["mismatches"],
         }
         if rec["stats"]:

@@ -21,7 +21,11 @@ of `eagle-hf bench` with two or more repeats) and reports:
 * *paired, run against run*: each prompt's speedup in the last run (the second process) over the first, per mode;
   their median (does the mode move as a whole?) and the median size of a prompt's move (how much does one prompt's
   speedup wander?), the default's beside the controls' largest. A set median over 20 prompts whose speedups span
-  1.3x-10x can jump by a gap between neighbours; the paired figures cannot.
+  1.3x-10x can jump by a gap between neighbours; the paired figures cannot;
+* *same text or not*: in bf16 a multi-token forward flips near-ties, so the default and the chosen source may write
+  different texts for one prompt, and a text that ends sooner or copies less runs at another speed whatever the
+  decisions. Where the runs record a fingerprint of each call's text (`eagle-hf bench` does), the per-call ratio
+  default / chosen is split into the calls where both wrote the same text (the decisions alone) and the others.
 
 Medians of per-prompt speedups over plain `generate()`, measured in the same run, prompt by prompt.
 """
@@ -58,6 +62,9 @@ class SetVerdict:
     swap_band: float = 0.0  # 90th percentile of a control's gap between two runs with prompts' values swapped
     # per mode, last run over first, prompt by prompt: (median ratio, median |log ratio|)
     paired: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # over the scoring calls, default / chosen per call: {"same": [...], "different": [...]} by whether the two
+    # wrote the same text (None where the runs hold no text fingerprints)
+    by_text: dict[str, list[float]] | None = None
 
     @property
     def relative(self) -> float:
@@ -104,6 +111,24 @@ def per_repeat(entry: dict, repeats: int) -> list[list[float]]:
     values = entry["speedups"]
     n = len(values) // repeats
     return [values[r * n : (r + 1) * n] for r in range(repeats)]
+
+
+def texts_per_repeat(entry: dict, repeats: int) -> list[list[str]] | None:
+    """A mode's per-call text fingerprints split by repeat, as `per_repeat` (None in runs that hold none)."""
+    texts = entry.get("texts")
+    if not texts:
+        return None
+    n = len(texts) // repeats
+    return [texts[r * n : (r + 1) * n] for r in range(repeats)]
+
+
+def split_by_text(ratios: list[list[float]], texts_a: list[list[str]], texts_b: list[list[str]]) -> dict:
+    """Per-call ratios (repeat by repeat, prompt by prompt) split by whether the two modes wrote the same text."""
+    out: dict[str, list[float]] = {"same": [], "different": []}
+    for rep, ta, tb in zip(ratios, texts_a, texts_b):
+        for r, a, b in zip(rep, ta, tb):
+            out["same" if a == b else "different"].append(r)
+    return out
 
 
 def paired_move(first: list[float], last: list[float]) -> tuple[float, float]:
@@ -155,6 +180,14 @@ def compare(runs: list[dict], default: str = DEFAULT_MODE, singles: tuple[str, .
             start += count
         order = sorted(range(n), key=lambda i: ratios[i])[:worst]
         run, repeat = _scoring_run(runs)
+        texts = {m: [texts_per_repeat(r["sets"][name][m], r["settings"]["repeats"]) for r in runs]
+                 for m in (default, chosen)}  # per run: its repeats' fingerprints (None in runs without)
+        by_text = None
+        if all(t is not None for ts in texts.values() for t in ts):
+            flat = {m: [rep for t in ts for rep in t] for m, ts in texts.items()}
+            by_text = split_by_text([[a / b for a, b in zip(d, c)] for d, c in
+                                     zip(repeats[default][1:], repeats[chosen][1:])],
+                                    flat[default][1:], flat[chosen][1:])
         verdicts.append(SetVerdict(
             name=name, prompts=n, band=band, chosen=chosen,
             default=statistics.median(scored[default]), best=statistics.median(scored[chosen]),
@@ -162,7 +195,7 @@ def compare(runs: list[dict], default: str = DEFAULT_MODE, singles: tuple[str, .
             per_process=per_process, ratio_quartiles=(q[0], statistics.median(ratios), q[2]),
             worst=[_explain(run["sets"][name], repeat * n + i, i, ratios[i], default, chosen) for i in order],
             swap_band=swap_band,
-            paired={m: paired_move(reps[0], reps[-1]) for m, reps in repeats.items()}))
+            paired={m: paired_move(reps[0], reps[-1]) for m, reps in repeats.items()}, by_text=by_text))
     return verdicts
 
 
@@ -218,7 +251,21 @@ def _explain(modes: dict, at: int, prompt: int, ratio: float, default: str, chos
         calls = modes[mode].get("calls") or []
         if at < len(calls):
             out[label] = calls[at]
+        for key in ("tokens", "texts"):  # what the call wrote: its length, its fingerprint
+            values = modes[mode].get(key) or []
+            if at < len(values):
+                out.setdefault(key, {})[label] = values[at]
     return out
+
+
+def _text_note(worst: dict) -> str:
+    """'same', or 'different: 46 / 128 tokens' (the default's / the chosen source's), or '–' without fingerprints."""
+    texts, tokens = worst.get("texts", {}), worst.get("tokens", {})
+    if len(texts) < 2:
+        return "–"
+    if texts["default"] == texts["chosen"]:
+        return "same"
+    return f"different: {tokens.get('default', '?')} / {tokens.get('chosen', '?')} tokens"
 
 
 def _sources(call: dict | None) -> str:
@@ -254,13 +301,34 @@ def markdown(verdicts: list[SetVerdict], runs: list[dict]) -> str:
             f"| {v.relative:+.1%} | ±{v.band:.1%} | ±{v.swap_band:.1%} | **{v.verdict}** | "
             + " / ".join(f"{x:.2f}x" for x in v.per_process) + _agreement(v)
             + " | " + " / ".join(f"{x:.2f}" for x in v.ratio_quartiles) + " | " + _paired(v) + " |")
+    split = [v for v in verdicts if v.by_text is not None]
+    if split:
+        lines += ["", ("Same text or not (bf16 flips near-ties, so two modes may write different texts): over the "
+                       "scoring calls, the default's speedup over the best single source's, call by call, where the "
+                       "two wrote the same text (their decisions alone) and where they did not."), "",
+                  "| set | calls with the same text | default / best there: median (quartiles) | other calls: "
+                  "median (quartiles) |", "|---|---|---|---|"]
+        for v in split:
+            same, other = v.by_text["same"], v.by_text["different"]
+            lines.append(f"| {v.name} | {len(same)} of {len(same) + len(other)} | {_quartiles(same)} "
+                         f"| {_quartiles(other)} |")
     lines += ["", "Worst prompts per set (what each drafted and got accepted in the first scoring repeat):", "",
-              "| set | prompt | default / best | default | best single |", "|---|---|---|---|---|"]
+              "| set | prompt | default / best | default | best single | text |", "|---|---|---|---|---|---|"]
     for v in verdicts:
         for w in v.worst:
             lines.append(f"| {v.name} | {w['prompt']} | {w['ratio']:.2f} | {_sources(w.get('default'))} "
-                         f"| {_sources(w.get('chosen'))} |")
+                         f"| {_sources(w.get('chosen'))} | {_text_note(w)} |")
     return "\n".join(lines) + "\n"
+
+
+def _quartiles(values: list[float]) -> str:
+    """'0.98 (0.91-1.06)', or '–' for none."""
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    q = statistics.quantiles(values, n=4)
+    return f"{statistics.median(values):.2f} ({q[0]:.2f}-{q[2]:.2f})"
 
 
 def _paired(v: SetVerdict) -> str:
