@@ -172,7 +172,9 @@ def test_calls_are_split_by_whether_the_default_wrote_the_chosen_sources_text():
     assert sorted(v.by_text["same"]) == pytest.approx([1.0, 1.0, 1.05]) and v.by_text["different"] == [0.5]
     assert v.worst[0]["prompt"] == 2 and v.worst[0]["tokens"] == {"default": 40, "chosen": 128}
     text = markdown([v], [run])
-    assert "| s | 3 of 4 | 1.00 (1.00-1.05) | 0.50 |" in text and "different: 40 / 128 tokens" in text
+    assert "| s | 3 of 4 | 1.00 (1.00-1.05) | 0.50 | 3 of 4, 4 of 4 |" in text
+    assert "different: 40 / 128 tokens" in text
+    assert v.steady_texts == {"eagle default": 3, "copy alone": 4}  # prompt 2: "c", then "x"
     del sets["eagle default"]["texts"]  # runs from before the fingerprints: no split, no note
     (v,) = compare([run])
     assert v.by_text is None and "Same text" not in markdown([v], [run])

@@ -65,6 +65,10 @@ class SetVerdict:
     # over the scoring calls, default / chosen per call: {"same": [...], "different": [...]} by whether the two
     # wrote the same text (None where the runs hold no text fingerprints)
     by_text: dict[str, list[float]] | None = None
+    # per mode (the default and the chosen source): the prompts whose text was the same in every run and repeat
+    # (a mode whose decisions follow timings may shape its verify differently in each run, and in bf16 write another
+    # text), out of all prompts
+    steady_texts: dict[str, int] = field(default_factory=dict)
 
     @property
     def relative(self) -> float:
@@ -182,12 +186,13 @@ def compare(runs: list[dict], default: str = DEFAULT_MODE, singles: tuple[str, .
         run, repeat = _scoring_run(runs)
         texts = {m: [texts_per_repeat(r["sets"][name][m], r["settings"]["repeats"]) for r in runs]
                  for m in (default, chosen)}  # per run: its repeats' fingerprints (None in runs without)
-        by_text = None
+        by_text, steady = None, {}
         if all(t is not None for ts in texts.values() for t in ts):
             flat = {m: [rep for t in ts for rep in t] for m, ts in texts.items()}
             by_text = split_by_text([[a / b for a, b in zip(d, c)] for d, c in
                                      zip(repeats[default][1:], repeats[chosen][1:])],
                                     flat[default][1:], flat[chosen][1:])
+            steady = {m: sum(len({rep[i] for rep in reps}) == 1 for i in range(n)) for m, reps in flat.items()}
         verdicts.append(SetVerdict(
             name=name, prompts=n, band=band, chosen=chosen,
             default=statistics.median(scored[default]), best=statistics.median(scored[chosen]),
@@ -195,7 +200,8 @@ def compare(runs: list[dict], default: str = DEFAULT_MODE, singles: tuple[str, .
             per_process=per_process, ratio_quartiles=(q[0], statistics.median(ratios), q[2]),
             worst=[_explain(run["sets"][name], repeat * n + i, i, ratios[i], default, chosen) for i in order],
             swap_band=swap_band,
-            paired={m: paired_move(reps[0], reps[-1]) for m, reps in repeats.items()}, by_text=by_text))
+            paired={m: paired_move(reps[0], reps[-1]) for m, reps in repeats.items()}, by_text=by_text,
+            steady_texts=steady))
     return verdicts
 
 
@@ -307,11 +313,13 @@ def markdown(verdicts: list[SetVerdict], runs: list[dict]) -> str:
                        "scoring calls, the default's speedup over the best single source's, call by call, where the "
                        "two wrote the same text (their decisions alone) and where they did not."), "",
                   "| set | calls with the same text | default / best there: median (quartiles) | other calls: "
-                  "median (quartiles) |", "|---|---|---|---|"]
+                  "median (quartiles) | prompts with one text in every run: default, best single |",
+                  "|---|---|---|---|---|"]
         for v in split:
             same, other = v.by_text["same"], v.by_text["different"]
             lines.append(f"| {v.name} | {len(same)} of {len(same) + len(other)} | {_quartiles(same)} "
-                         f"| {_quartiles(other)} |")
+                         f"| {_quartiles(other)} | {v.steady_texts[DEFAULT_MODE]} of {v.prompts}, "
+                         f"{v.steady_texts[v.chosen]} of {v.prompts} |")
     lines += ["", "Worst prompts per set (what each drafted and got accepted in the first scoring repeat):", "",
               "| set | prompt | default / best | default | best single | text |", "|---|---|---|---|---|---|"]
     for v in verdicts:
