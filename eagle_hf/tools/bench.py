@@ -107,14 +107,19 @@ def _synchronize(device) -> None:
             torch.cuda.synchronize(i)
 
 
-def generated_tokens(new: torch.Tensor, eos: set[int]) -> int:
-    """Tokens a batch generated ([B, n] new columns): each row up to its first EOS (the padding after is not
-    generated)."""
-    total = 0
+def rows_to_eos(new: torch.Tensor, eos: set[int]) -> list[list[int]]:
+    """What each row of a batch generated ([B, n] new columns): its tokens up to its first EOS, included (the
+    padding after is not generated)."""
+    rows = []
     for row in new.tolist():
         end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        total += end
-    return total
+        rows.append(row[:end])
+    return rows
+
+
+def generated_tokens(new: torch.Tensor, eos: set[int]) -> int:
+    """Tokens a batch generated ([B, n] new columns), each row up to its first EOS."""
+    return sum(len(row) for row in rows_to_eos(new, eos))
 
 
 def text_hash(new: torch.Tensor, eos: set[int]) -> str:
@@ -122,9 +127,8 @@ def text_hash(new: torch.Tensor, eos: set[int]) -> str:
     two modes may write different texts (a multi-token forward flips a near-tie), and their speeds compare fairly
     only where the texts are the same."""
     digest = hashlib.sha1()
-    for row in new.tolist():
-        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        digest.update(repr(row[:end]).encode())
+    for row in rows_to_eos(new, eos):
+        digest.update(repr(row).encode())
     return digest.hexdigest()[:12]
 
 
