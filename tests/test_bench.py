@@ -166,13 +166,15 @@ def test_calls_are_split_by_whether_the_default_wrote_the_chosen_sources_text():
 
     run = _run({"eagle default": [2.0] * 4 + [2.0, 2.0, 1.0, 2.1], "copy alone": [2.0] * 8}, repeats=2)
     sets = run["sets"]["s"]
-    sets["eagle default"].update(texts=list("abcdabxd"), tokens=[128] * 6 + [40, 128])
-    sets["copy alone"].update(texts=list("abcdabcd"), tokens=[128] * 8)
+    sets["eagle default"].update(texts=list("abcdabxd"), tokens=[128] * 6 + [40, 128], seconds=[1.1] * 8)
+    sets["copy alone"].update(texts=list("abcdabcd"), tokens=[128] * 8, seconds=[1.0] * 8)
     (v,) = compare([run])
     assert sorted(v.by_text["same"]) == pytest.approx([1.0, 1.0, 1.05]) and v.by_text["different"] == [0.5]
     assert v.worst[0]["prompt"] == 2 and v.worst[0]["tokens"] == {"default": 40, "chosen": 128}
     text = markdown([v], [run])
     assert "| s | 3 of 4 | 1.00 (1.00-1.05) | 0.50 | 3 of 4, 4 of 4 |" in text
+    # the same work (same text, same rounds, copies alone): the default's time over copy alone's, every call
+    assert v.same_rounds == pytest.approx([1.1] * 7) and "| 7: 1.10 (1.10-1.10) |" in text
     assert "different: 40 / 128 tokens" in text
     assert v.steady_texts == {"eagle default": 3, "copy alone": 4}  # prompt 2: "c", then "x"
     del sets["eagle default"]["texts"]  # runs from before the fingerprints: no split, no note

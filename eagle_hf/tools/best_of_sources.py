@@ -69,6 +69,9 @@ class SetVerdict:
     # (a mode whose decisions follow timings may shape its verify differently in each run, and in bf16 write another
     # text), out of all prompts
     steady_texts: dict[str, int] = field(default_factory=dict)
+    # the default's seconds over the chosen source's, per call where both wrote the same text in the same rounds and
+    # the default drafted only from the chosen source: what the default's machinery costs beside it (`same_rounds`)
+    same_rounds: list[float] = field(default_factory=list)
 
     @property
     def relative(self) -> float:
@@ -132,6 +135,24 @@ def split_by_text(ratios: list[list[float]], texts_a: list[list[str]], texts_b: 
     for rep, ta, tb in zip(ratios, texts_a, texts_b):
         for r, a, b in zip(rep, ta, tb):
             out["same" if a == b else "different"].append(r)
+    return out
+
+
+def same_rounds(runs: list[dict], name: str, default: str, chosen: str) -> list[float]:
+    """The default's seconds over the chosen source's, call by call in every run, where both wrote the same text in
+    as many drafting rounds and plain steps and the default drafted from no other source (copies alone where copy
+    alone is chosen): the same work, so the ratio is what the default's own machinery costs (its controller, the
+    drafter's features it keeps). Empty without text fingerprints or round records."""
+    out = []
+    for run in runs:
+        d, c = run["sets"][name][default], run["sets"][name][chosen]
+        if not (d.get("texts") and c.get("texts") and d.get("calls") and c.get("calls")):
+            continue
+        for i, (cd, cc) in enumerate(zip(d["calls"], c["calls"])):
+            sources = {k for k, v in cd["drafted_by_source"].items() if v}
+            if (d["texts"][i] == c["texts"][i] and (cd["cycles"], cd["plain_steps"]) == (cc["cycles"], cc["plain_steps"])
+                    and sources <= set(cc["drafted_by_source"])):
+                out.append(d["seconds"][i] / c["seconds"][i])
     return out
 
 
@@ -201,7 +222,7 @@ def compare(runs: list[dict], default: str = DEFAULT_MODE, singles: tuple[str, .
             worst=[_explain(run["sets"][name], repeat * n + i, i, ratios[i], default, chosen) for i in order],
             swap_band=swap_band,
             paired={m: paired_move(reps[0], reps[-1]) for m, reps in repeats.items()}, by_text=by_text,
-            steady_texts=steady))
+            steady_texts=steady, same_rounds=same_rounds(runs, name, default, chosen)))
     return verdicts
 
 
@@ -313,13 +334,15 @@ def markdown(verdicts: list[SetVerdict], runs: list[dict]) -> str:
                        "scoring calls, the default's speedup over the best single source's, call by call, where the "
                        "two wrote the same text (their decisions alone) and where they did not."), "",
                   "| set | calls with the same text | default / best there: median (quartiles) | other calls: "
-                  "median (quartiles) | prompts with one text in every run: default, best single |",
-                  "|---|---|---|---|---|"]
+                  "median (quartiles) | prompts with one text in every run: default, best single | the same "
+                  "text in the same rounds from the best's source alone, every run: calls, the default's time over "
+                  "the best's (quartiles) |", "|---|---|---|---|---|---|"]
         for v in split:
             same, other = v.by_text["same"], v.by_text["different"]
             lines.append(f"| {v.name} | {len(same)} of {len(same) + len(other)} | {_quartiles(same)} "
                          f"| {_quartiles(other)} | {v.steady_texts[DEFAULT_MODE]} of {v.prompts}, "
-                         f"{v.steady_texts[v.chosen]} of {v.prompts} |")
+                         f"{v.steady_texts[v.chosen]} of {v.prompts} | {len(v.same_rounds)}: "
+                         f"{_quartiles(v.same_rounds)} |")
     lines += ["", "Worst prompts per set (what each drafted and got accepted in the first scoring repeat):", "",
               "| set | prompt | default / best | default | best single | text |", "|---|---|---|---|---|---|"]
     for v in verdicts:
