@@ -182,6 +182,24 @@ def test_calls_are_split_by_whether_the_default_wrote_the_chosen_sources_text():
     assert v.by_text is None and "Same text" not in markdown([v], [run])
 
 
+def test_a_process_joins_files_of_different_repeats_set_by_set(tmp_path):
+    """One process's sets from two files, one repeat in one and two in the other: each set split by its own."""
+    from eagle_hf.tools.best_of_sources import compare, markdown, read_run
+
+    one = _run({"eagle default": [2.0] * 4, "copy alone": [1.0] * 4}, repeats=1)
+    two = _run({"eagle default": [3.0] * 4 + [3.3] * 4, "copy alone": [1.0] * 8}, repeats=2)
+    two["sets"] = {"t": two["sets"]["s"]}
+    (tmp_path / "one.json").write_text(json.dumps(one))
+    (tmp_path / "two.json").write_text(json.dumps(two))
+    run = read_run(f"{tmp_path / 'two.json'},{tmp_path / 'one.json'}")
+    again = _run({"eagle default": [2.2] * 4, "copy alone": [1.0] * 4}, repeats=1)
+    again["sets"]["t"] = _run({"eagle default": [3.0] * 4, "copy alone": [1.0] * 4})["sets"]["s"]
+    t, s = compare([run, again])
+    assert (t.name, t.per_process) == ("t", [pytest.approx(3.15), 3.0])  # two repeats, then one
+    assert (s.name, s.per_process) == ("s", [2.0, 2.2])  # one repeat, then one
+    assert "2/3 repeats (per set, as its files)" in markdown([t, s], [run, again])
+
+
 def test_the_swap_band_is_the_noise_of_a_median_over_these_prompts():
     """Swapping each prompt's values between two runs at random: identical runs give a band of 0; runs that differ
     prompt by prompt give a band however close their medians happen to land; the same values, the same band."""

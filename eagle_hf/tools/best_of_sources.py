@@ -180,7 +180,7 @@ def compare(runs: list[dict], default: str = DEFAULT_MODE, singles: tuple[str, .
         if default not in modes or len(modes) < 2:
             raise ValueError(f"Set {name!r}: the runs need the mode {default!r} and at least one of {singles}.")
         # repeats[mode] = [per-prompt speedups of one repeat], every run's repeats in order
-        repeats = {m: [rep for r in runs for rep in per_repeat(r["sets"][name][m], r["settings"]["repeats"])]
+        repeats = {m: [rep for r in runs for rep in per_repeat(r["sets"][name][m], repeats_of(r, name))]
                    for m in modes}
         if len(repeats[default]) < 2:
             raise ValueError("An A/A band needs two runs of every mode: use --repeats 2, or two processes.")
@@ -200,12 +200,12 @@ def compare(runs: list[dict], default: str = DEFAULT_MODE, singles: tuple[str, .
         per_process = []
         start = 0
         for r in runs:
-            count = r["settings"]["repeats"]
+            count = repeats_of(r, name)
             per_process.append(statistics.median(x for rep in repeats[default][start : start + count] for x in rep))
             start += count
         order = sorted(range(n), key=lambda i: ratios[i])[:worst]
-        run, repeat = _scoring_run(runs)
-        texts = {m: [texts_per_repeat(r["sets"][name][m], r["settings"]["repeats"]) for r in runs]
+        run, repeat = _scoring_run(runs, name)
+        texts = {m: [texts_per_repeat(r["sets"][name][m], repeats_of(r, name)) for r in runs]
                  for m in (default, chosen)}  # per run: its repeats' fingerprints (None in runs without)
         by_text, steady = None, {}
         if all(t is not None for ts in texts.values() for t in ts):
@@ -264,10 +264,16 @@ def spread_markdown(spread: dict[str, dict[str, dict[str, float]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _scoring_run(runs: list[dict]) -> tuple[dict, int]:
+def repeats_of(run: dict, name: str) -> int:
+    """How many repeats a run holds of set `name` (a process's sets may come from files of several settings:
+    `read_run`)."""
+    return run.get("repeats_of", {}).get(name, run["settings"]["repeats"])
+
+
+def _scoring_run(runs: list[dict], name: str) -> tuple[dict, int]:
     """(the run that holds the first scoring repeat, that repeat's index in it): the first run's second repeat
     where it repeated, else the second run's first."""
-    return (runs[0], 1) if runs[0]["settings"]["repeats"] > 1 or len(runs) == 1 else (runs[1], 0)
+    return (runs[0], 1) if repeats_of(runs[0], name) > 1 or len(runs) == 1 else (runs[1], 0)
 
 
 def _explain(modes: dict, at: int, prompt: int, ratio: float, default: str, chosen: str) -> dict:
@@ -304,11 +310,13 @@ def _sources(call: dict | None) -> str:
 
 def markdown(verdicts: list[SetVerdict], runs: list[dict]) -> str:
     s, m = runs[0]["settings"], runs[0]["machine"]
-    total = sum(r["settings"]["repeats"] for r in runs)
+    totals = {sum(repeats_of(r, v.name) for r in runs) for v in verdicts}
+    total = "/".join(str(t) for t in sorted(totals)) + (" repeats (per set, as its files)" if len(totals) > 1 else
+                                                        " repeats")
     lines = [
         (f"Target `{m['target']}` ({m['dtype']}, {m['device']}, {m['threads']} threads); {s['max_new_tokens']} new "
         f"tokens, temperature {s['temperature']}, batch {s.get('batch_size', 1)}; {len(runs)} process(es), "
-        f"{total} repeats in all. Speedups: medians of per-prompt speedups over plain generate() in the same run. "
+        f"{total} in all. Speedups: medians of per-prompt speedups over plain generate() in the same run. "
         "Best single source: chosen on the first repeat, scored (as is the default) on the others. A/A band: the "
         "largest gap between two runs of one single source (the controls), relative to their mean. Swap band: the "
         "90th percentile of that gap with each prompt's two values swapped at random, the largest over the controls "
@@ -382,6 +390,8 @@ def read_run(paths: str) -> dict:
     """One process's results: a results.json, or several (comma-separated, one per set) merged."""
     parts = [json.loads(Path(p).read_text()) for p in paths.split(",")]
     run = parts[0]
+    # each set's own repeats (the files may differ: one repeat in an older file, two in a newer)
+    run["repeats_of"] = {name: part["settings"]["repeats"] for part in parts for name in part["sets"]}
     for part in parts[1:]:
         run["sets"].update(part["sets"])
     return run
