@@ -25,7 +25,10 @@ of `eagle-hf bench` with two or more repeats) and reports:
 * *same text or not*: in bf16 a multi-token forward flips near-ties, so the default and the chosen source may write
   different texts for one prompt, and a text that ends sooner or copies less runs at another speed whatever the
   decisions. Where the runs record a fingerprint of each call's text (`eagle-hf bench` does), the per-call ratio
-  default / chosen is split into the calls where both wrote the same text (the decisions alone) and the others.
+  default / chosen is split into the calls where both wrote the same text (the decisions alone) and the others;
+  per mode, the prompts that wrote one text in every run are counted; and *the same work* (the same text in as
+  many rounds, the default drafting only from the chosen source's kind) times what the default's own machinery
+  costs beside that source (`same_rounds`).
 
 Medians of per-prompt speedups over plain `generate()`, measured in the same run, prompt by prompt.
 """
@@ -150,8 +153,8 @@ def same_rounds(runs: list[dict], name: str, default: str, chosen: str) -> list[
             continue
         for i, (cd, cc) in enumerate(zip(d["calls"], c["calls"])):
             sources = {k for k, v in cd["drafted_by_source"].items() if v}
-            if (d["texts"][i] == c["texts"][i] and (cd["cycles"], cd["plain_steps"]) == (cc["cycles"], cc["plain_steps"])
-                    and sources <= set(cc["drafted_by_source"])):
+            same_rounds_taken = (cd["cycles"], cd["plain_steps"]) == (cc["cycles"], cc["plain_steps"])
+            if d["texts"][i] == c["texts"][i] and same_rounds_taken and sources <= set(cc["drafted_by_source"]):
                 out.append(d["seconds"][i] / c["seconds"][i])
     return out
 
@@ -341,10 +344,10 @@ def markdown(verdicts: list[SetVerdict], runs: list[dict]) -> str:
         lines += ["", ("Same text or not (bf16 flips near-ties, so two modes may write different texts): over the "
                        "scoring calls, the default's speedup over the best single source's, call by call, where the "
                        "two wrote the same text (their decisions alone) and where they did not."), "",
-                  "| set | calls with the same text | default / best there: median (quartiles) | other calls: "
-                  "median (quartiles) | prompts with one text in every run: default, best single | the same "
-                  "text in the same rounds from the best's source alone, every run: calls, the default's time over "
-                  "the best's (quartiles) |", "|---|---|---|---|---|---|"]
+                  ("| set | calls with the same text | default / best there: median (quartiles) | other calls: "
+                   "median (quartiles) | prompts with one text in every run: default, best single | the same "
+                   "text in the same rounds from the best's source alone, every run: calls, the default's time over "
+                   "the best's (quartiles) |"), "|---|---|---|---|---|---|"]
         for v in split:
             same, other = v.by_text["same"], v.by_text["different"]
             lines.append(f"| {v.name} | {len(same)} of {len(same) + len(other)} | {_quartiles(same)} "
