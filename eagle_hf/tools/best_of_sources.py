@@ -116,20 +116,14 @@ def swap_gap(a: list[float], b: list[float], rng: random.Random, swaps: int = SW
     return sorted(gaps)[int(0.9 * swaps)]
 
 
-def per_repeat(entry: dict, repeats: int) -> list[list[float]]:
-    """A mode's per-prompt speedups split by repeat (`eagle-hf bench` lists them repeat after repeat)."""
-    values = entry["speedups"]
+def per_repeat(entry: dict, repeats: int, key: str = "speedups") -> list[list] | None:
+    """A mode's per-call values of `key` split by repeat (`eagle-hf bench` lists them repeat after repeat): its
+    speedups, or its text fingerprints ("texts"; None in runs that hold none)."""
+    values = entry.get(key)
+    if not values:
+        return None
     n = len(values) // repeats
     return [values[r * n : (r + 1) * n] for r in range(repeats)]
-
-
-def texts_per_repeat(entry: dict, repeats: int) -> list[list[str]] | None:
-    """A mode's per-call text fingerprints split by repeat, as `per_repeat` (None in runs that hold none)."""
-    texts = entry.get("texts")
-    if not texts:
-        return None
-    n = len(texts) // repeats
-    return [texts[r * n : (r + 1) * n] for r in range(repeats)]
 
 
 def split_by_text(ratios: list[list[float]], texts_a: list[list[str]], texts_b: list[list[str]]) -> dict:
@@ -199,7 +193,7 @@ def compare(runs: list[dict], default: str = DEFAULT_MODE, singles: tuple[str, .
         # per prompt, over the scoring repeats: the default's speedup over the chosen source's
         ratios = [statistics.median(d[i] / c[i] for d, c in zip(repeats[default][1:], repeats[chosen][1:]))
                   for i in range(n)]
-        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        q = quartiles(ratios)
         per_process = []
         start = 0
         for r in runs:
@@ -208,7 +202,7 @@ def compare(runs: list[dict], default: str = DEFAULT_MODE, singles: tuple[str, .
             start += count
         order = sorted(range(n), key=lambda i: ratios[i])[:worst]
         run, repeat = _scoring_run(runs, name)
-        texts = {m: [texts_per_repeat(r["sets"][name][m], repeats_of(r, name)) for r in runs]
+        texts = {m: [per_repeat(r["sets"][name][m], repeats_of(r, name), "texts") for r in runs]
                  for m in (default, chosen)}  # per run: its repeats' fingerprints (None in runs without)
         by_text, steady = None, {}
         if all(t is not None for ts in texts.values() for t in ts):
@@ -221,7 +215,7 @@ def compare(runs: list[dict], default: str = DEFAULT_MODE, singles: tuple[str, .
             name=name, prompts=n, band=band, chosen=chosen,
             default=statistics.median(scored[default]), best=statistics.median(scored[chosen]),
             by_mode={m: statistics.median(x for rep in reps for x in rep) for m, reps in repeats.items()},
-            per_process=per_process, ratio_quartiles=(q[0], statistics.median(ratios), q[2]),
+            per_process=per_process, ratio_quartiles=q,
             worst=[_explain(run["sets"][name], repeat * n + i, i, ratios[i], default, chosen) for i in order],
             swap_band=swap_band,
             paired={m: paired_move(reps[0], reps[-1]) for m, reps in repeats.items()}, by_text=by_text,
@@ -363,14 +357,22 @@ def markdown(verdicts: list[SetVerdict], runs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """(lower quartile, median, upper quartile) of `values` (one value: itself three times)."""
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q = statistics.quantiles(values, n=4)
+    return q[0], statistics.median(values), q[2]
+
+
 def _quartiles(values: list[float]) -> str:
     """'0.98 (0.91-1.06)', or '–' for none."""
     if not values:
         return "–"
     if len(values) == 1:
         return f"{values[0]:.2f}"
-    q = statistics.quantiles(values, n=4)
-    return f"{statistics.median(values):.2f} ({q[0]:.2f}-{q[2]:.2f})"
+    low, mid, high = quartiles(values)
+    return f"{mid:.2f} ({low:.2f}-{high:.2f})"
 
 
 def _paired(v: SetVerdict) -> str:
