@@ -52,10 +52,10 @@ SITE = ROOT / ".device" / "site"
 FLOOR = (5, 23)
 _REEXEC = "EAGLE_HF_DEVICE_SITE"  # set in the re-executed process: what the bootstrap did, as JSON
 
-STAGES = ("env", "suite", "equality", "replay", "sync", "profile", "memory", "kernels", "quant", "sampling")
+STAGES = ("env", "suite", "equality", "replay", "compiled", "sync", "profile", "memory", "kernels", "quant", "sampling")
 #: seconds per stage: (full shapes on a GPU, --small)
 #: (full: three groups of stages fit the lent machine's ten minutes a command, docs/gpu.md)
-BUDGETS = {"env": (30, 30), "suite": (540, 900), "equality": (200, 120), "replay": (300, 120), "sync": (120, 90), "profile": (120, 60),
+BUDGETS = {"env": (30, 30), "suite": (540, 900), "equality": (200, 120), "replay": (300, 120), "compiled": (300, 240), "sync": (120, 90), "profile": (120, 60),
            "memory": (130, 60), "kernels": (210, 120), "quant": (120, 90), "sampling": (120, 120)}
 
 
@@ -704,6 +704,94 @@ def replay_drafts(truth: list[list[int]]):
         speculation.draft_trees = original
 
 
+def cycle_target(shape: dict, dtype: torch.dtype, device: torch.device, seed: int = 0, gain: float = 1.0):
+    """A random Llama whose next token is a fixed function of the current one, ``succ[token]`` (a random
+    permutation), by a wide margin: returns (target, succ on the host). Every layer still runs at its full cost,
+    but its output projections are scaled down (o_proj, down_proj x 0.01) and the token embeddings up (x 50), so
+    the residual stream is the current token's embedding plus a little; the output head's row ``succ[t]`` is
+    token t's unit embedding times `gain`. The logit of the successor is then about ``gain * sqrt(hidden)``
+    against others of spread `gain`: at the 8B shape (gain 1) a margin of ~60 that bf16 never flips, so identical
+    calls give identical output and every draft tree that holds the continuation matches it (the tree's ceiling).
+    A small `gain` spreads the distribution (the sampling checks)."""
+    target = build_target(shape, dtype, device, seed=seed)
+    vocab = target.config.vocab_size
+    succ = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed + 7))
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.01)
+            layer.mlp.down_proj.weight.mul_(0.01)
+        emb = target.model.embed_tokens.weight
+        emb.mul_(50.0)
+        unit = emb.float() / emb.float().norm(dim=-1, keepdim=True).clamp_min(1e-6)  # [V, H] (pad's: 0)
+        head = torch.empty_like(unit)
+        head[succ.to(unit.device)] = unit * gain  # row succ[t]: token t's direction
+        target.lm_head.weight.copy_(head.to(target.lm_head.weight.dtype))
+    return target, succ
+
+
+@contextlib.contextmanager
+def oracle_drafts(succ: torch.Tensor, corrupt: float = 0.0, seed: int = 0):
+    """Drafts that follow a `cycle_target`'s continuation: each node's first child is ``succ[last token]``, with
+    probability 1, beside the drafter's own top-k (the drafter still runs: its cost is real). With `corrupt` = r
+    the continuation's token at a (row, position) is withheld with probability r (a fixed hash of the two: every
+    run and every mode loses the same positions), so a chain's acceptance falls as (1 - r) per level: the
+    acceptance curve. Deterministic drafts (no q): valid for sampling too (one-hot q, `accept_sampling`).
+    Patches eagle_hf.speculation.speculator.draft_trees, the seam `replay_drafts` patches. Yields counts
+    ("nodes", "withheld")."""
+    import inspect
+    import random
+
+    from eagle_hf.speculation import speculator as speculation
+    from eagle_hf.speculation.drafting import Choice
+    from eagle_hf.speculation.transfer import to_device
+
+    original = speculation.draft_trees
+    signature = inspect.signature(original)
+    counts = Counter()
+    table = succ.tolist()
+
+    def withheld(row: int, position: int) -> bool:
+        return corrupt > 0 and random.Random(f"{seed}:{row}:{position}").random() < corrupt
+
+    def draft_trees(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        slots = list(range(a["state"].rows)) if a["rows"] is None else a["rows"]
+        a["choosers"] = [chooser(a["drafter"], a["top_k"], b, a["state"].positions[b], root)
+                         for b, root in zip(slots, a["roots"])]
+        return original(*bound.args, **bound.kwargs)
+
+    def chooser(drafter, top_k, row, position, root):
+        def choose(logits, paths):  # no read of the device: one host-to-device copy of the oracle's tokens
+            top = torch.topk(torch.log_softmax(logits.float(), dim=-1), top_k, dim=-1)
+            tokens, logp = drafter.draft_to_target(top.indices), top.values  # [k, top_k]
+            nxt = [table[path[-1] if path else root] for path in paths]
+            held = [withheld(row, position + 1 + len(path)) for path in paths]  # (the child's position)
+            counts["nodes"] += len(paths)
+            counts["withheld"] += sum(held)
+            nxt_d, held_d = to_device(torch.tensor([nxt, held], dtype=torch.long), tokens.device).unbind(0)  # [k]
+            same = tokens == nxt_d[:, None]  # [k, top_k]
+            order = torch.sort(same.long(), dim=1, stable=True).indices  # the drafter's others first, in order
+            others = tokens.gather(1, order)  # [k, top_k]: ..., nxt last where the drafter had it
+            offered = torch.cat([nxt_d[:, None], others[:, :-1]], 1)  # the continuation first
+            hidden = torch.where(others == nxt_d[:, None], nxt_d[:, None] ^ 1, others)  # the continuation left out
+            kept = held_d[:, None] == 0  # [k, 1]
+            tokens = torch.where(kept, offered, hidden)
+            first = torch.zeros_like(same)
+            first[:, 0] = True
+            logp = torch.where(kept & first, torch.zeros_like(logp), logp)  # probability 1: grown to the full depth
+            return Choice(tokens, logp)
+
+        return choose
+
+    speculation.draft_trees = draft_trees
+    try:
+        yield counts
+    finally:
+        speculation.draft_trees = original
+
+
 def stage_replay(ctx: Context, budget: Budget) -> StageResult:
     """The loop's ceiling: chain 3/5/8 and a tree with a replay drafter against plain generate() (interleaved
     runs after a warm-up, medians), per context length and batch size, with the round's time split."""
@@ -817,6 +905,194 @@ def _replay_cell(ctx, target, drafter, vocab, ctx_len, rows, modes, budget) -> l
                     "fixed_point": i["fixed_point"], "replayed_trees": i["replayed"],
                     "unmatched_trees": i["unmatched"], "timed_runs_off_table": i.get("off_table", 0),
                     "first_off_column": i.get("first_off"), "warmup_s": i["warmup_s"]})
+    return out
+
+
+def stage_compiled(ctx: Context, budget: Budget) -> StageResult:
+    """EAGLE against what a speed-minded user runs: plain generate() with a static cache and transformers'
+    automatic compile. On a `cycle_target` (identical calls give identical output) with `oracle_drafts`: chain
+    3/5/8, the tree and the default at full acceptance, then the acceptance curve (drafts withheld at set rates)
+    for chain 5 and the default, per CONTEXTxBATCH cell (`--compiled-cells`), interleaved timed runs after a
+    warm-up, medians; speedups over compiled plain in the same cell, and the eager plain step beside it. Graphs
+    compiled after the warm-up are counted (0: nothing recompiles in the timed runs)."""
+    res = StageResult()
+    s = ctx.shapes
+    for kind in ("bf16", "f32"):
+        ctx.drop(kind)  # (room for the oracle target: the earlier stages' pairs are not needed again)
+    target, succ = cycle_target(s.target, torch.bfloat16, ctx.device, seed=21)
+    drafter = build_drafter(target, s.draft_vocab, seed=22)
+    compiled = ctx.cuda or ctx.args.compile_cpu
+    if not compiled:
+        res.find("compiled rows ran the static cache uncompiled: transformers compiles automatically on CUDA only "
+                 "(--compile-cpu compiles through inductor here: minutes)")
+    else:
+        torch._dynamo.config.recompile_limit = 64  # one graph per verify width bucket and mode (docs/gpu.md)
+        torch._dynamo.config.accumulated_recompile_limit = 1024
+    static = dict(cache_implementation="static", disable_compile=not compiled)
+    full = {f"chain {k}": dict(draft_mode="chain", num_assistant_tokens=k) for k in (3, 5, 8)}
+    full.update({"tree": TREE, "default": {}})
+    rates = (0.15, 0.25, 0.35, 0.5, 1.0)
+    curve = [(m, r) for r in rates for m in ("chain 5", "default")]
+    cells = parse_cells(ctx.args.compiled_cells or ("64x1,64x2" if ctx.small else "1024x1,1024x4"))
+    table = []
+    for ctx_len, rows in cells:
+        cases = [(m, 0.0) for m in full] + (curve if rows == 1 else [])  # (the curve: batch 1)
+        if not budget.allows(30):
+            res["status"] = "partial"
+            res.find(f"budget: skipped context {ctx_len} x batch {rows}")
+            continue
+        table += _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, full, static, budget)
+        res["data"]["speed"] = table
+        ctx.partial(res)
+    if budget.allows(10):
+        context = cells[0][0] if cells else 1024
+        res["data"]["drafter level alone"] = [
+            {"context": context, "k": k, "ms": drafter_level_ms(ctx, drafter, context, k)} for k in (1, 4)]
+        ctx.partial(res)
+    done = [r for r in table if r["mode"] != "plain" and r.get("runs")]
+    bad = [r for r in done if r.get("follows_cycle") is False]
+    if bad:
+        res["status"] = "failed"
+        res.find(f"{len(bad)} runs left the target's cycle (a lossy round): " +
+                 ", ".join(f"{r['mode']} r={r['withheld_rate']}" for r in bad[:6]))
+    recompiled = [r for r in done if r.get("graphs_after_warmup")]
+    if recompiled:
+        res.find(f"{len(recompiled)} modes compiled graphs in their timed runs: " +
+                 ", ".join(f"{r['mode']} ({r['graphs_after_warmup']})" for r in recompiled[:6]))
+    res.find("speedup = compiled plain's median / the mode's median, same cell; eager_plain_ms_per_token: plain "
+             "generate() with the default cache, same prompt; drafter_ms_per_level = the drafter's clock / its "
+             "forwards (catch-ups and levels); withheld_rate: the share of continuation tokens the oracle withholds")
+    top = {r["mode"]: r for r in done if r["withheld_rate"] == 0 and r["batch"] == 1}
+    res["summary"] = "; ".join(f"{m} {r['speedup']:.2f}x (tau {r['tau']:.2f})" for m, r in top.items())
+    return res
+
+
+def drafter_level_ms(ctx, drafter, context: int, k: int, calls: int = 50) -> float:
+    """Milliseconds of one draft level alone: the drafter's forward over k frontier nodes after `context` real rows
+    and the top-k choice of their children, `calls` times back to back (the device synchronised around the loop:
+    launches and kernels, no host bookkeeping)."""
+    from eagle_hf.speculation.drafting import DraftState, top_k_choice
+
+    device, dtype = ctx.device, drafter.fc.weight.dtype
+    g = torch.Generator(device="cpu").manual_seed(k)
+    state = DraftState()
+    aux = torch.randn(1, context, drafter.fc.in_features, generator=g).to(device, dtype)  # [1, n, A*H_t]
+    tokens = torch.randint(1, drafter.config.vocab_size, (1, context), generator=g).to(device)
+    with torch.no_grad():
+        _, hidden = state.extend(drafter, aux, tokens)  # hidden: [1, 1, H]
+        state.reserve(drafter, k, hidden)
+        feed, ids = hidden.expand(1, k, hidden.shape[-1]).contiguous(), tokens[:, :k]  # [1, k, H], [1, k]
+        positions = torch.full((1, k), context, device=device)
+        mask = None if k == 1 else state.level_mask(torch.eye(k, dtype=torch.bool, device=device)[None], k, 0)
+
+        def level():
+            out = drafter.step(feed, ids, positions, past=state.writer(state.length), mask=mask)
+            return top_k_choice(drafter, out.logits, k)
+
+        for _ in range(3):
+            level()
+        _, seconds = timed(ctx, lambda: [level() for _ in range(calls)])
+    return 1e3 * seconds / calls
+
+
+def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes, static, budget) -> list[dict]:
+    from eagle_hf.hf.models import compiled_graphs
+
+    s = ctx.shapes
+    ids, mask = prompts(rows, ctx_len, target.config.vocab_size, seed=ctx_len + 3 * rows, device=ctx.device)
+    generate(target, ids, mask, s.new_tokens)  # warm-ups: eager, then compiled (compiles the one-token graph)
+    ref = generate(target, ids, mask, s.new_tokens, **static)
+    expected = ids.new_tensor(_cycle(succ, ids[:, -1].tolist(), s.new_tokens))  # [B, new]
+    follows = bool(torch.equal(ref[:, -s.new_tokens:], expected))
+    if not follows:
+        res.find(f"context {ctx_len} x batch {rows}: compiled plain output leaves the cycle (the oracle needs it)")
+    plain = {"eager": [], "compiled": []}
+    times, info, carried = {c: [] for c in cases}, {}, {}
+    for case in cases:  # warm-up: every graph a mode needs, compiled now
+        mode, rate = case
+        with oracle_drafts(succ, rate, seed=rows), own_acceptance(drafter, carried, case):
+            graphs = compiled_graphs()
+            generate(target, ids, mask, s.new_tokens, drafter, **modes[mode], **static)
+            info[case] = dict(warmup_graphs=compiled_graphs() - graphs, graphs=compiled_graphs())
+        if not budget.allows(20):
+            break
+    calls = Counter()
+    forwards = drafter.step
+
+    def counted(*a, **k):
+        calls["drafter forwards"] += 1
+        return forwards(*a, **k)
+
+    drafter.step = counted
+    try:
+        for _ in range(s.repeats):
+            if not budget.allows(10):
+                res["status"] = "partial"
+                break
+            for which, kwargs in (("eager", {}), ("compiled", static)):
+                plain[which].append(timed(ctx, generate, target, ids, mask, s.new_tokens, **kwargs)[1])
+            for case in [c for c in cases if c in info]:
+                mode, rate = case
+                calls.clear()
+                with oracle_drafts(succ, rate, seed=rows) as counts, own_acceptance(drafter, carried, case):
+                    out, t = timed(ctx, generate, target, ids, mask, s.new_tokens, drafter, **modes[mode], **static)
+                times[case].append(t)
+                st = last_stats()
+                info[case].update(tau=st.mean_acceptance_length, rounds=loop_rounds(st) + 1, drafter=st.drafter_time,
+                                  forwards=calls["drafter forwards"], nodes=counts["nodes"],
+                                  withheld=counts["withheld"], follows=bool(torch.equal(out, ref)),
+                                  after=compiled_graphs() - info[case]["graphs"])
+    finally:
+        del drafter.step
+    med = {k: statistics.median(v) if v else float("nan") for k, v in plain.items()}
+    base = dict(context=ctx_len, batch=rows, compiled=bool(static.get("disable_compile") is False))
+    out = [dict(base, mode="plain", withheld_rate=0.0, runs=len(plain["compiled"]), median_s=med["compiled"],
+                speedup=1.0, tau=1.0, ms_per_round=1e3 * med["compiled"] / s.new_tokens,
+                eager_plain_ms_per_token=1e3 * med["eager"] / s.new_tokens,
+                compiled_over_eager=med["eager"] / med["compiled"], follows_cycle=follows)]
+    for case in cases:
+        mode, rate = case
+        i, t = info.get(case, {}), times[case]
+        if not t:
+            out.append(dict(base, mode=mode, withheld_rate=rate, runs=0))
+            continue
+        m = statistics.median(t)
+        out.append(dict(base, mode=mode, withheld_rate=rate, runs=len(t), median_s=m, speedup=med["compiled"] / m,
+                        tau=i["tau"], rounds=i["rounds"], ms_per_round=1e3 * m / i["rounds"],
+                        drafter_ms_per_round=1e3 * i["drafter"] / i["rounds"],
+                        drafter_ms_per_level=1e3 * i["drafter"] / max(i["forwards"], 1),
+                        drafter_forwards_per_round=i["forwards"] / i["rounds"],
+                        plain_ms_per_step=1e3 * med["compiled"] / s.new_tokens, follows_cycle=i["follows"],
+                        oracle_nodes=i["nodes"], withheld=i["withheld"], warmup_graphs=i["warmup_graphs"],
+                        graphs_after_warmup=i["after"]))
+    return out
+
+
+@contextlib.contextmanager
+def own_acceptance(drafter, kept: dict, case):
+    """A call that starts from the acceptance its own case's last call ended with (eagle_hf carries a drafter's
+    acceptance from one call to the next, `eagle_hf.hf.costs.keep_acceptance`): cases of different acceptance on
+    one drafter object do not start from each other's, as a user whose drafter has that acceptance would not."""
+    from eagle_hf.hf import costs
+
+    costs._ACCEPTANCE.pop(drafter, None)
+    if case in kept:
+        costs._ACCEPTANCE[drafter] = dict(kept[case])
+    try:
+        yield
+    finally:
+        kept[case] = dict(costs._ACCEPTANCE.get(drafter, {}))
+
+
+def _cycle(succ: torch.Tensor, last: list[int], new: int) -> list[list[int]]:
+    """Each row's `new` tokens after its last prompt token under a `cycle_target`."""
+    table, out = succ.tolist(), []
+    for t in last:
+        row = []
+        for _ in range(new):
+            t = table[t]
+            row.append(t)
+        out.append(row)
     return out
 
 
@@ -1230,8 +1506,10 @@ def stage_sampling(ctx: Context, budget: Budget) -> StageResult:
     tokens (the second is the first that can be drafted) and the third's marginal, EAGLE against plain
     generate(), over many identical rows; a chi-square test of homogeneity and the total variation distance.
 
-    The target has a 32-token vocabulary and both lm_heads are scaled up (peaked, context-dependent
-    distributions), so that drafts are accepted often and rejected often: both paths of the rule are tested."""
+    Two setups, both with a 32-token vocabulary. "random drafter": both lm_heads scaled up (peaked,
+    context-dependent distributions), so that drafts are accepted often and rejected often. "oracle": a
+    `cycle_target` with a spread head and `oracle_drafts` (the target's most likely token drafted with q one-hot):
+    most drafts accepted, so the accept path of the recursive rejection carries most of the draws."""
     res = StageResult()
     s = ctx.shapes
     shape = dict(hidden_size=64 if ctx.small else 256, num_hidden_layers=4, num_attention_heads=4,
@@ -1243,21 +1521,50 @@ def stage_sampling(ctx: Context, budget: Budget) -> StageResult:
         target.lm_head.weight.mul_(8.0 if ctx.small else 4.0)
         drafter.lm_head.weight.mul_(8.0 if ctx.small else 4.0)
     ids = torch.randint(1, 32, (1, 12), generator=torch.Generator().manual_seed(5)).to(ctx.device)
-    modes = {"plain": None, "tree (constant)": TREE, "chain 3 (constant)": dict(draft_mode="chain", num_assistant_tokens=3)}
-    draws = {m: [] for m in modes}
+    oracle, succ = cycle_target(shape, torch.float32, ctx.device, seed=7, gain=0.55 if ctx.small else 0.27)  # P(succ) ~ 0.7
+    oracle_drafter = build_drafter(oracle, 24, seed=8)
+    chain3 = dict(draft_mode="chain", num_assistant_tokens=3)
+    setups = {"random drafter": (target, drafter, None), "oracle": (oracle, oracle_drafter, succ)}
+    modes = {"tree (constant)": TREE, "chain 3 (constant)": chain3}
+    table = []
+    for setup, (model, draft_model, table_succ) in setups.items():
+        if not budget.allows(10):
+            res["status"] = "partial"
+            res.find(f"budget: skipped the {setup} setup")
+            continue
+        table += _sampling_tests(ctx, res, setup, model, draft_model, table_succ, ids, modes, budget)
+        res["data"]["tests"] = table
+        ctx.partial(res)
+    failed = [r for r in table if r["p"] < 1e-3]
+    if failed:
+        res["status"] = "failed"
+        for r in failed:
+            res.find(f"{r['setup']} {r['mode']} {r['tokens']}: p = {r['p']:.2e} (TV {r['total_variation']:.3f}): "
+                     "not plain sampling")
+    res.find("threshold: p < 1e-3 fails (chi-square homogeneity, cells with fewer than 5 expected draws pooled)")
+    res["summary"] = "; ".join(f"{r['setup']} {r['mode']} {r['tokens']}: p {r['p']:.3f}, TV {r['total_variation']:.3f}, "
+                               f"acceptance {r['acceptance']:.2f}" for r in table)
+    return res
+
+
+def _sampling_tests(ctx, res, setup, target, drafter, succ, ids, modes, budget) -> list[dict]:
+    """Draws of plain sampling and of each EAGLE mode (`oracle_drafts` when `succ` is given), and the tests."""
+    s = ctx.shapes
+    draws = {m: [] for m in ["plain", *modes]}
     accept = {}
     calls = -(-s.samples // s.sample_rows)
     for call in range(calls):
         if not budget.allows(5):
             res["status"] = "partial"
-            res.find(f"budget: {call} of {calls} calls per mode")
+            res.find(f"budget: {setup}: {call} of {calls} calls per mode")
             break
         rows = ids.expand(s.sample_rows, -1).contiguous()
         mask = torch.ones_like(rows)
-        for mode, kwargs in modes.items():
+        for mode, kwargs in [("plain", None), *modes.items()]:
             torch.manual_seed(1000 * call + len(draws[mode]))
-            out = generate(target, rows, mask, 3, drafter if kwargs is not None else None, do_sample=True,
-                           temperature=1.0, **(kwargs or {}))
+            with oracle_drafts(succ) if succ is not None and kwargs is not None else contextlib.nullcontext():
+                out = generate(target, rows, mask, 3, drafter if kwargs is not None else None, do_sample=True,
+                               temperature=1.0, **(kwargs or {}))
             draws[mode].append(out[:, -3:].cpu())
             if kwargs is not None:
                 st = last_stats()
@@ -1265,26 +1572,18 @@ def stage_sampling(ctx: Context, budget: Budget) -> StageResult:
                 a[0], a[1] = a[0] + st.accepted, a[1] + st.drafted
     samples = {m: torch.cat(v) for m, v in draws.items() if v}
     table = []
-    if "plain" in samples:
-        ref = samples["plain"]
-        for mode in modes:
-            if mode == "plain" or mode not in samples:
-                continue
-            got = samples[mode]
-            for what, f in (("tokens 1-2 (joint)", lambda x: x[:, 0] * 32 + x[:, 1]), ("token 3", lambda x: x[:, 2])):
-                stat, dof, p, tv = homogeneity(f(ref), f(got), 32 * 32)
-                table.append({"mode": mode, "tokens": what, "n": len(got), "chi2": stat, "dof": dof, "p": p,
-                              "total_variation": tv, "acceptance": accept[mode][0] / max(accept[mode][1], 1)})
-    res["data"]["tests"] = table
-    failed = [r for r in table if r["p"] < 1e-3]
-    if failed:
-        res["status"] = "failed"
-        for r in failed:
-            res.find(f"{r['mode']} {r['tokens']}: p = {r['p']:.2e} (TV {r['total_variation']:.3f}): not plain sampling")
-    res.find("threshold: p < 1e-3 fails (chi-square homogeneity, cells with fewer than 5 expected draws pooled)")
-    res["summary"] = "; ".join(f"{r['mode']} {r['tokens']}: p {r['p']:.3f}, TV {r['total_variation']:.3f}, "
-                               f"acceptance {r['acceptance']:.2f}" for r in table)
-    return res
+    if "plain" not in samples:
+        return table
+    ref = samples["plain"]
+    for mode in modes:
+        if mode not in samples:
+            continue
+        got = samples[mode]
+        for what, f in (("tokens 1-2 (joint)", lambda x: x[:, 0] * 32 + x[:, 1]), ("token 3", lambda x: x[:, 2])):
+            stat, dof, p, tv = homogeneity(f(ref), f(got), 32 * 32)
+            table.append({"setup": setup, "mode": mode, "tokens": what, "n": len(got), "chi2": stat, "dof": dof,
+                          "p": p, "total_variation": tv, "acceptance": accept[mode][0] / max(accept[mode][1], 1)})
+    return table
 
 
 def homogeneity(a: torch.Tensor, b: torch.Tensor, cells: int) -> tuple[float, int, float, float]:
@@ -1324,6 +1623,7 @@ def chi2_sf(x: float, k: int) -> float:
 
 
 STAGE_FUNCTIONS = {"env": stage_env, "suite": stage_suite, "equality": stage_equality, "replay": stage_replay,
+                   "compiled": stage_compiled,
                    "profile": stage_profile,
                    "sync": stage_sync, "memory": stage_memory, "kernels": stage_kernels, "quant": stage_quant,
                    "sampling": stage_sampling}
@@ -1344,6 +1644,10 @@ def parse_args(argv=None):
                    "flash_attention_2,static,static+compile (default: all)")
     p.add_argument("--replay-cells", default="", help="replay stage: CONTEXTxBATCH cells in this order, e.g. "
                    "8192x1,1024x16 (default: every context x batch of the shapes, batch 1 first)")
+    p.add_argument("--compiled-cells", default="", help="compiled stage: CONTEXTxBATCH cells (default 1024x1,1024x4; "
+                   "--small: 64x1,64x2)")
+    p.add_argument("--compile-cpu", action="store_true", help="compiled stage on a CPU: compile through inductor "
+                   "(transformers compiles automatically on CUDA only)")
     p.add_argument("--profile-cells", default="", help="profile stage: CONTEXTxBATCH cells, e.g. 8192x1,1024x4 "
                    "(default: 512x1; --small: 64x1)")
     p.add_argument("--suite-args", nargs="*", help="pytest arguments of the suite stage (default: tests)")
