@@ -921,6 +921,7 @@ def stage_compiled(ctx: Context, budget: Budget) -> StageResult:
         ctx.drop(kind)  # (room for the oracle target: the earlier stages' pairs are not needed again)
     target, succ = cycle_target(s.target, torch.bfloat16, ctx.device, seed=21)
     drafter = build_drafter(target, s.draft_vocab, seed=22)
+    drafter.bind_target_embedding(target.get_input_embeddings())  # (generate() does it; the level benchmark first)
     compiled = ctx.cuda or ctx.args.compile_cpu
     if not compiled:
         res.find("compiled rows ran the static cache uncompiled: transformers compiles automatically on CUDA only "
@@ -929,11 +930,25 @@ def stage_compiled(ctx: Context, budget: Budget) -> StageResult:
         torch._dynamo.config.recompile_limit = 64  # one graph per verify width bucket and mode (docs/gpu.md)
         torch._dynamo.config.accumulated_recompile_limit = 1024
     static = dict(cache_implementation="static", disable_compile=not compiled)
+    if compiled and not ctx.cuda:
+        import transformers as tf
+
+        static["compile_config"] = tf.CompileConfig()
+        static["compile_config"]._compile_all_devices = True  # (transformers compiles on accelerators only unless told)
     full = {f"chain {k}": dict(draft_mode="chain", num_assistant_tokens=k) for k in (3, 5, 8)}
     full.update({"tree": TREE, "default": {}})
-    rates = (0.15, 0.25, 0.35, 0.5, 1.0)
-    curve = [(m, r) for r in rates for m in ("chain 5", "default")]
+    full.update({f"{m}, eager levels": dict(full[m], levels="eager") for m in ("chain 5", "default")})
+    if ctx.args.compiled_modes:
+        full = {m.strip(): full[m.strip()] for m in ctx.args.compiled_modes.split(";")}
+    rates = [float(r) for r in (ctx.args.compiled_rates or "0.15,0.25,0.35,0.5,1.0").split(",") if r]
+    curve = [(m, r) for r in rates for m in ("chain 5", "default") if m in full]
     cells = parse_cells(ctx.args.compiled_cells or ("64x1,64x2" if ctx.small else "1024x1,1024x4"))
+    if budget.allows(10):  # (first: cheap, and the cells may use up the budget)
+        context = cells[0][0] if cells else 1024
+        res["data"]["drafter level alone"] = [
+            {"context": context, "k": k, "levels": "fixed shapes" if fixed else "eager",
+             "ms": drafter_level_ms(ctx, drafter, context, k, fixed=fixed)} for k in (1, 4) for fixed in (False, True)]
+        ctx.partial(res)
     table = []
     for ctx_len, rows in cells:
         cases = [(m, 0.0) for m in full] + (curve if rows == 1 else [])  # (the curve: batch 1)
@@ -943,11 +958,6 @@ def stage_compiled(ctx: Context, budget: Budget) -> StageResult:
             continue
         table += _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, full, static, budget)
         res["data"]["speed"] = table
-        ctx.partial(res)
-    if budget.allows(10):
-        context = cells[0][0] if cells else 1024
-        res["data"]["drafter level alone"] = [
-            {"context": context, "k": k, "ms": drafter_level_ms(ctx, drafter, context, k)} for k in (1, 4)]
         ctx.partial(res)
     done = [r for r in table if r["mode"] != "plain" and r.get("runs")]
     bad = [r for r in done if r.get("follows_cycle") is False]
@@ -967,15 +977,17 @@ def stage_compiled(ctx: Context, budget: Budget) -> StageResult:
     return res
 
 
-def drafter_level_ms(ctx, drafter, context: int, k: int, calls: int = 50) -> float:
+def drafter_level_ms(ctx, drafter, context: int, k: int, calls: int = 50, fixed: bool = False) -> float:
     """Milliseconds of one draft level alone: the drafter's forward over k frontier nodes after `context` real rows
     and the top-k choice of their children, `calls` times back to back (the device synchronised around the loop:
-    launches and kernels, no host bookkeeping)."""
+    launches and kernels, no host bookkeeping). `fixed`: at fixed shapes (`eagle_hf.drafter.graphs`: a CUDA
+    graph's replay on CUDA)."""
+    from eagle_hf.drafter.graphs import LevelGraphs
     from eagle_hf.speculation.drafting import DraftState, top_k_choice
 
     device, dtype = ctx.device, drafter.fc.weight.dtype
     g = torch.Generator(device="cpu").manual_seed(k)
-    state = DraftState()
+    state = DraftState(graphs=LevelGraphs.for_drafter(drafter) if fixed else None)
     aux = torch.randn(1, context, drafter.fc.in_features, generator=g).to(device, dtype)  # [1, n, A*H_t]
     tokens = torch.randint(1, drafter.config.vocab_size, (1, context), generator=g).to(device)
     with torch.no_grad():
@@ -986,13 +998,30 @@ def drafter_level_ms(ctx, drafter, context: int, k: int, calls: int = 50) -> flo
         mask = None if k == 1 else state.level_mask(torch.eye(k, dtype=torch.bool, device=device)[None], k, 0)
 
         def level():
-            out = drafter.step(feed, ids, positions, past=state.writer(state.length), mask=mask)
+            out = state.level_forward(drafter, feed, ids, positions, state.length, mask)
             return top_k_choice(drafter, out.logits, k)
 
         for _ in range(3):
             level()
         _, seconds = timed(ctx, lambda: [level() for _ in range(calls)])
     return 1e3 * seconds / calls
+
+
+@contextlib.contextmanager
+def draft_levels(kwargs: dict):
+    """generate() keyword arguments, with ``levels="eager"`` turned into eagle_hf's setting for the call."""
+    from eagle_hf.drafter.graphs import GRAPHS_ENV
+
+    kwargs = dict(kwargs)
+    eager = kwargs.pop("levels", None) == "eager"
+    before = os.environ.get(GRAPHS_ENV)
+    if eager:
+        os.environ[GRAPHS_ENV] = "off"
+    try:
+        yield kwargs
+    finally:
+        if eager:
+            os.environ.pop(GRAPHS_ENV) if before is None else os.environ.__setitem__(GRAPHS_ENV, before)
 
 
 def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes, static, budget) -> list[dict]:
@@ -1010,10 +1039,13 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
     times, info, carried = {c: [] for c in cases}, {}, {}
     for case in cases:  # warm-up: every graph a mode needs, compiled now
         mode, rate = case
-        with oracle_drafts(succ, rate, seed=rows), own_acceptance(drafter, carried, case):
+        start = time.perf_counter()
+        with oracle_drafts(succ, rate, seed=rows), own_acceptance(drafter, carried, case), \
+                draft_levels(modes[mode]) as kwargs:
             graphs = compiled_graphs()
-            generate(target, ids, mask, s.new_tokens, drafter, **modes[mode], **static)
-            info[case] = dict(warmup_graphs=compiled_graphs() - graphs, graphs=compiled_graphs())
+            generate(target, ids, mask, s.new_tokens, drafter, **kwargs, **static)
+            info[case] = dict(warmup_graphs=compiled_graphs() - graphs, after=0,
+                              warmup_s=round(time.perf_counter() - start, 1))
         if not budget.allows(20):
             break
     calls = Counter()
@@ -1034,14 +1066,16 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
             for case in [c for c in cases if c in info]:
                 mode, rate = case
                 calls.clear()
-                with oracle_drafts(succ, rate, seed=rows) as counts, own_acceptance(drafter, carried, case):
-                    out, t = timed(ctx, generate, target, ids, mask, s.new_tokens, drafter, **modes[mode], **static)
+                graphs = compiled_graphs()
+                with oracle_drafts(succ, rate, seed=rows) as counts, own_acceptance(drafter, carried, case), \
+                        draft_levels(modes[mode]) as kwargs:
+                    out, t = timed(ctx, generate, target, ids, mask, s.new_tokens, drafter, **kwargs, **static)
                 times[case].append(t)
                 st = last_stats()
                 info[case].update(tau=st.mean_acceptance_length, rounds=loop_rounds(st) + 1, drafter=st.drafter_time,
                                   forwards=calls["drafter forwards"], nodes=counts["nodes"],
                                   withheld=counts["withheld"], follows=bool(torch.equal(out, ref)),
-                                  after=compiled_graphs() - info[case]["graphs"])
+                                  after=info[case]["after"] + compiled_graphs() - graphs)
     finally:
         del drafter.step
     med = {k: statistics.median(v) if v else float("nan") for k, v in plain.items()}
@@ -1064,7 +1098,7 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
                         drafter_forwards_per_round=i["forwards"] / i["rounds"],
                         plain_ms_per_step=1e3 * med["compiled"] / s.new_tokens, follows_cycle=i["follows"],
                         oracle_nodes=i["nodes"], withheld=i["withheld"], warmup_graphs=i["warmup_graphs"],
-                        graphs_after_warmup=i["after"]))
+                        warmup_s=i["warmup_s"], graphs_after_warmup=i["after"]))
     return out
 
 
@@ -1646,6 +1680,10 @@ def parse_args(argv=None):
                    "8192x1,1024x16 (default: every context x batch of the shapes, batch 1 first)")
     p.add_argument("--compiled-cells", default="", help="compiled stage: CONTEXTxBATCH cells (default 1024x1,1024x4; "
                    "--small: 64x1,64x2)")
+    p.add_argument("--compiled-modes", default="", help="compiled stage: these modes only, separated by ';' (chain 3; "
+                   "chain 5; chain 8; tree; default; chain 5, eager levels; default, eager levels)")
+    p.add_argument("--compiled-rates", default="", help="compiled stage: the acceptance curve's withheld rates, "
+                   "e.g. 0.15,0.35,0.5,1.0 (default 0.15,0.25,0.35,0.5,1.0)")
     p.add_argument("--compile-cpu", action="store_true", help="compiled stage on a CPU: compile through inductor "
                    "(transformers compiles automatically on CUDA only)")
     p.add_argument("--profile-cells", default="", help="profile stage: CONTEXTxBATCH cells, e.g. 8192x1,1024x4 "

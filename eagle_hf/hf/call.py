@@ -12,6 +12,8 @@ from transformers.generation.utils import GenerationMixin
 
 from ..devices import input_device
 from ..drafter.capture import num_decoder_layers, resolve_aux_layer_ids
+from ..drafter.graphs import LevelGraphs
+from ..drafter.graphs import wanted as graphs_wanted
 from ..drafter.modeling import EagleDrafter
 from ..errors import EagleCompatibilityError
 from ..speculation.drafting import DraftState
@@ -191,13 +193,16 @@ def prepare_drafter(target, drafter: EagleDrafter) -> None:
     drafter.eval()
 
 
-def speculators_for(target, rows: int = 1, stop_tokens=()) -> tuple[EagleCall, list[Speculator]]:
+def speculators_for(target, rows: int = 1, stop_tokens=(), compiled: bool = False) -> tuple[EagleCall, list[Speculator]]:
     """The active call and a fresh speculator per batch row (one set per decoding loop); a batch's rows record
     into stats of their own (merged by `finish_rows`) and share the call's controller. `stop_tokens`: the EOS
-    ids, where copy branches end."""
+    ids, where copy branches end; `compiled`: the target runs transformers' compiled forward (the drafter's
+    levels then run as CUDA graphs, `eagle_hf.drafter.graphs`)."""
     call = active_call()
     stats = [call.stats] if rows == 1 else [SpecDecodeStats() for _ in range(rows)]
-    state = DraftState(positions=[0] * rows)  # the drafter's cache: one for the batch, drafted together
+    graphs = (LevelGraphs.for_drafter(call.drafter)
+              if call.drafter is not None and call.settings.uses_eagle and graphs_wanted(call.drafter, compiled) else None)
+    state = DraftState(positions=[0] * rows, graphs=graphs)  # the drafter's cache: one for the batch
     timer = Timer(input_device(target))  # one for the batch: the loop's read-backs resolve its marks
     call.timers.append(timer)
     return call, [Speculator(call.drafter, call.settings, s, call.controller, call.listeners, timer=timer,

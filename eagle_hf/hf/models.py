@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import weakref
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
+#: calls of transformers' compiled forward on a new input shape that run slower than the rest: the one that
+#: compiles, then (mode "reduce-overhead") the CUDA graph's warm-up run and its recording
+COMPILED_WARMUP_CALLS = 3
+_SHAPE_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Counter of input shapes
 
 
 def final_norm_scale(target) -> torch.Tensor:
@@ -26,6 +33,16 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
+
+
+def warming_up(model, shape: tuple) -> bool:
+    """Whether this call of `model`'s compiled forward on `shape` is one of the first `COMPILED_WARMUP_CALLS` on
+    it in this process (counted here, on the host): its time is no cost. A graph count alone misses the CUDA
+    graph's recording, a later call than the compile; one slow observation of a width the schedule then avoids
+    would never be corrected."""
+    seen = _SHAPE_CALLS.setdefault(model, Counter())
+    seen[shape] += 1
+    return seen[shape] <= COMPILED_WARMUP_CALLS
 
 
 @contextmanager

@@ -33,7 +33,7 @@ from .attention import routed_kernel
 from .cache import stacked_ancestor_masks, tree_cache
 from .call import active_call, finish_rows, speculators_for
 from .costs import controller_for, cost_model
-from .models import compiled_graphs, head_on_positions
+from .models import compiled_graphs, head_on_positions, warming_up
 from .stopping import eos_ids
 from .version import cache_in, cache_kwarg
 
@@ -233,8 +233,9 @@ class TreeLoop:
             out = self.forward(host["tokens"], attention_mask=mask, position_ids=host["positions"], all_rows=width > 1,
                                **(self.tree_kwargs if "tree" in host else {}))
         marks["verified"] = self.timer.mark()
-        self.compiling = self.compiled is not None and compiled_graphs() != graphs  # (a forward that compiled a
-        # graph: its time is no cost)
+        if self.compiled is not None:  # (a forward that compiled a graph, or recorded one: its time is no cost)
+            shape = (len(trees), width, getattr(self.cache, "capacity", None))
+            self.compiling = warming_up(self.target, shape) or compiled_graphs() != graphs
         outcomes, next_tokens = self.accept(active, trees, out.logits, host)  # next_tokens: [B, N] or None
         self.timer.read_back()
         self.commit(active, trees, outcomes, next_tokens, out.hidden_states, past_len, width)
@@ -459,7 +460,7 @@ def tree_custom_generate(model, input_ids, logits_processor, stopping_criteria, 
                 if model._valid_auto_compile_criteria(model_kwargs, generation_config) else None)
     if compiled is not None and call.controller is not None:  # the schedule plans on the compiled forward's costs
         call.controller = controller_for(model, call.drafter, call.settings, compiled=True, sampling=call.sampling)
-    call, speculators = speculators_for(model, input_ids.shape[0], eos_ids(generation_config))
+    call, speculators = speculators_for(model, input_ids.shape[0], eos_ids(generation_config), compiled is not None)
     loop = TreeLoop(model, speculators, call.aux_ids, cache, logits_processor, stopping_criteria, generation_config,
                     call.streamer, compiled)
     seq, rows = loop.run(input_ids, model_kwargs.get("attention_mask"))

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..drafter.modeling import KV, EagleDrafter, KVWriter
+from ..drafter.graphs import LevelGraphs
+from ..drafter.modeling import KV, DraftStep, EagleDrafter, KVWriter
 from .ragged import Ragged
 from .transfer import pack, to_device
 from .tree import DraftTree
@@ -44,6 +45,8 @@ class DraftState:
     # hold each row's slot validity for every query row (written as real rows arrive), the tree block after them
     # is rewritten per level: O(new slots), never O(context), per level
     _mask: torch.Tensor | None = field(default=None, repr=False)
+    #: draft levels at fixed shapes (captured on CUDA; `eagle_hf.drafter.graphs`), None: eager
+    graphs: LevelGraphs | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.ragged is None:
@@ -80,11 +83,29 @@ class DraftState:
             return
         cfg = drafter.config
         shape = (self.rows, cfg.num_key_value_heads, max(2 * need, 64), cfg.head_dim)
-        keys, values = like.new_empty(shape), like.new_empty(shape)
+        keys, values = self._storage(shape, like)
         if self.keys is not None:
             keys[:, :, : self.length] = self.keys[:, :, : self.length]
             values[:, :, : self.length] = self.values[:, :, : self.length]
         self.keys, self.values = keys, values
+
+    def _storage(self, shape: tuple, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `shape` ``[B, kv_heads, C, d]``: new, or with fixed-shape levels the graphs' storage
+        (C a power of two: calls of nearby lengths share it and its graphs)."""
+        if self.graphs is None:
+            return like.new_empty(shape), like.new_empty(shape)
+        b, h, c, d = shape
+        return self.graphs.buffers((b, h, 1 << (c - 1).bit_length(), d), like, self)
+
+    def level_forward(self, drafter: EagleDrafter, feed: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
+                      at: int, mask: torch.Tensor | None) -> DraftStep:
+        """One draft level: the drafter over feed [B, k, H] with tokens and positions [B, k], its rows written at
+        slots ``at ..`` (`reserve` first), `mask` [B|1, 1, k, at+k] (None: the plain causal layout). Eager, or
+        at fixed shapes (`graphs`): the same arithmetic."""
+        if self.graphs is None:
+            return drafter.step(feed, ids, positions, past=self.writer(at), mask=mask)
+        level = self.graphs.level(self.keys, self.values, self.rows, ids.shape[1])
+        return level.run(feed, ids, positions, at, mask)
 
     def writer(self, at: int) -> KVWriter:
         """Where a drafter pass writes its rows: slot `at` onwards (`reserve` first)."""
@@ -217,7 +238,7 @@ class DraftState:
     def reserve_from(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Storage holding these rows (`length` of them) with room to grow."""
         b, h, n, d = keys.shape
-        self.keys, self.values = keys.new_empty(b, h, 2 * n + 64, d), values.new_empty(b, h, 2 * n + 64, d)
+        self.keys, self.values = self._storage((b, h, 2 * n + 64, d), keys)
         self.keys[:, :, :n], self.values[:, :, :n] = keys, values
 
 
@@ -395,8 +416,8 @@ def _level_step(drafter, state: DraftState, growth: list[_Growth], parent_out: t
         base = host.pop("base")[:, None]  # [B, 1]
     feed = parent_out.gather(1, host["slot"][..., None].expand(len(growth), k, parent_out.shape[-1]))  # [B, k, H]
     mask = state.level_mask(host.get("ancestors"), k, len(growth[0].fed))
-    out = drafter.step(feed, host["tokens"], (base + level).expand(len(growth), k),
-                       past=state.writer(real_len + len(growth[0].fed)), mask=mask)
+    out = state.level_forward(drafter, feed, host["tokens"], (base + level).expand(len(growth), k),
+                              real_len + len(growth[0].fed), mask)
     state.steps += 1
     for g in growth:
         g.fed += g.frontier + [-1] * (k - len(g.frontier))

@@ -1,0 +1,166 @@
+"""The drafter's draft-level forward at fixed shapes, replayed as a CUDA graph.
+
+Eagerly, a draft level is a one-layer model's forward over k frontier nodes per row: about thirty kernel launches,
+which on a GPU take longer than the kernels themselves (2.0 ms a level at the Llama-3.1-8B shape on an H200,
+against a compiled target step of 8 ms). Here the same forward is written at fixed shapes: rows B, nodes k, the
+drafter cache's whole capacity C read under a mask, and the new keys and values written at slots held on the
+device. One CUDA graph per (B, k, cache storage) then replays it: the host copies the level's inputs into the
+graph's buffers and launches once. The arithmetic is the eager forward's (masked columns weigh exactly zero), so
+drafts are unchanged; without CUDA the fixed-shape forward runs eagerly (how the CPU tests check it).
+
+`LevelGraphs.for_drafter` keeps one per drafter (weakly), with the drafter cache's storage, so that a later call of
+the same shape reuses both the storage and the graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .modeling import KV, DraftStep, EagleDrafter
+
+logger = logging.getLogger(__name__)
+
+#: environment variable: "off" runs draft levels eagerly; "on" at fixed shapes wherever the drafter runs (captured
+#: on CUDA); unset or "auto": captured where the target's forward is compiled (a static cache on CUDA)
+GRAPHS_ENV = "EAGLE_HF_DRAFTER_GRAPHS"
+#: graphs kept per drafter (least recently used dropped first)
+MAX_GRAPHS = 16
+
+_PER_DRAFTER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def wanted(drafter: EagleDrafter, compiled: bool) -> bool:
+    """Whether a call's draft levels run at fixed shapes (`GRAPHS_ENV`; by default where the target's forward
+    is compiled and the drafter is on CUDA)."""
+    setting = os.environ.get(GRAPHS_ENV, "auto").lower()
+    if setting in ("off", "0", "false", "none"):
+        return False
+    if setting in ("on", "1", "true"):
+        return True
+    return compiled and drafter.fc.weight.device.type == "cuda"
+
+
+@dataclass
+class SlotWriter:
+    """New keys and values written at the device slots `slots` [T] of whole buffers ``[B, kv_heads, C, d]``; a
+    pass attends over all C columns (its mask says which it reads). Fixed shapes, no host value: capturable."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    slots: torch.Tensor  # [T] long
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+    def extended(self, new: KV) -> KV:
+        self.keys.index_copy_(2, self.slots, new.keys)
+        self.values.index_copy_(2, self.slots, new.values)
+        return KV(self.keys, self.values)
+
+
+class FixedLevel:
+    """One (B, k) level forward over one cache storage: static input buffers, the captured graph (CUDA), and the
+    static outputs a replay overwrites (read them before the next level runs)."""
+
+    def __init__(self, drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, rows: int, k: int):
+        device, dtype = keys.device, drafter.fc.weight.dtype
+        width = drafter.config.hidden_size
+        self.drafter, self.keys, self.values = drafter, keys, values
+        self.feed = torch.zeros(rows, k, width, dtype=dtype, device=device)  # [B, k, H]
+        self.ids = torch.zeros(rows, k, dtype=torch.long, device=device)  # [B, k]
+        self.positions = torch.zeros(rows, k, dtype=torch.long, device=device)  # [B, k]
+        self.steps = torch.arange(k, device=device)  # [k]
+        self.slots = torch.zeros(k, dtype=torch.long, device=device)  # [k] where the k new rows are written
+        self.mask = torch.zeros(rows, 1, k, keys.shape[2], dtype=torch.bool, device=device)  # [B, 1, k, C]
+        self.graph, self.out = None, None
+
+    def _forward(self) -> DraftStep:
+        return self.drafter.step(self.feed, self.ids, self.positions,
+                                 past=SlotWriter(self.keys, self.values, self.slots), mask=self.mask)
+
+    def run(self, feed: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, at: int,
+            mask: torch.Tensor | None) -> DraftStep:
+        """The level's forward: feed [B, k, H], ids and positions [B, k], the new rows written at slots
+        ``at .. at+k-1``, `mask` [B|1, 1, k, at+k] bool (None: every earlier slot and causal among the k)."""
+        k = self.ids.shape[1]
+        self.feed.copy_(feed)
+        self.ids.copy_(ids)
+        self.positions.copy_(positions)
+        torch.add(self.steps, at, out=self.slots)
+        self.mask.zero_()
+        if mask is None:
+            self.mask[..., :at] = True
+            self.mask[..., at : at + k] = torch.ones(k, k, dtype=torch.bool, device=self.mask.device).tril()
+        else:
+            self.mask[..., : at + k] = mask
+        if self.graph is None and self.keys.device.type == "cuda":
+            try:
+                self._capture()
+            except RuntimeError as err:  # (never the call's failure: the same forward runs eagerly)
+                logger.warning("The drafter's level could not be captured as a CUDA graph (%s); it runs eagerly",
+                               str(err).splitlines()[0][:200])
+                self.graph = False
+        if not self.graph:
+            return self._forward()
+        self.graph.replay()
+        return self.out
+
+    def _capture(self) -> None:
+        """Two warm-up passes on a side stream (they write the level's own rows: harmless), then the capture."""
+        stream = torch.cuda.Stream(self.keys.device)
+        stream.wait_stream(torch.cuda.current_stream(self.keys.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward()
+        torch.cuda.current_stream(self.keys.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # (a private memory pool: levels replay in any order)
+            self.out = self._forward()
+        self.graph = graph
+
+
+class LevelGraphs:
+    """A drafter's fixed-shape levels and the cache storage they write, kept between calls."""
+
+    def __init__(self, drafter: EagleDrafter):
+        self.drafter = drafter
+        self.levels: OrderedDict[tuple, FixedLevel] = OrderedDict()
+        self.storage: dict[tuple, tuple] = {}  # (shape, dtype, device) -> (keys, values, weakref to its owner)
+
+    @classmethod
+    def for_drafter(cls, drafter: EagleDrafter) -> LevelGraphs:
+        graphs = _PER_DRAFTER.get(drafter)
+        if graphs is None or graphs.drafter.fc.weight.device != drafter.fc.weight.device:
+            graphs = _PER_DRAFTER[drafter] = cls(drafter)
+        return graphs
+
+    def buffers(self, shape: tuple, like: torch.Tensor, owner) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `shape` ``[B, kv_heads, C, d]`` for `owner` (a drafter cache): the storage an
+        earlier, finished owner left, else new storage (zeros: columns never written weigh zero, where 0 x a
+        stale NaN would not). A storage a live owner holds is not handed to another (threads sharing a drafter)."""
+        key = (tuple(shape), like.dtype, like.device)
+        kept = self.storage.get(key)
+        if kept is not None and kept[2]() in (None, owner):
+            self.storage[key] = (kept[0], kept[1], weakref.ref(owner))
+            return kept[0], kept[1]
+        made = (like.new_zeros(shape), like.new_zeros(shape))
+        if kept is None:
+            self.storage[key] = (*made, weakref.ref(owner))
+        return made
+
+    def level(self, keys: torch.Tensor, values: torch.Tensor, rows: int, k: int) -> FixedLevel:
+        key = (rows, k, keys.data_ptr(), tuple(keys.shape))
+        level = self.levels.get(key)
+        if level is None:
+            level = self.levels[key] = FixedLevel(self.drafter, keys, values, rows, k)
+            while len(self.levels) > MAX_GRAPHS:
+                self.levels.popitem(last=False)
+        self.levels.move_to_end(key)
+        return level

@@ -1,0 +1,99 @@
+"""Draft levels at fixed shapes (`eagle_hf.drafter.graphs`): the forward a CUDA graph replays, run eagerly here.
+The oracle is plain generate() (float32 greedy) and the eager levels (sampling: the same draws)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_drafter, tiny_target
+from test_batch import MODES, left_padded
+from test_copying import REPEAT
+
+from eagle_hf.drafter import graphs
+from eagle_hf.drafter.graphs import GRAPHS_ENV, FixedLevel, LevelGraphs
+from eagle_hf.hf import models
+from eagle_hf.speculation.drafting import DraftState
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+STATIC = dict(cache_implementation="static")
+
+
+@pytest.fixture
+def levels_run(monkeypatch):
+    """Fixed-shape levels on, counting their forwards."""
+    monkeypatch.setenv(GRAPHS_ENV, "on")
+    calls = []
+    run = FixedLevel.run
+    monkeypatch.setattr(FixedLevel, "run", lambda self, *a, **k: (calls.append(self.ids.shape), run(self, *a, **k))[1])
+    return calls
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_fixed_shape_levels_keep_greedy_output(levels_run, mode, cache):
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids, mask = left_padded()
+    extra = STATIC if cache == "static" else {}
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, **extra)
+    for prompt, attention in ((ids, mask), (REPEAT, None)):
+        want = ref if prompt is ids else target.generate(prompt, max_new_tokens=20, do_sample=False, **extra)
+        out = target.generate(prompt, attention_mask=attention, max_new_tokens=20, do_sample=False,
+                              assistant_model=drafter, **MODES[mode], **extra)
+        assert torch.equal(out, want)
+    if MODES[mode].get("num_assistant_tokens_schedule") == "constant":  # (adaptive ones may draft one level)
+        assert levels_run, "no level ran at fixed shapes"
+
+
+def test_fixed_shape_levels_sample_the_same_draws(monkeypatch):
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    call = dict(max_new_tokens=24, do_sample=True, temperature=1.0, assistant_model=drafter,
+                **MODES["tree"])
+    outs = {}
+    for setting in ("off", "on"):
+        monkeypatch.setenv(GRAPHS_ENV, setting)
+        torch.manual_seed(7)
+        outs[setting] = target.generate(REPEAT, **call)
+    assert torch.equal(outs["on"], outs["off"])
+
+
+def test_a_later_call_reuses_the_storage_and_its_levels(levels_run):
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    call = dict(max_new_tokens=16, do_sample=False, assistant_model=drafter, **MODES["chain"])
+    target.generate(REPEAT, **call)
+    kept = LevelGraphs.for_drafter(drafter)
+    first = dict(kept.levels)
+    target.generate(REPEAT, **call)
+    assert dict(kept.levels) == first  # the same storage, so the same levels (on CUDA: the same graphs)
+    assert len(kept.storage) == 1
+
+
+def test_a_live_cache_keeps_its_storage():
+    drafter = tiny_drafter(tiny_target("llama"))
+    kept = LevelGraphs.for_drafter(drafter)
+    like = torch.zeros(1)
+    a, b = DraftState(graphs=kept), DraftState(graphs=kept)
+    shape = (1, 2, 64, 8)
+    first = kept.buffers(shape, like, a)
+    assert kept.buffers(shape, like, b)[0].data_ptr() != first[0].data_ptr()  # a still holds it
+    del a
+    assert kept.buffers(shape, like, b)[0].data_ptr() == first[0].data_ptr()
+
+
+def test_levels_are_fixed_shape_only_where_wanted(monkeypatch):
+    drafter = tiny_drafter(tiny_target("llama"))
+    monkeypatch.delenv(GRAPHS_ENV, raising=False)
+    assert not graphs.wanted(drafter, compiled=True)  # (auto: CUDA only)
+    assert not graphs.wanted(drafter, compiled=False)
+    monkeypatch.setenv(GRAPHS_ENV, "on")
+    assert graphs.wanted(drafter, compiled=False)
+    monkeypatch.setenv(GRAPHS_ENV, "off")
+    assert not graphs.wanted(drafter, compiled=True)
+
+
+def test_a_compiled_shape_teaches_no_cost_while_it_warms_up():
+    model = torch.nn.Linear(1, 1)
+    assert [models.warming_up(model, (1, 8, 64)) for _ in range(5)] == [True] * 3 + [False] * 2
+    assert models.warming_up(model, (1, 16, 64))  # a new width warms up again
