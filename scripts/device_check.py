@@ -652,33 +652,45 @@ def _compare(target, drafter, ids, mask, new: int, case: str, modes: dict, judge
 
 
 @contextlib.contextmanager
-def replay_drafts(truth: list[list[int]]):
-    """The replay drafter: the real drafter runs (its cost is real) but each row's chooser puts the target's own
-    greedy continuation (`truth`, per row, in the row's positions) first, with probability 1, beside the drafter's
-    own top-k: a chain is the continuation, a tree holds it as its deepest branch and the drafter's other
-    proposals around it. Every draft on the continuation is accepted: the loop's ceiling. Patches
-    eagle_hf.speculation.speculator.draft_trees, the seam the tests patch too (tests/conftest.py, patch_drafts); greedy calls
-    only. Yields counts of drafted trees ("replayed", "unmatched": the row has left the recorded continuation)."""
+def choosers_of(make):
+    """Every drafted row's chooser made by ``make(drafter, top_k, row, position, root)`` (`position`: the row's
+    next real position in the drafter's cache, `root`: its tree's root token), in place of the call's own. Patches
+    eagle_hf.speculation.speculator.draft_trees, the seam the tests patch too (tests/conftest.py, patch_drafts)."""
     import inspect
 
     from eagle_hf.speculation import speculator as speculation
-    from eagle_hf.speculation.drafting import Choice
 
     original = speculation.draft_trees
     signature = inspect.signature(original)
-    counts = Counter()
 
     def draft_trees(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
         slots = list(range(a["state"].rows)) if a["rows"] is None else a["rows"]
-        # (in place of any chooser: transformers' loop passes one for its chain; replayed calls are greedy)
-        a["choosers"] = [_replay_chooser(a["drafter"], a["top_k"], truth, b, a["state"].positions[b], root, counts)
+        a["choosers"] = [make(a["drafter"], a["top_k"], b, a["state"].positions[b], root)
                          for b, root in zip(slots, a["roots"])]
         return original(*bound.args, **bound.kwargs)
 
-    def _replay_chooser(drafter, top_k, truth, row, position, root, counts):
+    speculation.draft_trees = draft_trees
+    try:
+        yield
+    finally:
+        speculation.draft_trees = original
+
+
+@contextlib.contextmanager
+def replay_drafts(truth: list[list[int]]):
+    """The replay drafter: the real drafter runs (its cost is real) but each row's chooser puts the target's own
+    greedy continuation (`truth`, per row, in the row's positions) first, with probability 1, beside the drafter's
+    own top-k: a chain is the continuation, a tree holds it as its deepest branch and the drafter's other
+    proposals around it. Every draft on the continuation is accepted: the loop's ceiling (`choosers_of`; greedy
+    calls only). Yields counts of drafted trees ("replayed", "unmatched": the row has left the recorded continuation)."""
+    from eagle_hf.speculation.drafting import Choice
+
+    counts = Counter()
+
+    def _replay_chooser(drafter, top_k, row, position, root):
         seq = truth[row] if row < len(truth) and position < len(truth[row]) and truth[row][position] == root else None
         seq = seq or next((t for t in truth if position < len(t) and t[position] == root), None)
         counts["replayed" if seq is not None else "unmatched"] += 1
@@ -697,11 +709,8 @@ def replay_drafts(truth: list[list[int]]):
 
         return choose
 
-    speculation.draft_trees = draft_trees
-    try:
+    with choosers_of(_replay_chooser):  # (in place of any chooser: transformers' loop passes one for its chain)
         yield counts
-    finally:
-        speculation.draft_trees = original
 
 
 def cycle_target(shape: dict, dtype: torch.dtype, device: torch.device, seed: int = 0, gain: float = 1.0):
@@ -736,31 +745,17 @@ def oracle_drafts(succ: torch.Tensor, corrupt: float = 0.0, seed: int = 0):
     the continuation's token at a (row, position) is withheld with probability r (a fixed hash of the two: every
     run and every mode loses the same positions), so a chain's acceptance falls as (1 - r) per level: the
     acceptance curve. Deterministic drafts (no q): valid for sampling too (one-hot q, `accept_sampling`).
-    Patches eagle_hf.speculation.speculator.draft_trees, the seam `replay_drafts` patches. Yields counts
-    ("nodes", "withheld")."""
-    import inspect
+    Through `choosers_of`. Yields counts ("nodes", "withheld")."""
     import random
 
-    from eagle_hf.speculation import speculator as speculation
     from eagle_hf.speculation.drafting import Choice
     from eagle_hf.speculation.transfer import to_device
 
-    original = speculation.draft_trees
-    signature = inspect.signature(original)
     counts = Counter()
     table = succ.tolist()
 
     def withheld(row: int, position: int) -> bool:
         return corrupt > 0 and random.Random(f"{seed}:{row}:{position}").random() < corrupt
-
-    def draft_trees(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        slots = list(range(a["state"].rows)) if a["rows"] is None else a["rows"]
-        a["choosers"] = [chooser(a["drafter"], a["top_k"], b, a["state"].positions[b], root)
-                         for b, root in zip(slots, a["roots"])]
-        return original(*bound.args, **bound.kwargs)
 
     def chooser(drafter, top_k, row, position, root):
         def choose(logits, paths):  # no read of the device: one host-to-device copy of the oracle's tokens
@@ -785,11 +780,8 @@ def oracle_drafts(succ: torch.Tensor, corrupt: float = 0.0, seed: int = 0):
 
         return choose
 
-    speculation.draft_trees = draft_trees
-    try:
+    with choosers_of(chooser):
         yield counts
-    finally:
-        speculation.draft_trees = original
 
 
 def stage_replay(ctx: Context, budget: Budget) -> StageResult:

@@ -111,3 +111,36 @@ def test_verify_attention_bench_times_every_case_on_the_cpu(tmp_path):
     checked = {r["case"]: r["err"] for r in rows if "err" in r}
     assert {"stacked auto", "matmul", "prefix + tree"} <= checked.keys()
     assert all(err < 0.02 for err in checked.values()), checked
+
+
+def test_the_compiled_stage_measures_chains_trees_and_the_curve_on_the_cycle_target(tmp_path):
+    """The compiled stage's rehearsal (here: a static cache, uncompiled): every mode's output follows the cycle
+    target's continuation, the oracle's drafts are all accepted at rate 0 (tau pinned), fewer at a withheld rate,
+    and the drafter's level is timed eagerly and at fixed shapes."""
+    dc = load_script()
+    assert dc.main(["--device", "cpu", "--small", "--only", "compiled", "--compiled-cells", "32x1",
+                    "--compiled-modes", "chain 5; tree; default", "--compiled-rates", "0.5",
+                    "--budget-s", "compiled=120", "--out", str(tmp_path)]) == 0
+    stage = json.loads((tmp_path / "report.json").read_text())["stages"]["compiled"]
+    rows = {(r["mode"], r["withheld_rate"]): r for r in stage["data"]["speed"]}
+    assert set(rows) == {("plain", 0.0), ("chain 5", 0.0), ("tree", 0.0), ("default", 0.0), ("chain 5", 0.5),
+                         ("default", 0.5)}
+    assert all(r["follows_cycle"] for r in rows.values())
+    new = dc.SMALL.new_tokens
+    assert rows[("chain 5", 0.0)]["tau"] == pytest.approx((new - 1) / 4)  # the prefill's token, then 4 rounds
+    assert rows[("chain 5", 0.5)]["tau"] < rows[("chain 5", 0.0)]["tau"]
+    assert rows[("chain 5", 0.5)]["withheld"] > 0
+    assert {(r["k"], r["levels"]) for r in stage["data"]["drafter level alone"]} == {
+        (1, "eager"), (1, "fixed shapes"), (4, "eager"), (4, "fixed shapes")}
+
+
+def test_the_cycle_target_continues_its_cycle_by_a_wide_margin():
+    import torch
+
+    dc = load_script()
+    target, succ = dc.cycle_target(dc.SMALL.target, torch.bfloat16, torch.device("cpu"), seed=3)
+    ids = torch.tensor([[5, 9, 200]])
+    with torch.no_grad():
+        logits = target(ids).logits[0, -1].float()
+    top = logits.topk(2).values
+    assert logits.argmax().item() == succ[200].item() and top[0] - top[1] > 5

@@ -122,6 +122,12 @@ def check_call(kwargs: dict, defaults=None) -> None:
         raise EagleCompatibilityError("The prompt is empty: pass at least one token (e.g. the chat template's).")
     if (kwargs.get("num_beams") or getattr(kwargs.get("generation_config"), "num_beams", 1) or 1) > 1:
         raise EagleCompatibilityError("Beam search cannot be combined with speculative decoding; drop num_beams.")
+    use_cache = kwargs.get("use_cache", getattr(kwargs.get("generation_config") or defaults, "use_cache", True))
+    if use_cache is False:
+        raise EagleCompatibilityError(
+            "use_cache=False: speculative decoding verifies drafts against the target's KV cache; drop use_cache=False "
+            "(or drop assistant_model to decode without a cache)."
+        )
     if batch_rows(kwargs) > 1:
         check_batch(kwargs, inputs, defaults)
 

@@ -34,7 +34,7 @@ from .call import (
 from .candidate import EagleCandidateGenerator
 from .costs import controller_for, keep_acceptance, keep_costs
 from .routing import route
-from .stopping import eos_ids, trim_at_stopping_criteria
+from .stopping import eos_ids, stop_strings_as_criterion, trim_at_stopping_criteria
 from .tree_loop import tree_custom_generate
 from .version import check_transformers_version
 
@@ -68,6 +68,7 @@ def generate(self, *args, **kwargs):
     if call.route.loop == "eagle_hf":
         kwargs.pop("assistant_model", None)
         kwargs["custom_generate"] = tree_custom_generate
+        stop_strings_as_criterion(kwargs, self.generation_config)
     for key in OWN_KEYWORDS:
         kwargs.pop(key, None)
     return _run(self, kwargs, call)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import StopStringCriteria
+from transformers import StopStringCriteria, StoppingCriteriaList
 from transformers.generation.stopping_criteria import ConfidenceCriteria, MaxTimeCriteria
 
 from .version import output_cache
@@ -18,6 +18,21 @@ def eos_ids(generation_config) -> set[int]:
             return set()
         return {int(e) for e in ([eos] if isinstance(eos, int) else eos)}
     return set(eos.reshape(-1).tolist())
+
+
+def stop_strings_as_criterion(kwargs: dict, defaults) -> None:
+    """`stop_strings` (the call's or its generation config's, else the model's: `defaults`) with `tokenizer`, as a
+    `StopStringCriteria` among the call's `stopping_criteria` (in place). transformers hands a callable
+    ``custom_generate`` (eagle_hf's loop) only the arguments its own signature adds, so the tokenizer would be
+    dropped and stop strings refused; as a criterion they reach the loop like any other. Without a tokenizer
+    nothing changes (transformers' own error names it)."""
+    config = kwargs.get("generation_config") or defaults
+    stop_strings = kwargs.get("stop_strings") or getattr(config, "stop_strings", None)
+    if not stop_strings or kwargs.get("tokenizer") is None:
+        return
+    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(kwargs.pop("tokenizer"), stop_strings))
+    kwargs["stopping_criteria"], kwargs["stop_strings"] = criteria, None
 
 
 def trim_at_stopping_criteria(out, prompt_len: int | None, kwargs: dict):
