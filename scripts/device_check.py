@@ -373,12 +373,18 @@ def build_drafter(target, draft_vocab: int, seed: int = 1, eagle31: bool = False
     with torch.device(device):
         drafter = EagleDrafter.for_target(target, draft_vocab_size=draft_vocab, eagle31=eagle31)
     if drafter.d2t is not None:
-        v = drafter.config.vocab_size
-        used = torch.sort(torch.randperm(v, generator=torch.Generator().manual_seed(seed))[:draft_vocab]).values
+        used = draft_ids(drafter.config.vocab_size, draft_vocab, seed)
         drafter.d2t.copy_((used - torch.arange(draft_vocab)).to(device))
         drafter.t2d.zero_()
         drafter.t2d[used.to(device)] = True
     return drafter.to(device).eval()
+
+
+def draft_ids(vocab: int, draft_vocab: int, seed: int) -> torch.Tensor:
+    """The target ids `build_drafter` gives a drafter of `draft_vocab` drafts (sorted; all ids when equal)."""
+    if draft_vocab >= vocab:
+        return torch.arange(vocab)
+    return torch.sort(torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab]).values
 
 
 def prompts(rows: int, lengths: list[int] | int, vocab: int, seed: int, device, repeat: bool = False):
@@ -713,18 +719,28 @@ def replay_drafts(truth: list[list[int]]):
         yield counts
 
 
-def cycle_target(shape: dict, dtype: torch.dtype, device: torch.device, seed: int = 0, gain: float = 1.0):
-    """A random Llama whose next token is a fixed function of the current one, ``succ[token]`` (a random
-    permutation), by a wide margin: returns (target, succ on the host). Every layer still runs at its full cost,
-    but its output projections are scaled down (o_proj, down_proj x 0.01) and the token embeddings up (x 50), so
-    the residual stream is the current token's embedding plus a little; the output head's row ``succ[t]`` is
-    token t's unit embedding times `gain`. The logit of the successor is then about ``gain * sqrt(hidden)``
-    against others of spread `gain`: at the 8B shape (gain 1) a margin of ~60 that bf16 never flips, so identical
-    calls give identical output and every draft tree that holds the continuation matches it (the tree's ceiling).
-    A small `gain` spreads the distribution (the sampling checks)."""
+def cycle_target(shape: dict, dtype: torch.dtype, device: torch.device, seed: int = 0, gain: float = 1.0,
+                 within: torch.Tensor | None = None):
+    """A random Llama whose next token is a fixed function of the current one, ``succ[token]``, by a wide margin:
+    returns (target, succ on the host). `succ` is one cycle through `within` (target ids, e.g. a drafter's draft
+    vocabulary: a continuation that starts there stays there) and one through the other ids. Every layer still
+    runs at its full cost, but its output projections are scaled down (o_proj, down_proj x 0.01) and the token
+    embeddings up (x 50), so the residual stream is the current token's embedding plus a little; the output head's
+    row ``succ[t]`` is token t's unit embedding times `gain`. The successor's logit is then about
+    ``gain * sqrt(hidden)`` against others of spread `gain`: at the 8B shape (gain 1) a margin of ~60 that bf16
+    never flips, so identical calls give identical output and every draft tree that holds the continuation
+    matches it (the tree's ceiling). A small `gain` spreads the distribution (the sampling checks)."""
     target = build_target(shape, dtype, device, seed=seed)
     vocab = target.config.vocab_size
-    succ = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed + 7))
+    g = torch.Generator().manual_seed(seed + 7)
+    inside = torch.zeros(vocab, dtype=torch.bool)
+    if within is not None:
+        inside[within.cpu()] = True
+    succ = torch.empty(vocab, dtype=torch.long)
+    for group in (torch.nonzero(inside)[:, 0], torch.nonzero(~inside)[:, 0]):
+        if len(group):
+            ring = group[torch.randperm(len(group), generator=g)]
+            succ[ring] = ring.roll(-1)
     with torch.no_grad():
         for layer in target.model.layers:
             layer.self_attn.o_proj.weight.mul_(0.01)
@@ -738,50 +754,78 @@ def cycle_target(shape: dict, dtype: torch.dtype, device: torch.device, seed: in
     return target, succ
 
 
+def draft_vocabulary(drafter) -> torch.Tensor:
+    """The target ids a drafter can propose (``draft + d2t[draft]``), on the host."""
+    ids = torch.arange(drafter.config.draft_vocab_size)
+    return ids if drafter.d2t is None else ids + drafter.d2t.cpu()
+
+
 @contextlib.contextmanager
-def oracle_drafts(succ: torch.Tensor, corrupt: float = 0.0, seed: int = 0):
-    """Drafts that follow a `cycle_target`'s continuation: each node's first child is ``succ[last token]``, with
-    probability 1, beside the drafter's own top-k (the drafter still runs: its cost is real). With `corrupt` = r
-    the continuation's token at a (row, position) is withheld with probability r (a fixed hash of the two: every
-    run and every mode loses the same positions), so a chain's acceptance falls as (1 - r) per level: the
-    acceptance curve. Deterministic drafts (no q): valid for sampling too (one-hot q, `accept_sampling`).
-    Through `choosers_of`. Yields counts ("nodes", "withheld")."""
+def oracle_drafter(drafter, succ: torch.Tensor, corrupt: float = 0.0, seed: int = 0, rows: int = 1,
+                   length: int = 16384):
+    """The drafter's own logits follow a `cycle_target`'s continuation: each pass adds 1e4 to the draft logit of
+    ``succ[token]`` for the token each row reads (it predicts the next position's), so the drafter's top choice
+    is the continuation with probability ~1 and its other top-k are its own. Every path of eagle_hf runs as with a
+    real drafter: choices on the device or the host, chains and trees, CUDA graphs (captured with the oracle in
+    them), sampling (q is the drafter's distribution). With `corrupt` = r the continuation's token at a
+    (row, position) is withheld with probability r (a fixed hash of the two: every run and mode loses the same
+    positions), so a chain's acceptance falls as (1 - r) a level: the acceptance curve."""
     import random
 
-    from eagle_hf.speculation.drafting import Choice
+    from eagle_hf.drafter import graphs
+    from eagle_hf.speculation.drafting import DraftState
     from eagle_hf.speculation.transfer import to_device
 
-    counts = Counter()
-    table = succ.tolist()
+    device = drafter.fc.weight.device
+    draft_of = torch.full((succ.numel(),), -1, dtype=torch.long)
+    draft_of[draft_vocabulary(drafter)] = torch.arange(drafter.config.draft_vocab_size)
+    nxt = draft_of[succ].to(device)  # [V] the draft id of each token's successor (-1: not in the draft vocabulary)
+    held = torch.tensor([[random.Random(f"{seed}:{r}:{p}").random() < corrupt for p in range(length)]
+                         for r in range(rows)], device=device) if corrupt > 0 else None  # [rows, length]
+    def bonus(logits: torch.Tensor, tokens: torch.Tensor, child_positions: torch.Tensor) -> torch.Tensor:
+        """logits [..., Vd] for rows that read `tokens` [...], their children at `child_positions` [...]."""
+        target = nxt[tokens]
+        ok = target >= 0
+        if held is not None:
+            at = child_positions.clamp(max=length - 1).reshape(tokens.shape[0], -1)
+            ok = ok & ~held[: tokens.shape[0]].gather(1, at).reshape(target.shape)
+        ok = ok[..., None]
+        return logits + torch.zeros_like(logits).scatter_(-1, target.clamp(min=0)[..., None], 1e4) * ok
 
-    def withheld(row: int, position: int) -> bool:
-        return corrupt > 0 and random.Random(f"{seed}:{row}:{position}").random() < corrupt
+    before = drafter.__dict__.get("step")
+    step = drafter.step
 
-    def chooser(drafter, top_k, row, position, root):
-        def choose(logits, paths):  # no read of the device: one host-to-device copy of the oracle's tokens
-            top = torch.topk(torch.log_softmax(logits.float(), dim=-1), top_k, dim=-1)
-            tokens, logp = drafter.draft_to_target(top.indices), top.values  # [k, top_k]
-            nxt = [table[path[-1] if path else root] for path in paths]
-            held = [withheld(row, position + 1 + len(path)) for path in paths]  # (the child's position)
-            counts["nodes"] += len(paths)
-            counts["withheld"] += sum(held)
-            nxt_d, held_d = to_device(torch.tensor([nxt, held], dtype=torch.long), tokens.device).unbind(0)  # [k]
-            same = tokens == nxt_d[:, None]  # [k, top_k]
-            order = torch.sort(same.long(), dim=1, stable=True).indices  # the drafter's others first, in order
-            others = tokens.gather(1, order)  # [k, top_k]: ..., nxt last where the drafter had it
-            offered = torch.cat([nxt_d[:, None], others[:, :-1]], 1)  # the continuation first
-            hidden = torch.where(others == nxt_d[:, None], nxt_d[:, None] ^ 1, others)  # the continuation left out
-            kept = held_d[:, None] == 0  # [k, 1]
-            tokens = torch.where(kept, offered, hidden)
-            first = torch.zeros_like(same)
-            first[:, 0] = True
-            logp = torch.where(kept & first, torch.zeros_like(logp), logp)  # probability 1: grown to the full depth
-            return Choice(tokens, logp)
+    def oracle_step(hidden, input_ids, position_ids, past=None, mask=None, compute_logits=True):
+        # row t reads token input_ids[t] at position position_ids[t] + 1: its child sits one further
+        out = step(hidden, input_ids, position_ids, past=past, mask=mask, compute_logits=compute_logits)
+        if out.logits is None:
+            return out
+        return dataclasses.replace(out, logits=bonus(out.logits, input_ids, position_ids + 2))
 
-        return choose
+    extend = DraftState.extend
 
-    with choosers_of(chooser):
-        yield counts
+    def oracle_extend(state, draft_model, aux, next_tokens, counts=None):  # the catch-up's logits: the first level
+        positions = list(state.positions)
+        logits, hidden = extend(state, draft_model, aux, next_tokens, counts)
+        if draft_model is not drafter:
+            return logits, hidden
+        n = next_tokens.shape[1]
+        counts = counts or [n] * len(positions)
+        last = to_device(torch.tensor([[max(c, 1) - 1] for c in counts]), next_tokens.device)  # [B, 1]
+        child = to_device(torch.tensor([p + c + 1 for p, c in zip(positions, counts)]), next_tokens.device)
+        return bonus(logits, next_tokens.gather(1, last)[:, 0], child), hidden
+
+    graphs._PER_DRAFTER.pop(drafter, None)  # (graphs captured before hold the drafter without the oracle)
+    drafter.step, DraftState.extend = oracle_step, oracle_extend
+    try:
+        yield
+    finally:
+        DraftState.extend = extend
+        graphs._PER_DRAFTER.pop(drafter, None)
+        if before is None:
+            del drafter.step
+        else:
+            drafter.step = before
 
 
 def stage_replay(ctx: Context, budget: Budget) -> StageResult:
@@ -902,7 +946,7 @@ def _replay_cell(ctx, target, drafter, vocab, ctx_len, rows, modes, budget) -> l
 
 def stage_compiled(ctx: Context, budget: Budget) -> StageResult:
     """EAGLE against what a speed-minded user runs: plain generate() with a static cache and transformers'
-    automatic compile. On a `cycle_target` (identical calls give identical output) with `oracle_drafts`: chain
+    automatic compile. On a `cycle_target` (identical calls give identical output) with `oracle_drafter`: chain
     3/5/8, the tree and the default at full acceptance, then the acceptance curve (drafts withheld at set rates)
     for chain 5 and the default, per CONTEXTxBATCH cell (`--compiled-cells`), interleaved timed runs after a
     warm-up, medians; speedups over compiled plain in the same cell, and the eager plain step beside it. Graphs
@@ -911,7 +955,8 @@ def stage_compiled(ctx: Context, budget: Budget) -> StageResult:
     s = ctx.shapes
     for kind in ("bf16", "f32"):
         ctx.drop(kind)  # (room for the oracle target: the earlier stages' pairs are not needed again)
-    target, succ = cycle_target(s.target, torch.bfloat16, ctx.device, seed=21)
+    within = draft_ids(s.target["vocab_size"], s.draft_vocab, seed=22)  # (the cycle the drafter can propose)
+    target, succ = cycle_target(s.target, torch.bfloat16, ctx.device, seed=21, within=within)
     drafter = build_drafter(target, s.draft_vocab, seed=22)
     drafter.bind_target_embedding(target.get_input_embeddings())  # (generate() does it; the level benchmark first)
     compiled = ctx.cuda or ctx.args.compile_cpu
@@ -952,6 +997,13 @@ def stage_compiled(ctx: Context, budget: Budget) -> StageResult:
         res["data"]["speed"] = table
         ctx.partial(res)
     done = [r for r in table if r["mode"] != "plain" and r.get("runs")]
+    from eagle_hf.drafter.graphs import wanted
+
+    alone = {(x["k"], x["levels"]): x["ms"] for x in res["data"].get("drafter level alone", [])}
+    for r in done:  # (the level alone, as the mode runs it: k nodes a row, eager or at fixed shapes)
+        fixed = wanted(drafter, static.get("disable_compile") is False) and "eager levels" not in r["mode"]
+        r["drafter_ms_per_level"] = alone.get((1 if r["mode"].startswith("chain") else 4,
+                                               "fixed shapes" if fixed else "eager"))
     bad = [r for r in done if r.get("follows_cycle") is False]
     if bad:
         res["status"] = "failed"
@@ -962,8 +1014,9 @@ def stage_compiled(ctx: Context, budget: Budget) -> StageResult:
         res.find(f"{len(recompiled)} modes compiled graphs in their timed runs: " +
                  ", ".join(f"{r['mode']} ({r['graphs_after_warmup']})" for r in recompiled[:6]))
     res.find("speedup = compiled plain's median / the mode's median, same cell; eager_plain_ms_per_token: plain "
-             "generate() with the default cache, same prompt; drafter_ms_per_level = the drafter's clock / its "
-             "forwards (catch-ups and levels); withheld_rate: the share of continuation tokens the oracle withholds")
+             "generate() with the default cache, same prompt; drafter_ms_per_round: the drafter's clock (catch-up, "
+             "levels, choices); drafter_ms_per_level: the level alone, k nodes as the mode drafts, eager or at fixed "
+             "shapes as it runs; withheld_rate: the share of continuation tokens the oracle withholds")
     top = {r["mode"]: r for r in done if r["withheld_rate"] == 0 and r["batch"] == 1}
     res["summary"] = "; ".join(f"{m} {r['speedup']:.2f}x (tau {r['tau']:.2f})" for m, r in top.items())
     return res
@@ -1021,6 +1074,7 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
 
     s = ctx.shapes
     ids, mask = prompts(rows, ctx_len, target.config.vocab_size, seed=ctx_len + 3 * rows, device=ctx.device)
+    ids[:, -1] = draft_vocabulary(drafter)[1 : rows + 1].to(ids.device)  # (continuations the drafter can propose)
     generate(target, ids, mask, s.new_tokens)  # warm-ups: eager, then compiled (compiles the one-token graph)
     ref = generate(target, ids, mask, s.new_tokens, **static)
     expected = ids.new_tensor(_cycle(succ, ids[:, -1].tolist(), s.new_tokens))  # [B, new]
@@ -1032,7 +1086,7 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
     for case in cases:  # warm-up: every graph a mode needs, compiled now
         mode, rate = case
         start = time.perf_counter()
-        with oracle_drafts(succ, rate, seed=rows), own_acceptance(drafter, carried, case), \
+        with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), own_acceptance(drafter, carried, case), \
                 draft_levels(modes[mode]) as kwargs:
             graphs = compiled_graphs()
             generate(target, ids, mask, s.new_tokens, drafter, **kwargs, **static)
@@ -1040,36 +1094,22 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
                               warmup_s=round(time.perf_counter() - start, 1))
         if not budget.allows(20):
             break
-    calls = Counter()
-    forwards = drafter.step
-
-    def counted(*a, **k):
-        calls["drafter forwards"] += 1
-        return forwards(*a, **k)
-
-    drafter.step = counted
-    try:
-        for _ in range(s.repeats):
-            if not budget.allows(10):
-                res["status"] = "partial"
-                break
-            for which, kwargs in (("eager", {}), ("compiled", static)):
-                plain[which].append(timed(ctx, generate, target, ids, mask, s.new_tokens, **kwargs)[1])
-            for case in [c for c in cases if c in info]:
-                mode, rate = case
-                calls.clear()
-                graphs = compiled_graphs()
-                with oracle_drafts(succ, rate, seed=rows) as counts, own_acceptance(drafter, carried, case), \
-                        draft_levels(modes[mode]) as kwargs:
-                    out, t = timed(ctx, generate, target, ids, mask, s.new_tokens, drafter, **kwargs, **static)
-                times[case].append(t)
-                st = last_stats()
-                info[case].update(tau=st.mean_acceptance_length, rounds=loop_rounds(st) + 1, drafter=st.drafter_time,
-                                  forwards=calls["drafter forwards"], nodes=counts["nodes"],
-                                  withheld=counts["withheld"], follows=bool(torch.equal(out, ref)),
-                                  after=info[case]["after"] + compiled_graphs() - graphs)
-    finally:
-        del drafter.step
+    for _ in range(s.repeats):
+        if not budget.allows(10):
+            res["status"] = "partial"
+            break
+        for which, kwargs in (("eager", {}), ("compiled", static)):
+            plain[which].append(timed(ctx, generate, target, ids, mask, s.new_tokens, **kwargs)[1])
+        for case in [c for c in cases if c in info]:
+            mode, rate = case
+            graphs = compiled_graphs()
+            with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), own_acceptance(drafter, carried, case), \
+                    draft_levels(modes[mode]) as kwargs:
+                out, t = timed(ctx, generate, target, ids, mask, s.new_tokens, drafter, **kwargs, **static)
+            times[case].append(t)
+            st = last_stats()
+            info[case].update(tau=st.mean_acceptance_length, rounds=loop_rounds(st) + 1, drafter=st.drafter_time,
+                              follows=bool(torch.equal(out, ref)), after=info[case]["after"] + compiled_graphs() - graphs)
     med = {k: statistics.median(v) if v else float("nan") for k, v in plain.items()}
     base = dict(context=ctx_len, batch=rows, compiled=bool(static.get("disable_compile") is False))
     out = [dict(base, mode="plain", withheld_rate=0.0, runs=len(plain["compiled"]), median_s=med["compiled"],
@@ -1086,11 +1126,8 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
         out.append(dict(base, mode=mode, withheld_rate=rate, runs=len(t), median_s=m, speedup=med["compiled"] / m,
                         tau=i["tau"], rounds=i["rounds"], ms_per_round=1e3 * m / i["rounds"],
                         drafter_ms_per_round=1e3 * i["drafter"] / i["rounds"],
-                        drafter_ms_per_level=1e3 * i["drafter"] / max(i["forwards"], 1),
-                        drafter_forwards_per_round=i["forwards"] / i["rounds"],
                         plain_ms_per_step=1e3 * med["compiled"] / s.new_tokens, follows_cycle=i["follows"],
-                        oracle_nodes=i["nodes"], withheld=i["withheld"], warmup_graphs=i["warmup_graphs"],
-                        warmup_s=i["warmup_s"], graphs_after_warmup=i["after"]))
+                        warmup_graphs=i["warmup_graphs"], warmup_s=i["warmup_s"], graphs_after_warmup=i["after"]))
     return out
 
 
@@ -1534,7 +1571,8 @@ def stage_sampling(ctx: Context, budget: Budget) -> StageResult:
 
     Two setups, both with a 32-token vocabulary. "random drafter": both lm_heads scaled up (peaked,
     context-dependent distributions), so that drafts are accepted often and rejected often. "oracle": a
-    `cycle_target` with a spread head and `oracle_drafts` (the target's most likely token drafted with q one-hot):
+    `cycle_target` with a spread head and `oracle_drafter` (the drafter puts nearly all its mass on the target's
+    most likely token):
     most drafts accepted, so the accept path of the recursive rejection carries most of the draws."""
     res = StageResult()
     s = ctx.shapes
@@ -1547,18 +1585,22 @@ def stage_sampling(ctx: Context, budget: Budget) -> StageResult:
         target.lm_head.weight.mul_(8.0 if ctx.small else 4.0)
         drafter.lm_head.weight.mul_(8.0 if ctx.small else 4.0)
     ids = torch.randint(1, 32, (1, 12), generator=torch.Generator().manual_seed(5)).to(ctx.device)
-    oracle, succ = cycle_target(shape, torch.float32, ctx.device, seed=7, gain=0.55 if ctx.small else 0.27)  # P(succ) ~ 0.7
-    oracle_drafter = build_drafter(oracle, 24, seed=8)
+    within = draft_ids(32, 24, seed=8)  # (the cycle the drafter can propose)
+    oracle, succ = cycle_target(shape, torch.float32, ctx.device, seed=7, gain=0.55 if ctx.small else 0.27,
+                                within=within)  # P(succ) ~ 0.7
+    follower = build_drafter(oracle, 24, seed=8)
+    oracle_ids = ids.clone()
+    oracle_ids[:, -1] = within[-1]  # (the last: not the padding id 0)
     chain3 = dict(draft_mode="chain", num_assistant_tokens=3)
-    setups = {"random drafter": (target, drafter, None), "oracle": (oracle, oracle_drafter, succ)}
+    setups = {"random drafter": (target, drafter, None, ids), "oracle": (oracle, follower, succ, oracle_ids)}
     modes = {"tree (constant)": TREE, "chain 3 (constant)": chain3}
     table = []
-    for setup, (model, draft_model, table_succ) in setups.items():
+    for setup, (model, draft_model, table_succ, prompt) in setups.items():
         if not budget.allows(10):
             res["status"] = "partial"
             res.find(f"budget: skipped the {setup} setup")
             continue
-        table += _sampling_tests(ctx, res, setup, model, draft_model, table_succ, ids, modes, budget)
+        table += _sampling_tests(ctx, res, setup, model, draft_model, table_succ, prompt, modes, budget)
         res["data"]["tests"] = table
         ctx.partial(res)
     failed = [r for r in table if r["p"] < 1e-3]
@@ -1574,7 +1616,7 @@ def stage_sampling(ctx: Context, budget: Budget) -> StageResult:
 
 
 def _sampling_tests(ctx, res, setup, target, drafter, succ, ids, modes, budget) -> list[dict]:
-    """Draws of plain sampling and of each EAGLE mode (`oracle_drafts` when `succ` is given), and the tests."""
+    """Draws of plain sampling and of each EAGLE mode (`oracle_drafter` when `succ` is given), and the tests."""
     s = ctx.shapes
     draws = {m: [] for m in ["plain", *modes]}
     accept = {}
@@ -1588,7 +1630,7 @@ def _sampling_tests(ctx, res, setup, target, drafter, succ, ids, modes, budget) 
         mask = torch.ones_like(rows)
         for mode, kwargs in [("plain", None), *modes.items()]:
             torch.manual_seed(1000 * call + len(draws[mode]))
-            with oracle_drafts(succ) if succ is not None and kwargs is not None else contextlib.nullcontext():
+            with oracle_drafter(drafter, succ) if succ is not None and kwargs is not None else contextlib.nullcontext():
                 out = generate(target, rows, mask, 3, drafter if kwargs is not None else None, do_sample=True,
                                temperature=1.0, **(kwargs or {}))
             draws[mode].append(out[:, -3:].cpu())

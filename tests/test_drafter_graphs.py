@@ -97,3 +97,43 @@ def test_a_compiled_shape_teaches_no_cost_while_it_warms_up():
     model = torch.nn.Linear(1, 1)
     assert [models.warming_up(model, (1, 8, 64)) for _ in range(5)] == [True] * 3 + [False] * 2
     assert models.warming_up(model, (1, 16, 64))  # a new width warms up again
+
+
+def _drafter_over_prompts(rows: int, seed: int = 3):
+    """A peaky drafter (some branches confident, others not) with its cache over `rows` prompts' target taps."""
+    from eagle_hf.drafter.capture import gather_aux
+    from eagle_hf.hf import check_compatible
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, seed=seed)
+    drafter.bind_target_embedding(target.get_input_embeddings())
+    with torch.no_grad():
+        drafter.lm_head.weight.mul_(30.0)
+        ids = torch.randint(1, 96, (rows, 9), generator=torch.Generator().manual_seed(seed))
+        out = target(ids, output_hidden_states=True)
+    aux = gather_aux(out.hidden_states, check_compatible(target, drafter))[:, :-1]  # [B, 8, A]
+    return drafter, aux, ids
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+@pytest.mark.parametrize("threshold,prune", [(0.0, True), (0.3, True), (0.6, True), (0.6, False), (0.9, False)])
+def test_trees_grown_on_the_device_are_the_trees_grown_level_by_level(top_k, threshold, prune):
+    """One read a tree (the device decides each level) against one read a level (the host decides), both at fixed
+    shapes: the same trees, node for node, bit for bit; rows of different depths, and a row that rides along."""
+    from eagle_hf.speculation.drafting import draft_trees, top_k_chooser
+
+    drafter, aux, ids = _drafter_over_prompts(3)
+    trees, levels = {}, {}
+    for where in ("device", "host"):
+        state = DraftState(positions=[0, 0, 0], graphs=LevelGraphs.for_drafter(drafter))
+        with torch.no_grad():
+            logits, hidden = state.extend(drafter, aux, ids[:, 1:])
+            choosers = None if where == "device" else [top_k_chooser(drafter, top_k)] * 2
+            trees[where] = draft_trees(drafter, state, [int(ids[0, -1]), int(ids[2, -1])], logits, hidden, [5, 3],
+                                       top_k, [12, 9], threshold, choosers, prune, rows=[0, 2])
+        levels[where] = state.steps
+    for got, want in zip(trees["device"], trees["host"]):
+        assert got.tokens.tolist() == want.tokens.tolist()
+        assert got.parents.tolist() == want.parents.tolist()
+        assert got.scores.tolist() == want.scores.tolist()
+    assert levels["device"] == 4 and levels["host"] <= 4  # (the device runs to the deepest row's depth)

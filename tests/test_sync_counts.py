@@ -207,3 +207,18 @@ def test_an_asynchronous_device_clock_leaves_no_reference_cycles(models, monkeyp
     assert timers and not any(t.pending for t in timers)
 
 
+
+
+@pytest.mark.parametrize("name,rows", [("tree", 1), ("tree batch of 4", 4)])
+def test_levels_at_fixed_shapes_read_the_device_once_a_tree(models, one_thread, monkeypatch, name, rows):
+    """With draft levels at fixed shapes (CUDA graphs on a GPU), the device takes each level's decisions: a
+    drafting round reads the device for its tree once, and once for its verification."""
+    monkeypatch.setenv("EAGLE_HF_DRAFTER_GRAPHS", "on")
+    target, drafter = models
+    run = dict(TREE, max_new_tokens=20, num_assistant_tokens_schedule="constant", assistant_model=drafter)
+    target.generate(**inputs(rows), **run)
+    torch.manual_seed(0)
+    probe = probe_generate(target, inputs(rows), **run)
+    draft = probe.summary()["draft"]
+    assert draft["max_reads"] == 2, probe.culprits()  # (level by level: 6, a depth-5 tree)
+    assert draft["max_syncs"] == 0 and draft["max_copies"] == 0 and draft["max_mixed"] == 0, probe.culprits()

@@ -70,15 +70,14 @@ class FixedLevel:
     static outputs a replay overwrites (read them before the next level runs)."""
 
     def __init__(self, drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, rows: int, k: int):
-        device, dtype = keys.device, drafter.fc.weight.dtype
-        width = drafter.config.hidden_size
+        dtype, width = drafter.fc.weight.dtype, drafter.config.hidden_size
         self.drafter, self.keys, self.values = drafter, keys, values
-        self.feed = torch.zeros(rows, k, width, dtype=dtype, device=device)  # [B, k, H]
-        self.ids = torch.zeros(rows, k, dtype=torch.long, device=device)  # [B, k]
-        self.positions = torch.zeros(rows, k, dtype=torch.long, device=device)  # [B, k]
-        self.steps = torch.arange(k, device=device)  # [k]
-        self.slots = torch.zeros(k, dtype=torch.long, device=device)  # [k] where the k new rows are written
-        self.mask = torch.zeros(rows, 1, k, keys.shape[2], dtype=torch.bool, device=device)  # [B, 1, k, C]
+        self.feed = keys.new_zeros(rows, k, width, dtype=dtype)  # [B, k, H]
+        self.ids = keys.new_zeros(rows, k, dtype=torch.long)  # [B, k]
+        self.positions = keys.new_zeros(rows, k, dtype=torch.long)  # [B, k]
+        self.steps = keys.new_ones(k, dtype=torch.long).cumsum(0) - 1  # [k] 0 .. k-1
+        self.slots = keys.new_zeros(k, dtype=torch.long)  # [k] where the k new rows are written
+        self.mask = keys.new_zeros(rows, 1, k, keys.shape[2], dtype=torch.bool)  # [B, 1, k, C]
         self.graph, self.out = None, None
 
     def _forward(self) -> DraftStep:
@@ -97,7 +96,7 @@ class FixedLevel:
         self.mask.zero_()
         if mask is None:
             self.mask[..., :at] = True
-            self.mask[..., at : at + k] = torch.ones(k, k, dtype=torch.bool, device=self.mask.device).tril()
+            self.mask[..., at : at + k] = self.mask.new_ones(k, k).tril()
         else:
             self.mask[..., : at + k] = mask
         if self.graph is None and self.keys.device.type == "cuda":
@@ -154,6 +153,18 @@ class LevelGraphs:
         if kept is None:
             self.storage[key] = (*made, weakref.ref(owner))
         return made
+
+    @classmethod
+    def kept_tensors(cls, drafter: EagleDrafter) -> list[torch.Tensor]:
+        """The device tensors kept for `drafter` between calls (storage and the levels' buffers)."""
+        graphs = _PER_DRAFTER.get(drafter)
+        if graphs is None:
+            return []
+        out = [t for keys, values, _ in graphs.storage.values() for t in (keys, values)]
+        for level in graphs.levels.values():
+            out += [level.keys, level.values, level.feed, level.ids, level.positions, level.steps, level.slots,
+                    level.mask]
+        return out
 
     def level(self, keys: torch.Tensor, values: torch.Tensor, rows: int, k: int) -> FixedLevel:
         key = (rows, k, keys.data_ptr(), tuple(keys.shape))

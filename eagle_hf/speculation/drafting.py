@@ -382,6 +382,11 @@ def draft_trees(
     min_logp = math.log(threshold) if threshold > 0 else -math.inf
     real_len = state.length
     drafting = [b for b, g in enumerate(growth) if g.depth > 0]
+    if state.graphs is not None and all(g.chooser is None for g in growth):  # no level needs the host's decision
+        state.reserve(drafter, (max(depths, default=1) - 1) * top_k, hidden)
+        _grow_on_device(drafter, state, growth, logits, hidden, top_k, min_logp, prune)
+        return [_select(growth[b].cands, root, total, min_logp if prune else -math.inf)
+                for b, root, total in zip(rows, roots, total_tokens)]
     chosen = _choose(drafter, top_k, growth, {b: logits[b : b + 1] for b in drafting}, logits[:, None],
                      {b: [[]] for b in drafting})
     for b in drafting:
@@ -403,6 +408,84 @@ def draft_trees(
         parent_out = out.hidden  # [B, k, H]
     return [_select(growth[b].cands, root, total, min_logp if prune else -math.inf)
             for b, root, total in zip(rows, roots, total_tokens)]
+
+
+def _grow_on_device(drafter, state: DraftState, growth: list[_Growth], logits: torch.Tensor, hidden: torch.Tensor,
+                    k: int, min_logp: float, prune: bool) -> None:
+    """`draft_trees`' levels with the host's decisions taken on the device, read once at the end (for the default
+    chooser: the drafter's top k). Each level keeps k frontier nodes a row, fixed shapes: a node the host would
+    prune (its row's depth reached, or below `min_logp`) stays in place as a node nobody descends from, its
+    children scored -inf; the next frontier is the k best children by cumulative log-probability (float64, a
+    stable sort: the host's order); each node's ancestors are its parent's plus itself. The levels run to the
+    deepest row's depth (the host stops when every frontier is empty). The read-back then grows each row's
+    `Candidates` on the host as `draft_trees` would, on the same numbers: the same trees, one read instead of one
+    a level."""
+    rows, device = state.rows, hidden.device
+    width = hidden.shape[-1]
+    flags = hidden.new_zeros(rows, k, dtype=torch.bool)  # (factories from a device tensor: on its device)
+    first = top_k_choice(drafter, logits[:, None], k)  # [B, 1, k]
+    tokens, own = first.tokens[:, 0], first.logp[:, 0].double()  # [B, k] the first level's nodes, the root's order
+    score, slot = own, flags.long()  # slot: the parent's output row
+    host = pack(device, base=[p - 1 for p in state.positions], depth=[g.depth for g in growth])
+    base, depth = host["base"][:, None], host["depth"][:, None]  # [B, 1]
+    eye = flags.new_zeros(k, k).fill_diagonal_(True).expand(rows, k, k)
+    ancestors = flags.new_zeros(rows, k, 0)  # [B, k, fed] among the fed tree rows
+    alive = ~flags  # not below a pruned node
+    parent_out, fed, real_len = hidden, 0, state.length
+    kept = [(first.tokens[:, 0], first.logp[:, 0])]  # per level: children [B, k(, k)]; then which became nodes
+    levels = max((g.depth for g in growth), default=0)
+    for level in range(1, levels):
+        metric = score if prune else own
+        grows = alive & (level < depth) & (metric >= min_logp)  # [B, k] the host's `_Growth.prune`
+        tail = torch.cat([ancestors & grows[..., None], eye], 2)  # [B, k, fed + k]: its ancestors and itself
+        feed = parent_out.gather(1, slot[..., None].expand(rows, k, width))  # [B, k, H]
+        out = state.level_forward(drafter, feed, tokens, (base + level).expand(rows, k), real_len + fed,
+                                  state.level_mask(tail, k, fed))
+        state.steps += 1
+        children = top_k_choice(drafter, out.logits, k)  # [B, k, k]
+        scores = torch.where(grows[..., None], score[..., None] + children.logp.double(), -math.inf).flatten(1)
+        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]  # [B, k] into k*k
+        slot = order // k
+        tokens = children.tokens.flatten(1).gather(1, order)
+        own = children.logp.double().flatten(1).gather(1, order)
+        score = scores.gather(1, order)
+        alive = score > -math.inf
+        ancestors = tail.gather(1, slot[..., None].expand(rows, k, fed + k))  # the parent's, itself included
+        parent_out, fed = out.hidden, fed + k
+        kept.append((children.tokens, children.logp, grows, order))
+    _grow_from(growth, kept, k, min_logp, prune)
+
+
+def _grow_from(growth: list[_Growth], kept: list[tuple], k: int, min_logp: float, prune: bool) -> None:
+    """Each row's candidates from `_grow_on_device`'s levels (`kept`), read in one device-to-host copy."""
+    flat = torch.cat([t.reshape(-1).double() for level in kept for t in level])
+    values, at = flat.tolist(), 0
+
+    def take(t: torch.Tensor):
+        nonlocal at
+        n = t.numel()
+        part = values[at : at + n]
+        at += n
+        return part
+
+    read = [[take(t) for t in level] for level in kept]
+    tokens0, logp0 = read[0]
+    for b, g in enumerate(growth):
+        if g.depth > 0:
+            g.start(([[int(t) for t in tokens0[b * k : (b + 1) * k]]], [logp0[b * k : (b + 1) * k]], None), k)
+    for level, (tokens, logp, grows, order) in enumerate(read[1:], start=1):
+        for b, g in enumerate(growth):
+            place = {n: j for j, n in enumerate(g.frontier)}  # a frontier node's place on the device: its rank
+            g.prune(level, prune, min_logp)
+            if not g.frontier:
+                continue
+            at = [place[n] for n in g.frontier]  # the kept nodes' places
+            assert all(grows[b * k + i] for i in at), "the device pruned a node the host keeps"
+            first = len(g.cands.tokens)
+            g.grow(([[int(t) for t in tokens[(b * k + i) * k : (b * k + i + 1) * k]] for i in at],
+                    [logp[(b * k + i) * k : (b * k + i + 1) * k] for i in at], None), k)
+            flat = [at[(n - first) // k] * k + (n - first) % k for n in g.frontier]  # each new node on the device
+            assert flat == [int(o) for o in order[b * k : b * k + len(flat)]], "the device chose other nodes"
 
 
 def _level_step(drafter, state: DraftState, growth: list[_Growth], parent_out: torch.Tensor, k: int, level: int,

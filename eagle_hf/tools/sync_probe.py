@@ -38,6 +38,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..drafter.graphs import LevelGraphs
+
 _TAG = "_eagle_hf_device"
 #: tensor methods and functions that read a device tensor's values on the host
 READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "__format__", "__repr__",
@@ -169,7 +171,7 @@ class SyncProbe:
     def active(self):
         tagged = []
         for m in self.models:
-            for t in list(m.parameters()) + list(m.buffers()):
+            for t in list(m.parameters()) + list(m.buffers()) + LevelGraphs.kept_tensors(m):
                 if not on_device(t):
                     _tag(t)
                     tagged.append(t)
