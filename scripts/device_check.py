@@ -1054,19 +1054,26 @@ def drafter_level_ms(ctx, drafter, context: int, k: int, calls: int = 50, fixed:
 
 @contextlib.contextmanager
 def draft_levels(kwargs: dict):
-    """generate() keyword arguments, with ``levels="eager"`` turned into eagle_hf's setting for the call."""
+    """generate() keyword arguments, with ``levels="eager"`` (draft levels eager, not at fixed shapes) and
+    ``split_keys="off"`` (tree attention in one masked call) turned into eagle_hf's settings for the call."""
     from eagle_hf.drafter.graphs import GRAPHS_ENV
+    from eagle_hf.hf.attention import SPLIT_KEY_ENV
 
     kwargs = dict(kwargs)
-    eager = kwargs.pop("levels", None) == "eager"
-    before = os.environ.get(GRAPHS_ENV)
-    if eager:
-        os.environ[GRAPHS_ENV] = "off"
+    settings = {GRAPHS_ENV: "off" if kwargs.pop("levels", None) == "eager" else None,
+                SPLIT_KEY_ENV: kwargs.pop("split_keys", None)}
+    before = {name: os.environ.get(name) for name in settings}
+    for name, value in settings.items():
+        if value is not None:
+            os.environ[name] = value
     try:
         yield kwargs
     finally:
-        if eager:
-            os.environ.pop(GRAPHS_ENV) if before is None else os.environ.__setitem__(GRAPHS_ENV, before)
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes, static, budget) -> list[dict]:
@@ -1276,9 +1283,10 @@ def stage_profile(ctx: Context, budget: Budget) -> StageResult:
             continue
         start = time.perf_counter()
         ids, mask = prompts(rows, ctx_len, vocab, seed=13, device=ctx.device)
-        for mode, kwargs in (("plain", None), ("tree", TREE)):
-            table.append(_profile_round(ctx, target, drafter if kwargs else None, ids, mask, kwargs or {},
-                                        f"{ctx_len}x{rows}", mode))
+        for mode, kwargs in (("plain", None), ("tree", TREE), ("tree, keys unsplit", dict(TREE, split_keys="off"))):
+            with draft_levels(kwargs or {}) as call:
+                table.append(_profile_round(ctx, target, drafter if kwargs else None, ids, mask, call,
+                                            f"{ctx_len}x{rows}", mode))
         last_cell = time.perf_counter() - start
         res["data"] = {"per round": table}
         ctx.partial(res)

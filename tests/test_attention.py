@@ -137,3 +137,42 @@ def test_routing_is_per_call_and_undone_by_unroute(flash_like_kernel):
     assert ALL_ATTENTION_FUNCTIONS[flash_like_kernel] is flash_like
     eager = tiny_target("llama", attn_implementation="eager")
     assert attention.routed_kernel(eager) == {}  # eager attention reads the tree mask itself
+
+
+@pytest.mark.parametrize("prefix,chunk", [(37, 8), (64, 16), (5, 512)])
+def test_split_key_attention_is_the_masked_attention(prefix, chunk, monkeypatch):
+    """Split at the committed prefix (its chunks as heads of one unmasked call, the rest under the mask, merged by
+    log-sum-exps): the masked attention, against a float32 reference by matmuls."""
+    from eagle_hf.hf import attention
+
+    monkeypatch.setattr(attention, "SPLIT_KEYS", chunk)
+    g = torch.Generator().manual_seed(prefix)
+    b, kv, groups, n, d = 2, 2, 3, 5, 16
+    query = torch.randn(b, kv, groups * n, d, generator=g)
+    key, value = torch.randn(b, kv, prefix + n, d, generator=g), torch.randn(b, kv, prefix + n, d, generator=g)
+    tree = torch.rand(b, n, n, generator=g) < 0.5
+    tree |= torch.eye(n, dtype=torch.bool)
+    allowed = torch.cat([torch.ones(b, n, prefix, dtype=torch.bool), tree], 2)  # [B, N, L]
+    mask = torch.zeros(b, 1, n, prefix + n).masked_fill(~allowed[:, None], float("-inf")).repeat(1, 1, groups, 1)
+    got = attention.split_key_attention(query, key, value, mask, prefix, d**-0.5)
+    scores = query.double() @ key.double().transpose(-1, -2) * d**-0.5 + mask.double()
+    want = scores.softmax(-1) @ value.double()
+    assert (got.double() - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("mode", [dict(draft_mode="tree", num_assistant_tokens_schedule="constant"), {}])
+def test_verify_forwards_with_split_keys_keep_greedy_output(monkeypatch, mode):
+    from eagle_hf.hf import attention
+
+    monkeypatch.setattr(attention, "SPLIT_KEYS", 4)  # (several chunks over a short prompt)
+    monkeypatch.setenv(attention.SPLIT_KEY_ENV, "on")
+    calls = []
+    split = attention.split_key_attention
+    monkeypatch.setattr(attention, "split_key_attention", lambda *a, **k: (calls.append(a[4]), split(*a, **k))[1])
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids = torch.randint(1, 96, (1, 30), generator=torch.Generator().manual_seed(4))
+    ref = target.generate(ids, max_new_tokens=24, do_sample=False)
+    out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter, **mode)
+    assert torch.equal(out, ref)
+    assert calls and min(calls) >= 30  # (the committed prefix: the prompt and what was accepted)

@@ -29,7 +29,7 @@ from ..speculation.speculator import Speculator, draft_round
 from ..speculation.transfer import pack, to_device
 from ..speculation.tree import DraftTree
 from ..speculation.verification import accept_drawn, draw, process_logits, sampling_draws, verify_greedy
-from .attention import routed_kernel
+from .attention import TREE_PREFIX, routed_kernel, split_keys_from
 from .cache import stacked_ancestor_masks, tree_cache
 from .call import active_call, finish_rows, speculators_for
 from .costs import controller_for, cost_model
@@ -96,6 +96,7 @@ class TreeLoop:
         self.cache = tree_cache(cache)  # the tree-cache protocol over the call's cache (dynamic or static)
         self.tree_kwargs = routed_kernel(target)  # a drafting round's verify forward: eagle_hf's tree attention
         self.device = input_device(target)  # where the inputs go (looked up once: it walks the modules)
+        self.split_from = split_keys_from(self.tree_kwargs, self.cache, compiled, self.device)  # (None: never)
         self.logits_processor, self.streamer = logits_processor, streamer
         # EOS and max_length are checked directly; the other criteria (stop strings, the user's) on every prefix
         self.criteria = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
@@ -229,9 +230,14 @@ class TreeLoop:
         mask = self.verify_mask(host.get("tree"), len(trees), width)
         marks["verify"] = self.timer.mark()
         graphs = compiled_graphs() if self.compiled is not None else 0
+        tree = {}
+        if "tree" in host:
+            tree = dict(self.tree_kwargs)
+            if self.split_from is not None and past_len >= self.split_from and not self.cache.ragged.holes:
+                tree[TREE_PREFIX] = past_len  # every node sees the committed slots: split them (long contexts)
         with head_on_positions(self.target, host.get("real"), (len(trees), width)):  # padding needs no logits
             out = self.forward(host["tokens"], attention_mask=mask, position_ids=host["positions"], all_rows=width > 1,
-                               **(self.tree_kwargs if "tree" in host else {}))
+                               **tree)
         marks["verified"] = self.timer.mark()
         if self.compiled is not None:  # (a forward that compiled a graph, or recorded one: its time is no cost)
             shape = (len(trees), width, getattr(self.cache, "capacity", None))
