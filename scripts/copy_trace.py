@@ -31,8 +31,8 @@ def summary(rounds: list[dict]) -> dict:
 
 
 def trace(out: str, bench_args: list[str]) -> dict:
-    import eagle_hf.speculation.copying as copying
     from eagle_hf.cli import main
+    from eagle_hf.speculation import copying
 
     rounds: list[dict] = []
     propose, update = copying.CopySource.propose, copying.CopySource.update

@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 
 def trace(set_name: str, out: str, limit: int) -> None:
-    import eagle_hf.hf.hooks as hooks
     from eagle_hf.cli import main
+    from eagle_hf.hf import hooks
 
     calls = []
     original = hooks.controller_for
@@ -68,7 +69,7 @@ def rested(row: dict) -> float:
 
 
 def compare(a: str, b: str) -> None:
-    ra, rb = (json.load(open(p)) for p in (a, b))
+    ra, rb = (json.loads(Path(p).read_text()) for p in (a, b))
     flips = 0
     for i, (x, y) in enumerate(zip(ra, rb)):
         differs = abs(rested(x) - rested(y)) > 0.3

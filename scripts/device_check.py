@@ -916,8 +916,8 @@ def _replay_cell(ctx, target, drafter, vocab, ctx_len, rows, modes, budget) -> l
                 t_list.append(t)
                 if kwargs is not None and got.tolist() != truths[mode]:  # left the table it found in the warm-up
                     info[mode]["off_table"] = info[mode].get("off_table", 0) + 1
-                    first = next(i for i, (x, y) in enumerate(zip(got.flatten().tolist(), sum(truths[mode], [])))
-                                 if x != y)
+                    flat = [t for row in truths[mode] for t in row]
+                    first = next(i for i, (x, y) in enumerate(zip(got.flatten().tolist(), flat)) if x != y)
                     info[mode]["first_off"] = min(info[mode].get("first_off", 1 << 30), first % got.shape[1])
                 if kwargs is not None:  # the round's split, from a timed (warm) run
                     st = last_stats()
@@ -1583,7 +1583,6 @@ def stage_sampling(ctx: Context, budget: Budget) -> StageResult:
     most likely token):
     most drafts accepted, so the accept path of the recursive rejection carries most of the draws."""
     res = StageResult()
-    s = ctx.shapes
     shape = dict(hidden_size=64 if ctx.small else 256, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=128 if ctx.small else 512, vocab_size=32,
                  max_position_embeddings=512)

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def main() -> None:
@@ -19,7 +20,7 @@ def main() -> None:
     p.add_argument("results", nargs="+", help="results.json files of bench runs at different batch sizes")
     p.add_argument("--out", default="bench_batch.png")
     args = p.parse_args()
-    runs = sorted((json.load(open(f)) for f in args.results), key=lambda r: r["settings"].get("batch_size", 1))
+    runs = sorted((json.loads(Path(f).read_text()) for f in args.results), key=lambda r: r["settings"].get("batch_size", 1))
     sizes = [r["settings"].get("batch_size", 1) for r in runs]
     fig, axes = plt.subplots(1, len(runs[0]["sets"]), figsize=(5 * len(runs[0]["sets"]), 3.6), squeeze=False)
     for ax, set_name in zip(axes[0], runs[0]["sets"]):

@@ -20,7 +20,7 @@ from collections import Counter
 import torch
 import transformers as tf
 
-import eagle_hf  # noqa: F401  (installs the generate() hooks)
+import eagle_hf
 from eagle_hf import EagleDrafter
 from eagle_hf.tools.sync_probe import count_aten_ops, probe_generate
 

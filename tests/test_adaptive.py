@@ -500,7 +500,7 @@ def test_adaptive_default_is_exact_and_stats_add_up(family, mode):
         ref = target.generate(ids, max_new_tokens=40, do_sample=False)
         events = []
         out = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=drafter, draft_mode=mode,
-                              draft_listeners=[lambda drafts, n, last: events.append((list(drafts), n, last))])
+                              draft_listeners=[lambda drafts, n, last, events=events: events.append((list(drafts), n, last))])
         assert torch.equal(out, ref)
         s = eagle_hf.last_stats()
         assert s.fallback_steps > 0

@@ -6,6 +6,8 @@ checked per row against the target's exact distribution.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import patch_drafts, tiny_drafter, tiny_target
@@ -452,10 +454,10 @@ def test_rounds_that_catch_the_drafter_up_do_not_teach_the_controller_their_catc
     assert events[0] == "backlog"
     assert events.count("backlog") >= 3  # the prompts, then two probes after plain rounds
     rounds = [i for i, e in enumerate(events) if e in ("backlog", "round")] + [len(events)]
-    taught = {tuple(events[a + 1 : b]) for a, b in zip(rounds, rounds[1:]) if events[a] == "backlog"}
+    taught = {tuple(events[a + 1 : b]) for a, b in itertools.pairwise(rounds) if events[a] == "backlog"}
     assert taught == {("LossBudget.observe_cycle", "LossBudget.account")}
     assert ("LossBudget.observe_cycle", "RoundCosts.observe_cycle", "LossBudget.account") in {
-        tuple(events[a + 1 : b]) for a, b in zip(rounds, rounds[1:]) if events[a] == "round"}
+        tuple(events[a + 1 : b]) for a, b in itertools.pairwise(rounds) if events[a] == "round"}
     assert "LossBudget.observe_plain" in events
     assert events.count("LossBudget.account") == events.count("backlog") + events.count("round")  # every round
 

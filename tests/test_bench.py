@@ -49,7 +49,7 @@ def test_bench_results_have_every_field(tmp_path):
 
 
 def test_bench_detects_a_broken_mode(tmp_path, monkeypatch):
-    target, tok, drafter, prompts = _parts(tmp_path)
+    target, tok, _, prompts = _parts(tmp_path)
     broken = Mode("broken", {"repetition_penalty": 5.0})  # changes the output: must be reported
     res = run_benchmark(target, tok, [Mode("plain"), broken], [prompts], max_new_tokens=12, limit=3)
     assert res["sets"][prompts]["broken"]["mismatches"], "a differing output must be flagged"
@@ -59,9 +59,9 @@ def test_bench_detects_a_broken_mode(tmp_path, monkeypatch):
 def test_sampling_draws_every_mode_from_one_seed_a_new_one_each_repeat(tmp_path, monkeypatch):
     """Each mode of a prompt samples from the same seed; each repeat from another (a repeat of the same draw would
     hide the drawn text's share of the noise from the A/A band)."""
-    import eagle_hf.tools.bench as bench
+    from eagle_hf.tools import bench
 
-    target, tok, drafter, prompts = _parts(tmp_path)
+    target, tok, _, prompts = _parts(tmp_path)
     seeds, generate = [], bench._generate
     monkeypatch.setattr(bench, "_generate", lambda *a: (seeds.append((a[2].name, a[-1])), generate(*a))[1])
     run_benchmark(target, tok, [Mode("plain"), Mode("again")], [prompts], max_new_tokens=4, limit=2, repeats=2,

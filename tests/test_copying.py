@@ -323,7 +323,7 @@ def test_copy_trace_records_each_round_and_the_rank_that_hit(tmp_path, monkeypat
     from pathlib import Path
 
     import eagle_hf.cli
-    import eagle_hf.speculation.copying as copying
+    from eagle_hf.speculation import copying
 
     spec = importlib.util.spec_from_file_location(
         "copy_trace", Path(__file__).resolve().parent.parent / "scripts" / "copy_trace.py")

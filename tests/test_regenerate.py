@@ -63,14 +63,14 @@ def test_chunk_store_resume_skips_done(tmp_path):
     again = regenerate.ChunkStore(tmp_path, chunk_size=3)
     assert again.done == set(range(100, 107)) and again.records == 7
     prompts = [f"q{i}" for i in range(112)]
-    render = lambda i: [1, 2, 3, 4][: 4 if prompts[i] == "q110" else 2]  # noqa: E731  (q110 is too long)
+    render = lambda i: [1, 2, 3, 4][: 4 if prompts[i] == "q110" else 2]
     items = list(regenerate.eligible_prompts(prompts, render, 98, again.done | {111}, 3))
     assert [idx for idx, _ in items] == [98, 99, 107, 108, 109]
     again.add({"idx": 100, "prompt": "dup", "response": "dup", "finished": False})  # already done: ignored
     again.add({"idx": 107, "prompt": "q", "response": "r", "finished": False})
     again.add({"idx": 108, "prompt": "q", "response": "r", "finished": False})
     again.close()
-    assert sorted(p.name for p in tmp_path.iterdir())[-1] == "sharegpt_first_turns_002.jsonl.gz"
+    assert max(p.name for p in tmp_path.iterdir()) == "sharegpt_first_turns_002.jsonl.gz"
     with gzip.open(tmp_path / "sharegpt_first_turns_002.jsonl.gz", "rt") as f:
         assert [json.loads(line)["idx"] for line in f] == [106, 107, 108]
     assert regenerate.ChunkStore(tmp_path, chunk_size=3).done == set(range(100, 109))
@@ -85,7 +85,7 @@ def test_second_turns_follow_the_targets_own_first_answers(tmp_path):
         {"idx": 1, "prompt": "u1", "response": "ours1", "finished": False},  # cut: no context for a second turn
         {"idx": 2, "prompt": "u2", "response": "ours2", "finished": True},  # its conversation ends after one exchange
         {"idx": 3, "prompt": "u3", "response": "ours3", "finished": True}]) + "\n")
-    turns = lambda i, n: [{"from": ("human", "gpt")[k % 2], "value": f"{'ug'[k % 2]}{i}.{k}"} for k in range(n)]  # noqa: E731
+    turns = lambda i, n: [{"from": ("human", "gpt")[k % 2], "value": f"{'ug'[k % 2]}{i}.{k}"} for k in range(n)]
     conversations = [(f"u{i}", {"conversations": turns(i, 2 if i == 2 else 4)}) for i in range(4)]
     for i in range(4):
         conversations[i][1]["conversations"][0]["value"] = f"u{i}"

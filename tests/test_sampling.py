@@ -171,7 +171,7 @@ def _raw_q(self, original, draft_logits, prefix, drafted):
 
 def _greedy_draft(self, original, draft_logits, prefix, drafted):
     """Takes the argmax draft (a one-hot distribution) but reports the processed soft q (transformers #32867)."""
-    token, q, prob = original(self, draft_logits, prefix, drafted)
+    _, q, prob = original(self, draft_logits, prefix, drafted)
     return q.argmax(-1), q, prob
 
 
@@ -219,7 +219,12 @@ def test_sampling_warpers_process_a_tree_without_building_its_ids():
     """Temperature and top-p read only the scores: a tree's nodes are processed in one call, with no ids built
     from the context (a copy proportional to its length every round); a processor that reads the ids still gets
     each node's own."""
-    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
+    from transformers import (
+        LogitsProcessorList,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     from eagle_hf.speculation.verification import process_logits
 

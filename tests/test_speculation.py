@@ -14,7 +14,6 @@ from conftest import tiny_drafter, tiny_target
 from scipy import stats as scipy_stats
 from transformers import GenerationConfig
 
-import eagle_hf
 from eagle_hf import DraftSettings, EagleCompatibilityError
 from eagle_hf.hf.version import CACHE_KEY, output_cache
 from eagle_hf.speculation.cost_model import CostModel
@@ -227,7 +226,7 @@ class FakeQueue:
 def test_drafter_costs_are_timed_on_the_device_without_a_sync(monkeypatch):
     """On an asynchronous device the drafter's time is the device's, read from events once the round's read-back
     has passed them (one round late), never by synchronising. Each drafter step queues 0.002 s of device work."""
-    drafter, state, root, logits, hidden = _drafter_state()
+    drafter, state, root, _, _ = _drafter_state()
     queue = FakeQueue()
     original = type(drafter).step
 
@@ -352,4 +351,4 @@ def test_no_import_cycles_and_transformers_internals_stay_in_eagle_hf_hf():
             wrong = sorted(m for m in graph[name] if m.startswith(("eagle_hf.hf", "eagle_hf.tools", "eagle_hf.training")))
             assert not wrong, f"{name} imports {wrong}: eagle_hf.speculation must not import the loops or the tools"
             text = path.read_text()
-            assert not re.search(r"^\s*(from|import) transformers", text, re.M), f"{name} imports transformers"
+            assert not re.search(r"^\s*(from|import) transformers", text, re.MULTILINE), f"{name} imports transformers"

@@ -217,7 +217,7 @@ def _run(tmp_path, target, tok, **train_kw):
 def test_end_to_end_tiny_training_overfits_and_reloads(tmp_path):
     target, tok = peaky_target(), tiny_tokenizer()
     target.name_or_path = "tiny-llama"
-    drafter, run = _run(tmp_path, target, tok)
+    drafter, _ = _run(tmp_path, target, tok)
     log = [json.loads(line) for line in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
     first, last = log[1], log[-1]  # log[0]: the evaluation at step 0
     assert log[0]["step"] == 0 and "eval_tau" in log[0]
@@ -262,7 +262,7 @@ def test_resume_after_interruption(tmp_path):
     mtimes = [p.stat().st_mtime for p in shards]
     _run(tmp_path, target, tok, max_steps=20)  # same run, longer: resumes at step 10, reuses the data
     log = [json.loads(line) for line in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == list(range(0, 21))  # step 0: the evaluation before training
+    assert [r["step"] for r in log] == list(range(21))  # step 0: the evaluation before training
     assert [p.stat().st_mtime for p in shards] == mtimes
 
 
@@ -288,8 +288,7 @@ def test_training_on_responses_produced_elsewhere(tmp_path):
     target, tok = peaky_target(), tiny_tokenizer()
     path = tmp_path / "responses.jsonl"
     with open(path, "w") as f:
-        for i in range(10):
-            f.write(json.dumps({"prompt": f"w{i} w{i + 1}", "response": f"w{i + 2} w{i + 3} w{i + 4}"}) + "\n")
+        f.writelines(json.dumps({"prompt": f"w{i} w{i + 1}", "response": f"w{i + 2} w{i + 3} w{i + 4}"}) + "\n" for i in range(10))
         f.write(json.dumps({"messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2 w3"}]}) + "\n")
     run = RunConfig(responses=str(path), draft_vocab_size=48, data_root=str(tmp_path / "captures"),
                     train=TrainConfig(ttt_steps=2, max_steps=4, tokens_per_batch=128, bf16=False, eval_every=4))
@@ -315,7 +314,7 @@ def test_resume_from_a_checkpoint_before_the_interruption(tmp_path):
     torch.save(state, tmp_path / "out" / "train_state.pt")
     _run(tmp_path, target, tok, max_steps=9, save_every=5)
     log = [json.loads(line) for line in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == list(range(0, 10))
+    assert [r["step"] for r in log] == list(range(10))
 
 
 # ------------------------------------------------------------------------------------------ held-out acceptance

@@ -71,7 +71,7 @@ def hidden_state_request(aux_ids: Sequence[int], with_final: bool = False) -> li
 
     With ``with_final`` the last index (L, the final-normed hidden state) is included as well.
     """
-    ids = sorted(set(int(i) for i in aux_ids))
+    ids = sorted({int(i) for i in aux_ids})
     return ids + [-1] if with_final else ids
 
 

@@ -181,12 +181,10 @@ def normalize_config(raw: dict[str, Any], layout: str) -> tuple[dict[str, Any], 
         convention = ours.get("aux_layer_convention") or guess_convention(ids or [], layout)
         if eagle.get("use_aux_hidden_state") is False:
             raise DrafterLoadError("Drafters with `use_aux_hidden_state: false` (EAGLE-1 style) are not supported.")
-    keys = (
-        "hidden_size intermediate_size num_attention_heads num_key_value_heads head_dim num_hidden_layers vocab_size "
-        "draft_vocab_size target_hidden_size rms_norm_eps hidden_act rope_theta rope_scaling rope_parameters "
-        "max_position_embeddings attention_bias bias norm_before_residual norm_output draft_settings target_model "
-        "torch_dtype dtype"
-    ).split()
+    keys = ["hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "num_hidden_layers", "vocab_size", "draft_vocab_size", "target_hidden_size", "rms_norm_eps", "hidden_act",
+            "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "attention_bias", "bias",
+            "norm_before_residual", "norm_output", "draft_settings", "target_model", "torch_dtype", "dtype"]
     kwargs = {k: base[k] for k in keys if base.get(k) is not None}
     kwargs["fc_norm"] = bool(_first(base.get("fc_norm"), eagle.get("fc_norm"), base.get("use_aux_norm"), False))
     kwargs["norm_before_fc"] = bool(norm_before_fc or False)
@@ -204,7 +202,7 @@ def normalize_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Map ``model.`` prefixes and ``layers.0.`` onto our (= the EAGLE reference) names."""
     out = {}
     for key, value in state.items():
-        name = key[len("model.") :] if key.startswith("model.") else key
+        name = key.removeprefix("model.")
         if name.startswith("layers.0."):
             name = "midlayer." + name[len("layers.0.") :]
         elif name.startswith("layers."):

@@ -221,7 +221,7 @@ class EagleDrafter(PreTrainedModel):
     config_class = EagleConfig
     base_model_prefix = ""
     main_input_name = "input_ids"
-    _no_split_modules = ["EagleDecoderLayer"]
+    _no_split_modules = ("EagleDecoderLayer",)
     _supports_sdpa = True
 
     def __init__(self, config: EagleConfig):

@@ -28,7 +28,7 @@ _EXPORTS = {
     "uninstall": "hooks",
     "write_custom_generate": "hub",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_EXPORTS)  # noqa: PLE0605 - a list built from the exports' table
 
 
 def __getattr__(name: str):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import StopStringCriteria, StoppingCriteriaList
+from transformers import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.stopping_criteria import ConfidenceCriteria, MaxTimeCriteria
 
 from .version import output_cache
@@ -55,7 +55,7 @@ def trim_at_stopping_criteria(out, prompt_len: int | None, kwargs: dict):
     def fires(criterion, ids) -> bool:
         try:
             return bool(torch.as_tensor(criterion(ids, None)).all())
-        except Exception:  # a criterion that needs scores: leave the output as it is
+        except Exception:  # noqa: BLE001 - a criterion that needs scores: leave the output as it is
             return False
 
     for length in range(prompt_len + 1, seq.shape[1]):

@@ -158,7 +158,7 @@ class DraftState:
         """`extend` over many rows (a long prompt), `CATCH_UP_CHUNK` at a time: each chunk reads the rows cached
         before it, so the cache and each row's result are those of one pass, with a bounded peak. A row's result
         (logits [B, Vd], hidden [B, 1, H]) is the chunk's that holds its last new row."""
-        rows, n = next_tokens.shape
+        n = next_tokens.shape[1]
         logits = hidden = None
         for start in range(0, n, CATCH_UP_CHUNK):
             end = min(start + CATCH_UP_CHUNK, n)

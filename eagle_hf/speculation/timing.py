@@ -22,7 +22,7 @@ import torch
 class Mark:
     """A point in the device's queue: a recorded CUDA event, or the wall clock where work is synchronous."""
 
-    __slots__ = ("event", "seconds", "epoch")
+    __slots__ = ("epoch", "event", "seconds")
 
     def __init__(self, event, seconds: float, epoch: int):
         self.event, self.seconds, self.epoch = event, seconds, epoch
@@ -38,7 +38,7 @@ class Timer:
     def __init__(self, device="cpu", time_fn: Callable[[], float] = time.perf_counter, event_fn=None):
         device = torch.device(device)
         if event_fn is None and device.type == "cuda":
-            event_fn = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+            event_fn = lambda: torch.cuda.Event(enable_timing=True)
         self.event_fn = event_fn  # None: the wall clock (synchronous devices); injected in tests
         self.events = event_fn is not None
         self.time_fn = time_fn

@@ -13,7 +13,6 @@ import torch
 from .transfer import pack
 from .tree import DraftTree
 
-
 #: transformers' logits warpers that read the scores alone, never the ids: with only these (temperature, top-k,
 #: top-p, ...), a tree's nodes need no ids built from the context (work proportional to its length, every round)
 SCORES_ONLY = frozenset({"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",

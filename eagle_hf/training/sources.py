@@ -80,8 +80,7 @@ class DataFolder:
 def _stem(path: Path) -> str:
     name = path.name
     for suffix in (".gz", ".partial", ".jsonl", ".json"):
-        if name.endswith(suffix):
-            name = name[: -len(suffix)]
+        name = name.removesuffix(suffix)
     return name or "responses"
 
 
@@ -365,7 +364,7 @@ def check_folder_fits(folder: DataFolder, aux_ids, target_hidden: int) -> None:
         )
     from safetensors import safe_open
 
-    first = sorted(folder.path.glob("shard_*.safetensors"))[0]
+    first = min(folder.path.glob("shard_*.safetensors"))
     with safe_open(str(first), framework="pt") as f:
         width = f.get_slice("aux").get_shape()[-1]
     if width != len(aux_ids) * target_hidden:
