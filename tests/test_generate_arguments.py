@@ -1,14 +1,19 @@
-"""generate() arguments that pass through eagle_hf's own loop: stop strings with their tokenizer, and a clear
-refusal of what speculation cannot serve (no cache). The oracle is plain generate() (float32 greedy)."""
+"""generate()'s whole surface with a drafter: every argument of the installed transformers is classified
+(eagle_hf/hf/arguments.py) and holds in every mode, at batch 1 and 2: plain generate()'s output (float32 greedy),
+a sampling run, or a refusal by name before any compute; stop strings with their tokenizer on their own."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
 from conftest import VOCAB, tiny_drafter, tiny_target
 from test_batch import left_padded
+from transformers import GenerationConfig, GenerationMixin
 
 from eagle_hf import EagleCompatibilityError
+from eagle_hf.hf.arguments import ARGUMENTS, VERDICTS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MODES = {"default": {}, "tree": dict(draft_mode="tree"), "chain": dict(draft_mode="chain"),
@@ -69,3 +74,63 @@ def test_use_cache_false_is_refused_by_name_before_any_compute(setup, mode, monk
     assist = {} if mode == "copies alone" else dict(assistant_model=drafter)
     with pytest.raises(EagleCompatibilityError, match="use_cache=False"):
         target.generate(torch.tensor([[5, 9, 12]]), max_new_tokens=8, use_cache=False, **assist, **MODES[mode])
+
+
+# ---------------------------------------------------------------------------- the whole surface (eagle_hf/hf/arguments.py)
+
+#: arguments a batch refuses by name (a row per step that batch rows drafting apart do not have)
+BATCH_REFUSED = {"output_hidden_states"}
+
+
+def transformers_arguments() -> set[str]:
+    """Every GenerationConfig field and named parameter of generate() in the installed transformers."""
+    params = set(inspect.signature(GenerationMixin.generate).parameters) - {"self"}
+    return set(GenerationConfig().to_dict()) | params
+
+
+def test_every_argument_of_generate_is_classified():
+    missing = sorted(transformers_arguments() - set(ARGUMENTS))
+    assert not missing, f"unclassified generate() arguments (add them to eagle_hf/hf/arguments.py): {missing}"
+    assert all(verdict in VERDICTS for verdict, _, _ in ARGUMENTS.values())
+
+
+def _call(target, drafter, rows: int, mode: str | None, extra: dict):
+    ids, mask = left_padded((9, 6)[:rows], vocab=VOCAB)
+    call = {"attention_mask": mask, "max_new_tokens": 12, "do_sample": False, **extra}
+    if mode is not None:
+        call.update(MODES[mode], **({} if mode == "copies alone" else dict(assistant_model=drafter)))
+    torch.manual_seed(0)
+    out = target.generate(ids, **call)
+    return getattr(out, "sequences", out)
+
+
+@pytest.mark.parametrize("name", [n for n, (v, x, _) in ARGUMENTS.items() if v == "equal" and x is not None])
+def test_an_argument_keeps_plain_generate_output_in_every_mode(setup, name):
+    _, target, drafter = setup
+    value = ARGUMENTS[name][1]
+    for rows in (1, 2):
+        ref = _call(target, drafter, rows, None, {name: value})
+        for mode in MODES:
+            if rows > 1 and name in BATCH_REFUSED:
+                with pytest.raises(EagleCompatibilityError):
+                    _call(target, drafter, rows, mode, {name: value})
+                continue
+            assert torch.equal(_call(target, drafter, rows, mode, {name: value}), ref), (rows, mode)
+
+
+@pytest.mark.parametrize("name", [n for n, (v, x, _) in ARGUMENTS.items() if v == "sampling"])
+def test_a_sampling_argument_runs_in_every_mode(setup, name):
+    _, target, drafter = setup
+    extra = {"do_sample": True, name: ARGUMENTS[name][1]}
+    for mode in MODES:
+        out = _call(target, drafter, 1, mode, extra)
+        assert out.shape[1] > 9
+
+
+@pytest.mark.parametrize("name", [n for n, (v, x, _) in ARGUMENTS.items() if v == "refused"])
+def test_a_refused_argument_is_named_before_any_compute(setup, name, monkeypatch):
+    _, target, drafter = setup
+    monkeypatch.setattr(type(target), "forward", lambda *a, **k: pytest.fail("a forward ran"))
+    for mode in MODES:
+        with pytest.raises(EagleCompatibilityError, match=name):
+            _call(target, drafter, 1, mode, {name: ARGUMENTS[name][1]})

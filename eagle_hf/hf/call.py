@@ -122,6 +122,12 @@ def check_call(kwargs: dict, defaults=None) -> None:
         raise EagleCompatibilityError("The prompt is empty: pass at least one token (e.g. the chat template's).")
     if (kwargs.get("num_beams") or getattr(kwargs.get("generation_config"), "num_beams", 1) or 1) > 1:
         raise EagleCompatibilityError("Beam search cannot be combined with speculative decoding; drop num_beams.")
+    guidance = kwargs.get("guidance_scale", getattr(kwargs.get("generation_config") or defaults, "guidance_scale", None))
+    if guidance is not None and guidance != 1:
+        raise EagleCompatibilityError(
+            "guidance_scale: classifier-free guidance runs an unconditional forward beside every step, which draft "
+            "verification does not; drop guidance_scale (or drop assistant_model)."
+        )
     use_cache = kwargs.get("use_cache", getattr(kwargs.get("generation_config") or defaults, "use_cache", True))
     if use_cache is False:
         raise EagleCompatibilityError(

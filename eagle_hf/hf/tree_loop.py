@@ -187,7 +187,7 @@ class TreeLoop:
         counts = [sum(m) for m in host_mask]
         self.cache.ragged = Ragged(counts, ids.shape[1], mask.clone() if padded else None)
         for b, row in enumerate(rows):
-            scores = process_logits(self.logits_processor, row.seq, [[]], raw[b : b + 1])
+            scores = process_logits(self.logits_processor, row.seq, [[]], raw[b : b + 1], row.index)
             token = int(draw(torch.softmax(scores, -1))[0]) if self.do_sample else int(scores.argmax(-1))
             if aux is not None:
                 real = [i for i, m in enumerate(host_mask[b][cached:]) if m]  # the row's uncached real tokens
@@ -292,7 +292,7 @@ class TreeLoop:
         for b, (row, tree) in enumerate(zip(active, trees)):
             raw = logits[b, : tree.size].float()  # [n, V] (n = 1 for plain steps)
             paths = [tree.path_tokens(n) for n in range(tree.size)] if len(self.logits_processor) else []
-            node_scores = process_logits(self.logits_processor, row.seq, paths, raw)  # [n, V]
+            node_scores = process_logits(self.logits_processor, row.seq, paths, raw, row.index)  # [n, V]
             raws.append(raw), scores.append(node_scores)
             n = tree.size
             draws.append(sampling_draws(tree, torch.softmax(node_scores, -1), host["parents"][b, 1:n],

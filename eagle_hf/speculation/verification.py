@@ -19,19 +19,63 @@ SCORES_ONLY = frozenset({"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLog
                          "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "TopHLogitsWarper"})
 
 
-def process_logits(logits_processor, prefix: torch.Tensor, paths: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
+def process_logits(logits_processor, prefix: torch.Tensor, paths: list[list[int]], logits: torch.Tensor,
+                   row: int = 0) -> torch.Tensor:
     """Apply the logits processors to each row of `logits` ([n, V]) with ``prefix + paths[row]`` as its input ids.
 
     Used for the target's logits at every tree node, and for the drafter's logits of every sampled draft, so
-    that both follow the exact processing plain `generate()` applies. prefix: [1, T]. Warpers that read only the
+    that both follow the exact processing plain `generate()` applies. prefix: [1, T], the call's batch row `row`
+    (processors that hold a value per batch row see that row's, `per_row`). Warpers that read only the
     scores (`SCORES_ONLY`) process every row in one call on the prefix; otherwise the rows are processed in
     one call per path length (processors take a batch of equal-length ids), their paths copied to the device at
     once; a processor that reads the batch index (``prefix_allowed_tokens_fn``) gets one row at a time."""
     if len(logits_processor) == 0:
         return logits
-    if all(type(p).__name__ in SCORES_ONLY for p in logits_processor):  # (sampling's warpers): no ids to build
+    if any(type(p).__name__ in PER_ROW for p in logits_processor):
+        return _process(per_row(logits_processor, row), prefix, paths, logits)
+    return _process(logits_processor, prefix, paths, logits)
+
+
+#: transformers' processors that hold a value per batch row (shaped for the call's batch, not a tree's nodes)
+PER_ROW = frozenset({"RepetitionPenaltyLogitsProcessor", "EncoderRepetitionPenaltyLogitsProcessor",
+                     "EncoderNoRepeatNGramLogitsProcessor"})
+
+
+def per_row(logits_processor, row: int):
+    """`logits_processor` as batch row `row` alone sees it, for any number of ids rows: a callable like it."""
+
+    def call(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        n = input_ids.shape[0]
+        for p in logits_processor:
+            name = type(p).__name__
+            if name == "RepetitionPenaltyLogitsProcessor" and isinstance(p.prompt_ignore_length, torch.Tensor):
+                kept = p.prompt_ignore_length
+                p.prompt_ignore_length = kept[row : row + 1].to(input_ids.device).expand(n)
+                scores = p(input_ids, scores)
+                p.prompt_ignore_length = kept
+            elif name == "EncoderRepetitionPenaltyLogitsProcessor":
+                kept = p.encoder_input_ids
+                p.encoder_input_ids = kept[row : row + 1].expand(n, -1)
+                scores = p(input_ids, scores)
+                p.encoder_input_ids = kept
+            elif name == "EncoderNoRepeatNGramLogitsProcessor":
+                kept = p.generated_ngrams, p.batch_size
+                p.generated_ngrams, p.batch_size = [kept[0][row]] * n, n
+                scores = p(input_ids, scores)
+                p.generated_ngrams, p.batch_size = kept
+            else:
+                scores = p(input_ids, scores)
+        return scores
+
+    call.processors = list(logits_processor)  # (what `_process` inspects)
+    return call
+
+
+def _process(logits_processor, prefix: torch.Tensor, paths: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
+    processors = getattr(logits_processor, "processors", logits_processor)
+    if all(type(p).__name__ in SCORES_ONLY for p in processors):  # (sampling's warpers): no ids to build
         return logits_processor(prefix.expand(logits.shape[0], -1), logits)  # (a view: nothing copied)
-    if any(type(p).__name__ == "PrefixConstrainedLogitsProcessor" for p in logits_processor):
+    if any(type(p).__name__ == "PrefixConstrainedLogitsProcessor" for p in processors):
         return _process_each(logits_processor, prefix, paths, logits)
     by_length: dict[int, list[int]] = {}
     for i, path in enumerate(paths):
