@@ -1,6 +1,6 @@
 """A/B of the carried acceptance (issue 35), in one process, interleaved per prompt: the default whose calls start
-afresh (A: each call's drafter estimates from the flat prior and its first drafts' confidences, as before the
-thirty-second session) against the default whose calls start from the last call's estimates (B: what
+afresh (A: each call's drafter estimates from the flat prior and its first drafts' confidences, as before
+the carry was added) against the default whose calls start from the last call's estimates (B: what
 `eagle_hf.hf.costs.keep_acceptance` keeps); optionally copy drafting alone beside them. In float32 every mode
 writes plain `generate()`'s text (checked per prompt), so the modes differ only in how they drafted it.
 

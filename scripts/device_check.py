@@ -15,7 +15,7 @@ it skipped. An exception in a stage is recorded with its traceback; the next sta
 
 Where the installed transformers is older than eagle_hf's floor and ``.device/wheels`` holds wheels
 (``scripts/device_wheels.sh``), the script unpacks those the installed packages cannot replace into
-``.device/site`` and runs itself again with them first on the path. How to run it on the lent GPU machine:
+``.device/site`` and runs itself again with them first on the path. How to run it on a GPU machine:
 docs/gpu.md.
 """
 
@@ -54,7 +54,7 @@ _REEXEC = "EAGLE_HF_DEVICE_SITE"  # set in the re-executed process: what the boo
 
 STAGES = ("env", "suite", "equality", "replay", "compiled", "sync", "profile", "memory", "kernels", "quant", "sampling")
 #: seconds per stage: (full shapes on a GPU, --small)
-#: (full: three groups of stages fit the lent machine's ten minutes a command, docs/gpu.md)
+#: (full shapes: a few stages at a time fit ten minutes, docs/gpu.md)
 BUDGETS = {"env": (30, 30), "suite": (540, 900), "equality": (200, 120), "replay": (300, 120), "compiled": (300, 240), "sync": (120, 90), "profile": (120, 60),
            "memory": (130, 60), "kernels": (210, 120), "quant": (120, 90), "sampling": (120, 120)}
 

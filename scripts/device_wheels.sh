@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Download the wheels that let scripts/device_check.py run on a machine whose transformers is older than ours
-# (the lent GPU machine has no network and transformers 5.17). Run it here, where a package registry is reachable;
+# (for a GPU machine without network whose transformers is older than eagle_hf's floor). Run it where a package registry is reachable;
 # pass `.device` in the device tool's `carry` list. device_check.py unpacks on the GPU machine only the wheels whose
 # requirement the installed packages do not meet (docs/gpu.md).
 #
