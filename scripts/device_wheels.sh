@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Download the wheels that let scripts/device_check.py run on a machine whose transformers is older than ours
-# (for a GPU machine without network whose transformers is older than eagle_hf's floor). Run it where a package registry is reachable;
-# pass `.device` in the device tool's `carry` list. device_check.py unpacks on the GPU machine only the wheels whose
+# Download the wheels that let scripts/device_check.py run on a GPU machine without network whose transformers is
+# older than eagle_hf's floor. Run it where a package registry is reachable and copy `.device/wheels` to the GPU
+# machine with the checkout. device_check.py unpacks there only the wheels whose
 # requirement the installed packages do not meet (docs/gpu.md).
 #
 #   bash scripts/device_wheels.sh            # -> .device/wheels/*.whl (ignored by git), prints the total size
