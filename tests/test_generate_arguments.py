@@ -134,3 +134,12 @@ def test_a_refused_argument_is_named_before_any_compute(setup, name, monkeypatch
     for mode in MODES:
         with pytest.raises(EagleCompatibilityError, match=name):
             _call(target, drafter, 1, mode, {name: ARGUMENTS[name][1]})
+
+
+def test_the_usage_page_shows_the_table():
+    from pathlib import Path
+
+    from eagle_hf.hf.arguments import table_markdown
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    assert table_markdown() in page, "docs/usage.md: paste eagle_hf.hf.arguments.table_markdown()"
