@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from ..drafter.graphs import LevelGraphs
 from ..drafter.modeling import KV, DraftStep, EagleDrafter, KVWriter
@@ -21,6 +22,8 @@ from .tree import DraftTree
 
 #: catch-ups of at most this many rows per row use the kept attention mask (a prompt's build their own)
 KEPT_MASK_ROWS = 64
+#: a round's catch-up of at most this many rows a row runs at fixed shapes where the levels do (`DraftState.graphs`)
+FIXED_CATCH_UP = 16
 #: a prompt's catch-up reads at most this many rows per drafter forward: its activations (the drafter's MLP has
 #: the target's width) over 8k rows added ~0.7 GiB to the peak of a Llama-3.1-8B-shaped call (H200 device check)
 CATCH_UP_CHUNK = 1024
@@ -125,6 +128,8 @@ class DraftState:
         if n > CATCH_UP_CHUNK:
             return self._extend_in_chunks(drafter, aux, next_tokens, counts)
         full = all(c == n for c in counts)
+        if self.graphs is not None and full and not self.ragged.holes and n <= FIXED_CATCH_UP:
+            return self._extend_fixed(drafter, aux, next_tokens)
         host = pack(device, positions=[[p + i for i in range(n)] for p in self.positions],
                     last=[max(c, 1) - 1 for c in counts],
                     **({} if full else {"new_valid": [[i < c for i in range(n)] for c in counts]}))
@@ -152,6 +157,25 @@ class DraftState:
         hidden = out.hidden.gather(1, last.expand(rows, 1, out.hidden.shape[-1]))  # [B, 1, H]
         self.compact()
         return drafter.lm_head(normed[:, 0]), hidden
+
+    def _extend_fixed(self, drafter: EagleDrafter, aux: torch.Tensor, next_tokens: torch.Tensor):
+        """`extend` for a round's catch-up at fixed shapes (`graphs`): every row reads its n rows (no holes), padded
+        to the next power of two; the padding rows are written after the real ones and overwritten by the next
+        pass, which never reads them (the real rows come first and the cache's length grows by n only)."""
+        rows, n = next_tokens.shape
+        width = 1 << (n - 1).bit_length()
+        host = pack(next_tokens.device, positions=[[p + i for i in range(width)] for p in self.positions])
+        fused = drafter.fuse(aux)  # [B, n, H]
+        if width > n:
+            fused = F.pad(fused, (0, 0, 0, width - n))  # [B, width, H]
+            next_tokens = F.pad(next_tokens, (0, width - n))
+        self.reserve(drafter, width, fused)
+        out = self.level_forward(drafter, fused, next_tokens, host["positions"], self.length, None)
+        self._mask_columns(self.length, n, None)
+        self.ragged.append([n] * rows, n, None, next_tokens.device)
+        self.positions = [p + n for p in self.positions]
+        self.compact()
+        return out.logits[:, n - 1], out.hidden[:, n - 1 : n]  # [B, Vd], [B, 1, H]
 
     def _extend_in_chunks(self, drafter: EagleDrafter, aux: torch.Tensor, next_tokens: torch.Tensor,
                           counts: list[int]):
