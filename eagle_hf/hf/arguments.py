@@ -45,7 +45,8 @@ ARGUMENTS: dict[str, tuple[str, object, str]] = {
     "remove_invalid_values": ("equal", True, ""),
     "renormalize_logits": ("equal", True, ""),
     "logits_processor": ("equal", None, "applied at every tree node with its own prefix"),
-    "prefix_allowed_tokens_fn": ("equal", None, "called per node with its prefix"),
+    "prefix_allowed_tokens_fn": ("equal", None,
+                                 "called per node with its prefix; a batch: refused (it takes the batch index)"),
     "watermarking_config": ("equal", {"greenlist_ratio": 0.25}, ""),
     # ---------------------------------------------------------------- sampling
     "do_sample": ("sampling", True, "lossless: the sampling tests"),
@@ -62,7 +63,8 @@ ARGUMENTS: dict[str, tuple[str, object, str]] = {
     "return_dict_in_generate": ("equal", True, ""),
     "output_scores": ("equal", True, "per emitted token"),
     "output_logits": ("equal", True, "per emitted token"),
-    "output_hidden_states": ("equal", True, "batch 1; a batch: refused (per-step hidden states of rows that draft apart)"),
+    "output_hidden_states": ("equal", True,
+                             "batch 1; a batch: refused (per-step hidden states of rows that draft apart)"),
     "output_attentions": ("transformers", True, "sdpa has none; as plain generate()"),
     "streamer": ("equal", None, "tests/test_generate.py"),
     # ---------------------------------------------------------------- cache and compile
