@@ -35,6 +35,7 @@ Medians of per-prompt speedups over plain `generate()`, measured in the same run
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import random
@@ -391,9 +392,14 @@ def _agreement(v: SetVerdict) -> str:
     return " (outside the A/A band, within the swap band)" if v.process_gap <= v.swap_band else " (outside both bands)"
 
 
+def _text(path: Path) -> str:
+    """A results file's text (``results.json``, or a gzipped copy ``.json.gz``)."""
+    return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+
+
 def read_run(paths: str) -> dict:
     """One process's results: a results.json, or several (comma-separated, one per set) merged."""
-    parts = [json.loads(Path(p).read_text()) for p in paths.split(",")]
+    parts = [json.loads(_text(Path(p))) for p in paths.split(",")]
     run = parts[0]
     # each set's own repeats (the files may differ: one repeat in an older file, two in a newer)
     run["repeats_of"] = {name: part["settings"]["repeats"] for part in parts for name in part["sets"]}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 from pathlib import Path
@@ -10,13 +11,15 @@ logger = logging.getLogger(__name__)
 
 
 def read_log(out: Path) -> list[dict]:
-    """The rows of a run's log: ``out`` is the run folder (its ``training_log.jsonl``) or the log file itself."""
+    """The rows of a run's log: ``out`` is the run folder (its ``training_log.jsonl``) or the log file itself (or
+    a gzipped copy, ``.jsonl.gz``)."""
     path = Path(out)
     if path.is_dir():
         path = path / "training_log.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def plot_curve(out: Path, name: str = "training_curve.png") -> Path | None:
