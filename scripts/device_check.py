@@ -760,6 +760,10 @@ def draft_vocabulary(drafter) -> torch.Tensor:
     return ids if drafter.d2t is None else ids + drafter.d2t.cpu()
 
 
+#: per oracle case: its tensors and the drafter's graphs captured with it (`oracle_drafter`)
+_ORACLES: dict[tuple, list] = {}
+
+
 @contextlib.contextmanager
 def oracle_drafter(drafter, succ: torch.Tensor, corrupt: float = 0.0, seed: int = 0, rows: int = 1,
                    length: int = 16384):
@@ -777,11 +781,15 @@ def oracle_drafter(drafter, succ: torch.Tensor, corrupt: float = 0.0, seed: int 
     from eagle_hf.speculation.transfer import to_device
 
     device = drafter.fc.weight.device
-    draft_of = torch.full((succ.numel(),), -1, dtype=torch.long)
-    draft_of[draft_vocabulary(drafter)] = torch.arange(drafter.config.draft_vocab_size)
-    nxt = draft_of[succ].to(device)  # [V] the draft id of each token's successor (-1: not in the draft vocabulary)
-    held = torch.tensor([[random.Random(f"{seed}:{r}:{p}").random() < corrupt for p in range(length)]
-                         for r in range(rows)], device=device) if corrupt > 0 else None  # [rows, length]
+    case = (id(drafter), id(succ), corrupt, seed, rows, length)
+    if case not in _ORACLES:  # (kept: the drafter's graphs captured with this oracle read these tensors)
+        draft_of = torch.full((succ.numel(),), -1, dtype=torch.long)
+        draft_of[draft_vocabulary(drafter)] = torch.arange(drafter.config.draft_vocab_size)
+        nxt = draft_of[succ].to(device)  # [V] the draft id of each token's successor (-1: not in the draft vocabulary)
+        held = torch.tensor([[random.Random(f"{seed}:{r}:{p}").random() < corrupt for p in range(length)]
+                             for r in range(rows)], device=device) if corrupt > 0 else None  # [rows, length]
+        _ORACLES[case] = [nxt, held, None]
+    nxt, held, kept_graphs = _ORACLES[case]
     def bonus(logits: torch.Tensor, tokens: torch.Tensor, child_positions: torch.Tensor) -> torch.Tensor:
         """logits [..., Vd] for rows that read `tokens` [...], their children at `child_positions` [...]."""
         target = nxt[tokens]
@@ -815,13 +823,16 @@ def oracle_drafter(drafter, succ: torch.Tensor, corrupt: float = 0.0, seed: int 
         child = to_device(torch.tensor([p + c + 1 for p, c in zip(positions, counts)]), next_tokens.device)
         return bonus(logits, next_tokens.gather(1, last)[:, 0], child), hidden
 
-    graphs._PER_DRAFTER.pop(drafter, None)  # (graphs captured before hold the drafter without the oracle)
+    # the graphs captured with this oracle (a timed run replays its warm-up's), not those of another case
+    graphs._PER_DRAFTER.pop(drafter, None)
+    if kept_graphs is not None:
+        graphs._PER_DRAFTER[drafter] = kept_graphs
     drafter.step, DraftState.extend = oracle_step, oracle_extend
     try:
         yield
     finally:
         DraftState.extend = extend
-        graphs._PER_DRAFTER.pop(drafter, None)
+        _ORACLES[case][2] = graphs._PER_DRAFTER.pop(drafter, None)
         if before is None:
             del drafter.step
         else:
@@ -1077,6 +1088,7 @@ def draft_levels(kwargs: dict):
 
 
 def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes, static, budget) -> list[dict]:
+    from eagle_hf.drafter import graphs as drafter_graphs
     from eagle_hf.hf.models import compiled_graphs
 
     s = ctx.shapes
@@ -1109,14 +1121,15 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
             plain[which].append(timed(ctx, generate, target, ids, mask, s.new_tokens, **kwargs)[1])
         for case in [c for c in cases if c in info]:
             mode, rate = case
-            graphs = compiled_graphs()
+            graphs, captures = compiled_graphs(), drafter_graphs.CAPTURES
             with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), own_acceptance(drafter, carried, case), \
                     draft_levels(modes[mode]) as kwargs:
                 out, t = timed(ctx, generate, target, ids, mask, s.new_tokens, drafter, **kwargs, **static)
             times[case].append(t)
             st = last_stats()
             info[case].update(tau=st.mean_acceptance_length, rounds=loop_rounds(st) + 1, drafter=st.drafter_time,
-                              follows=bool(torch.equal(out, ref)), after=info[case]["after"] + compiled_graphs() - graphs)
+                              follows=bool(torch.equal(out, ref)), after=info[case]["after"] + compiled_graphs() - graphs,
+                              captures=info[case].get("captures", 0) + drafter_graphs.CAPTURES - captures)
     med = {k: statistics.median(v) if v else float("nan") for k, v in plain.items()}
     base = dict(context=ctx_len, batch=rows, compiled=bool(static.get("disable_compile") is False))
     out = [dict(base, mode="plain", withheld_rate=0.0, runs=len(plain["compiled"]), median_s=med["compiled"],
@@ -1134,7 +1147,8 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
                         tau=i["tau"], rounds=i["rounds"], ms_per_round=1e3 * m / i["rounds"],
                         drafter_ms_per_round=1e3 * i["drafter"] / i["rounds"],
                         plain_ms_per_step=1e3 * med["compiled"] / s.new_tokens, follows_cycle=i["follows"],
-                        warmup_graphs=i["warmup_graphs"], warmup_s=i["warmup_s"], graphs_after_warmup=i["after"]))
+                        warmup_graphs=i["warmup_graphs"], warmup_s=i["warmup_s"], graphs_after_warmup=i["after"],
+                        drafter_captures_after_warmup=i.get("captures", 0)))
     return out
 
 

@@ -137,3 +137,27 @@ def test_trees_grown_on_the_device_are_the_trees_grown_level_by_level(top_k, thr
         assert got.parents.tolist() == want.parents.tolist()
         assert got.scores.tolist() == want.scores.tolist()
     assert levels["device"] == 4 and levels["host"] <= 4  # (the device runs to the deepest row's depth)
+
+
+def test_a_call_in_inference_mode_leaves_storage_a_later_call_can_write(levels_run):
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    call = dict(max_new_tokens=16, do_sample=False, assistant_model=drafter, **MODES["tree"])
+    with torch.inference_mode():
+        first = target.generate(REPEAT, **call)
+    assert torch.equal(target.generate(REPEAT, **call), first)
+
+
+def test_levels_follow_the_drafter_s_weights_and_let_it_go():
+    import gc
+    import weakref
+
+    drafter = tiny_drafter(tiny_target("llama"))
+    kept = LevelGraphs.for_drafter(drafter)
+    assert LevelGraphs.for_drafter(drafter) is kept
+    drafter.to(torch.float64)  # (new storage for every weight: captured graphs would read the old)
+    assert LevelGraphs.for_drafter(drafter) is not kept
+    gone = weakref.ref(drafter)
+    del drafter, kept
+    gc.collect()
+    assert gone() is None

@@ -33,6 +33,8 @@ GRAPHS_ENV = "EAGLE_HF_DRAFTER_GRAPHS"
 MAX_GRAPHS = 16
 
 _PER_DRAFTER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: graphs captured in this process (a round that captured one teaches no cost: its time is the capture's)
+CAPTURES = 0
 
 
 def wanted(drafter: EagleDrafter, compiled: bool) -> bool:
@@ -71,7 +73,7 @@ class FixedLevel:
 
     def __init__(self, drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, rows: int, k: int):
         dtype, width = drafter.fc.weight.dtype, drafter.config.hidden_size
-        self.drafter, self.keys, self.values = drafter, keys, values
+        self._drafter, self.keys, self.values = weakref.ref(drafter), keys, values
         self.feed = keys.new_zeros(rows, k, width, dtype=dtype)  # [B, k, H]
         self.ids = keys.new_zeros(rows, k, dtype=torch.long)  # [B, k]
         self.positions = keys.new_zeros(rows, k, dtype=torch.long)  # [B, k]
@@ -81,7 +83,7 @@ class FixedLevel:
         self.graph, self.out = None, None
 
     def _forward(self) -> DraftStep:
-        return self.drafter.step(self.feed, self.ids, self.positions,
+        return self._drafter().step(self.feed, self.ids, self.positions,
                                  past=SlotWriter(self.keys, self.values, self.slots), mask=self.mask)
 
     def run(self, feed: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, at: int,
@@ -120,23 +122,37 @@ class FixedLevel:
                 self._forward()
         torch.cuda.current_stream(self.keys.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # (a private memory pool: levels replay in any order)
+        # (a private memory pool: levels replay in any order; other threads' CUDA calls stay legal meanwhile)
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.out = self._forward()
         self.graph = graph
+        global CAPTURES
+        CAPTURES += 1
+
+
+def weights_of(drafter: EagleDrafter) -> tuple:
+    """Where the drafter's weights and buffers live now (and the target embedding it borrows): what its graphs read."""
+    tensors = [*drafter.parameters(), *drafter.buffers()]
+    embedding = getattr(drafter, "_target_embedding", None)
+    if embedding is not None:
+        tensors.append(embedding.weight)
+    return tuple((t.data_ptr(), t.dtype, t.device) for t in tensors)
 
 
 class LevelGraphs:
     """A drafter's fixed-shape levels and the cache storage they write, kept between calls."""
 
     def __init__(self, drafter: EagleDrafter):
-        self.drafter = drafter
+        self._drafter = weakref.ref(drafter)
+        self.weights = weights_of(drafter)
         self.levels: OrderedDict[tuple, FixedLevel] = OrderedDict()
-        self.storage: dict[tuple, tuple] = {}  # (shape, dtype, device) -> (keys, values, weakref to its owner)
+        self.storage: dict[tuple, tuple] = {}  # (shape, dtype, device, mode) -> (keys, values, weakref to owner)
 
     @classmethod
     def for_drafter(cls, drafter: EagleDrafter) -> LevelGraphs:
+        """The drafter's levels; new ones when its weights moved since (a graph replays the memory it captured)."""
         graphs = _PER_DRAFTER.get(drafter)
-        if graphs is None or graphs.drafter.fc.weight.device != drafter.fc.weight.device:
+        if graphs is None or graphs.weights != weights_of(drafter):
             graphs = _PER_DRAFTER[drafter] = cls(drafter)
         return graphs
 
@@ -144,9 +160,11 @@ class LevelGraphs:
         """Keys and values of `shape` ``[B, kv_heads, C, d]`` for `owner` (a drafter cache): the storage an
         earlier, finished owner left, else new storage (zeros: columns never written weigh zero, where 0 x a
         stale NaN would not). A storage a live owner holds is not handed to another (threads sharing a drafter)."""
-        key = (tuple(shape), like.dtype, like.device)
+        # (inference-mode tensors cannot be written outside inference mode: kept apart)
+        key = (tuple(shape), like.dtype, like.device, torch.is_inference_mode_enabled())
         kept = self.storage.get(key)
-        if kept is not None and kept[2]() in (None, owner):
+        holder = kept[2]() if kept is not None else None
+        if kept is not None and (holder is None or holder is owner):
             self.storage[key] = (kept[0], kept[1], weakref.ref(owner))
             return kept[0], kept[1]
         made = (like.new_zeros(shape), like.new_zeros(shape))
@@ -167,10 +185,10 @@ class LevelGraphs:
         return out
 
     def level(self, keys: torch.Tensor, values: torch.Tensor, rows: int, k: int) -> FixedLevel:
-        key = (rows, k, keys.data_ptr(), tuple(keys.shape))
+        key = (rows, k, keys.data_ptr(), tuple(keys.shape), torch.is_inference_mode_enabled())
         level = self.levels.get(key)
         if level is None:
-            level = self.levels[key] = FixedLevel(self.drafter, keys, values, rows, k)
+            level = self.levels[key] = FixedLevel(self._drafter(), keys, values, rows, k)
             while len(self.levels) > MAX_GRAPHS:
                 self.levels.popitem(last=False)
         self.levels.move_to_end(key)

@@ -84,16 +84,15 @@ def routed_kernel(target) -> dict:
 
 def split_keys_from(tree_kwargs: dict, cache, compiled, device: torch.device) -> int | None:
     """The committed length from which a verify forward splits its keys (`split_key_attention`), or None: never.
-    `SPLIT_KEY_ENV` "on": from one slot, "off": never; by default from `SPLIT_KEY_FROM` slots on CUDA, where the
-    tree attention is routed (not eager), on a cache that grows (a static cache's forward is compiled, and its
-    buffer's free slots are masked)."""
+    `SPLIT_KEY_ENV` "on": from one slot, "off": never; by default from `SPLIT_KEY_FROM` slots on CUDA. Only where
+    the tree attention is routed (not eager), the forward is not compiled and the cache grows (a static cache's
+    free slots are masked)."""
     setting = os.environ.get(SPLIT_KEY_ENV, "auto").lower()
-    if not tree_kwargs or setting in ("off", "0", "false", "none"):
-        return None
+    if not tree_kwargs or compiled is not None or setting in ("off", "0", "false", "none"):
+        return None  # (a compiled forward would recompile for every committed length)
     if setting in ("on", "1", "true"):
         return 1
-    growing = compiled is None and cache.free is None
-    return SPLIT_KEY_FROM if growing and device.type == "cuda" else None
+    return SPLIT_KEY_FROM if cache.free is None and device.type == "cuda" else None
 
 
 def unroute_all() -> None:

@@ -22,6 +22,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..devices import input_device
+from ..drafter import graphs as drafter_graphs
 from ..drafter.capture import gather_aux, hidden_state_request
 from ..speculation.ragged import Ragged
 from ..speculation.rounds import RoundTiming
@@ -145,6 +146,7 @@ class TreeLoop:
         active = self.retire(rows) if any(r.done for r in rows) else rows
         while live := sum(not r.done for r in active):
             marks = {"start": self.timer.mark()}  # the round's named marks (`RoundTiming`)
+            captures = drafter_graphs.CAPTURES
             if self.controller is not None:
                 self.controller.costs.rows = len(active)
             planned = self.controller.choose() if self.controller is not None and len(rows) > 1 else None
@@ -160,7 +162,8 @@ class TreeLoop:
             self.verify_and_commit(active, trees, marks)
             marks["end"] = self.timer.mark()
             facts["tokens"] = (sum(r.length for r in active) - before) / live
-            if not self.compiling:  # (a round that compiled a shape teaches no cost)
+            # (a round that compiled a shape, or captured a drafter graph, teaches no cost)
+            if not self.compiling and drafter_graphs.CAPTURES == captures:
                 self.timer.measure_marks(marks, lambda at, f=facts, d=drafting:
                                          self.observe(RoundTiming.from_marks(at, **f), d))
             if sum(not r.done for r in active) < live:
