@@ -1026,8 +1026,11 @@ def stage_compiled(ctx: Context, budget: Budget) -> StageResult:
                  ", ".join(f"{r['mode']} ({r['graphs_after_warmup']})" for r in recompiled[:6]))
     res.find("speedup = compiled plain's median / the mode's median, same cell; eager_plain_ms_per_token: plain "
              "generate() with the default cache, same prompt; drafter_ms_per_round: the drafter's clock (catch-up, "
-             "levels, choices); drafter_ms_per_level: the level alone, k nodes as the mode drafts, eager or at fixed "
-             "shapes as it runs; withheld_rate: the share of continuation tokens the oracle withholds")
+             "levels, choices), of which catch_up_ms_per_round its catch-up; verify_ms_per_round: the target's "
+             "forwards after the prefill (both from the loop's device clock); drafter_ms_per_level: the level alone, "
+             "k nodes as the mode drafts, eager or at fixed shapes as it runs; withheld_rate: the share of "
+             "continuation tokens the oracle withholds; warmup_recompiles: torch.compile's reasons to recompile in "
+             "the mode's warm-up call (its first guard failure each)")
     top = {r["mode"]: r for r in done if r["withheld_rate"] == 0 and r["batch"] == 1}
     res["summary"] = "; ".join(f"{m} {r['speedup']:.2f}x (tau {r['tau']:.2f})" for m, r in top.items())
     return res
@@ -1108,9 +1111,10 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
         with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), own_acceptance(drafter, carried, case), \
                 draft_levels(modes[mode]) as kwargs:
             graphs = compiled_graphs()
-            generate(target, ids, mask, s.new_tokens, drafter, **kwargs, **static)
+            with dynamo_recompiles() as reasons:
+                generate(target, ids, mask, s.new_tokens, drafter, **kwargs, **static)
             info[case] = dict(warmup_graphs=compiled_graphs() - graphs, after=0,
-                              warmup_s=round(time.perf_counter() - start, 1))
+                              warmup_s=round(time.perf_counter() - start, 1), recompiles=reasons)
         if not budget.allows(20):
             break
     for _ in range(s.repeats):
@@ -1128,6 +1132,7 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
             times[case].append(t)
             st = last_stats()
             info[case].update(tau=st.mean_acceptance_length, rounds=loop_rounds(st) + 1, drafter=st.drafter_time,
+                              catch_up=st.catch_up_time, verify=st.verify_time,
                               follows=bool(torch.equal(out, ref)), after=info[case]["after"] + compiled_graphs() - graphs,
                               captures=info[case].get("captures", 0) + drafter_graphs.CAPTURES - captures)
     med = {k: statistics.median(v) if v else float("nan") for k, v in plain.items()}
@@ -1146,10 +1151,40 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
         out.append(dict(base, mode=mode, withheld_rate=rate, runs=len(t), median_s=m, speedup=med["compiled"] / m,
                         tau=i["tau"], rounds=i["rounds"], ms_per_round=1e3 * m / i["rounds"],
                         drafter_ms_per_round=1e3 * i["drafter"] / i["rounds"],
+                        catch_up_ms_per_round=1e3 * i["catch_up"] / i["rounds"],
+                        verify_ms_per_round=1e3 * i["verify"] / i["rounds"],
                         plain_ms_per_step=1e3 * med["compiled"] / s.new_tokens, follows_cycle=i["follows"],
                         warmup_graphs=i["warmup_graphs"], warmup_s=i["warmup_s"], graphs_after_warmup=i["after"],
-                        drafter_captures_after_warmup=i.get("captures", 0)))
+                        drafter_captures_after_warmup=i.get("captures", 0),
+                        warmup_recompiles=" | ".join(i["recompiles"][:3]) or None))
     return out
+
+
+@contextlib.contextmanager
+def dynamo_recompiles():
+    """The reasons torch.compile recompiled a function while active (each recompilation's first guard failure;
+    a hit recompile limit as its warning), collected from torch's `recompiles` log."""
+    import logging
+
+    reasons: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            lines = record.getMessage().splitlines()
+            if "Recompiling" in lines[0]:
+                failed = next((ln.strip() for ln in lines if ln.strip().startswith("- ")), lines[0])
+                reasons.append(failed[:160])
+            elif "recompile_limit" in lines[0] or "cache_size_limit" in lines[0]:
+                reasons.append(lines[0][:160])
+
+    logger, handler = logging.getLogger("torch._dynamo"), Collect()
+    torch._logging.set_logs(recompiles=True)
+    logger.addHandler(handler)
+    try:
+        yield reasons
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
 
 
 @contextlib.contextmanager
@@ -1305,10 +1340,11 @@ def stage_profile(ctx: Context, budget: Budget) -> StageResult:
         res["data"] = {"per round": table}
         ctx.partial(res)
     res.find("per round = (a 10-token call - a 4-token call) / the difference in rounds (both calls hold the prefill "
-             "and the drafter's catch-up over the prompt); a batch's rounds are "
+             "and the drafter's catch-up over the prompt); wall_ms_per_round under the profiler, "
+             "unprofiled_wall_ms_per_round without it (the summary's); a batch's rounds are "
              "its verify forwards (the longest row's); device time is the kernels' own (CUDA), on the CPU the "
              "operators' self time; trace_<cell>.json.gz: the tree call's chrome trace (CUDA only)")
-    res["summary"] = "; ".join(f"{r['cell']} {r['mode']}: {r['wall_ms_per_round']:.1f} ms wall, "
+    res["summary"] = "; ".join(f"{r['cell']} {r['mode']}: {r['unprofiled_wall_ms_per_round']:.1f} ms wall, "
                                f"{r['device_ms_per_round']:.1f} ms device a round" for r in table)
     return res
 
@@ -1330,6 +1366,8 @@ def _profile_round(ctx, target, drafter, ids, mask, kwargs, cell: str, mode: str
             ctx.sync()
         wall = time.perf_counter() - start
         rounds = loop_rounds(last_stats()) if drafter is not None else tokens - 1
+        _, unprofiled = timed(ctx, generate, target, ids, mask, tokens, drafter, **kwargs)  # (the profiler's own
+        # cost per operator is large on a host-bound loop: the wall time without it too)
         if ctx.cuda and drafter is not None and tokens == base + new:
             save_trace(prof, ctx.out / f"trace_{cell}.json.gz")
         per_op = {}
@@ -1340,13 +1378,14 @@ def _profile_round(ctx, target, drafter, ids, mask, kwargs, cell: str, mode: str
             us = (getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) if ctx.cuda
                   else e.self_cpu_time_total)
             per_op[e.key] = (us / 1e3, e.count)
-        runs[tokens] = dict(wall=wall, rounds=rounds, ops=per_op)
+        runs[tokens] = dict(wall=wall, unprofiled=unprofiled, rounds=rounds, ops=per_op)
     short, long = runs[base], runs[base + new]
     n = max(long["rounds"] - short["rounds"], 1)
     diff = {k: ((ms - short["ops"].get(k, (0.0, 0))[0]) / n, (c - short["ops"].get(k, (0.0, 0))[1]) / n)
             for k, (ms, c) in long["ops"].items()}
     top = sorted(diff.items(), key=lambda kv: -kv[1][0])[:8]
     return {"cell": cell, "mode": mode, "rounds": n, "wall_ms_per_round": 1e3 * (long["wall"] - short["wall"]) / n,
+            "unprofiled_wall_ms_per_round": 1e3 * (long["unprofiled"] - short["unprofiled"]) / n,
             "device_ms_per_round": sum(ms for ms, _ in diff.values()),
             "launches_per_round": sum(c for _, c in diff.values()),
             "top": "; ".join(f"{k[:60]} {ms:.2f} ms x{c:.0f}" for k, (ms, c) in top)}

@@ -113,7 +113,7 @@ class EagleCandidateGenerator(CandidateGenerator):
             timing = RoundTiming.from_marks(at, **facts)
             if sp.controller is not None:
                 sp.controller.observe(timing)
-            sp.stats.drafter_time += (timing.catch_up or 0.0) + (timing.draft or 0.0)
+            sp.stats.record_timing(timing)
 
         sp.timer.measure_marks(marks, observe)
 

@@ -164,8 +164,8 @@ class TreeLoop:
             facts["tokens"] = (sum(r.length for r in active) - before) / live
             # (a round that compiled a shape, or captured a drafter graph, teaches no cost)
             if not self.compiling and drafter_graphs.CAPTURES == captures:
-                self.timer.measure_marks(marks, lambda at, f=facts, d=drafting:
-                                         self.observe(RoundTiming.from_marks(at, **f), d))
+                self.timer.measure_marks(marks, lambda at, f=facts, d=drafting, a=[r.sp for r in active]:
+                                         self.observe(RoundTiming.from_marks(at, **f), d, a))
             if sum(not r.done for r in active) < live:
                 active = self.retire(active)
             else:
@@ -357,12 +357,12 @@ class TreeLoop:
             self.append(row, o.new, mine[0])
             row.sp.end_round(n - 1, row.token, path=o.keep, cut=o.cut)
 
-    def observe(self, timing: RoundTiming, drafting: list[Speculator]) -> None:
-        """A round's timings, once measured: the cost model, the schedule, the drafting rows' stats (each its
-        share of the drafter's time)."""
+    def observe(self, timing: RoundTiming, drafting: list[Speculator], active: list[Speculator]) -> None:
+        """A round's timings, once measured: the cost model, the schedule, the rows' stats (each its share of the
+        target's forward and, drafting rows, of the drafter's time)."""
         (self.controller or self.cost).observe(timing)  # (a fixed schedule's loop teaches the cost model alone)
-        for sp in drafting:
-            sp.stats.drafter_time += ((timing.catch_up or 0.0) + (timing.draft or 0.0)) / len(drafting)
+        for sp in active:
+            sp.stats.record_timing(timing, 1 / len(active), 1 / len(drafting) if sp in drafting else 0.0)
 
     def retire(self, rows: list[Row]) -> list[Row]:
         """Finished rows leave the batch (and the cache), but as few as are needed for the cheapest forward that

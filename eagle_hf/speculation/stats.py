@@ -30,7 +30,11 @@ class SpecDecodeStats:
     accepted_by_source: dict[str, int] = field(default_factory=dict)
     drafted_per_position_by_source: dict[str, list[int]] = field(default_factory=dict)
     accepted_per_position_by_source: dict[str, list[int]] = field(default_factory=dict)
-    drafter_time: float = 0.0  # seconds in the drafter
+    drafter_time: float = 0.0  # seconds in the drafter (its catch-up and its draft levels)
+    catch_up_time: float = 0.0  # of which its catch-up over the rows committed since its last round
+    # seconds in the target's forwards after the prefill (verify and plain steps); these times leave out the rounds
+    # that compiled a shape of the target's forward or captured a drafter graph
+    verify_time: float = 0.0
     per_row: list[SpecDecodeStats] = field(default_factory=list)  # a batch's rows (these stats are their merge)
     total_time: float = 0.0  # wall time of the whole generate() call
 
@@ -43,6 +47,13 @@ class SpecDecodeStats:
             self.fallback_steps += 1
         else:
             self.final_steps += 1
+
+    def record_timing(self, timing, target_share: float = 1.0, drafter_share: float = 1.0) -> None:
+        """One round's timings (a `eagle_hf.speculation.rounds.RoundTiming`): this row's share of the target's
+        forward and of the drafter's time (0: it did not draft)."""
+        self.verify_time += (timing.verify or 0.0) * target_share
+        self.catch_up_time += (timing.catch_up or 0.0) * drafter_share
+        self.drafter_time += ((timing.catch_up or 0.0) + (timing.draft or 0.0)) * drafter_share
 
     def record_cycle(self, drafted: int, accepted: int) -> None:
         self.cycles += 1
