@@ -40,8 +40,11 @@ TREE_VERIFY = "eagle_hf_tree_verify"
 TREE_PREFIX = "eagle_hf_tree_prefix"
 #: keys per chunk of the prefix (at least): chunks run as heads of one flash-attention call
 SPLIT_KEYS = 512
-#: committed slots from which a verify forward splits its keys by default (CUDA, a growing cache)
-SPLIT_KEY_FROM = 2048
+#: committed slots from which a verify forward splits its keys by default (CUDA, a growing cache). An uncompiled
+#: verify forward is host-bound at short contexts: the split saves device time (at 8k on an H200, a tree round's
+#: 19.4 ms to 12.1 ms) that the host's launches hide there; its masked attention grows by about 1.4 ms per 1k
+#: tokens a round (8B shape), so the device's time passes the host's from about 16k (docs/gpu.md)
+SPLIT_KEY_FROM = 16384
 #: environment variable: "on" splits the keys of every verify forward that may, "off" never; default: `SPLIT_KEY_FROM`
 SPLIT_KEY_ENV = "EAGLE_HF_SPLIT_KEY"
 
@@ -49,6 +52,8 @@ SPLIT_KEY_ENV = "EAGLE_HF_SPLIT_KEY"
 _ROUTED: dict[str, tuple[Callable, Callable]] = {}
 # (the last mask seen, its groups, its tiled copy): a verify forward tiles its mask once for all its layers
 _last_tiled: tuple = (None, 0, None)
+# (the last mask seen, its cut, the masked call's bias over its columns from the cut): `_tail_bias`
+_last_tail: tuple = (None, 0, None)
 
 
 def kernel_name(target) -> str:
@@ -145,8 +150,9 @@ def split_key_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
     The prefix's first ``S * c`` keys are S chunks of c (at least `SPLIT_KEYS`), viewed as S heads of one unmasked
     flash-attention call (no copy of the keys: the B and Hkv dimensions merge, the keys split), each with its
-    log-sum-exp; the remaining slots (the prefix's last few and the tree's) by matmuls under the mask, in float32;
-    the S + 1 parts weighed by the softmax of their log-sum-exps."""
+    log-sum-exp; the remaining slots (the prefix's last few and the tree's) in one masked call with its own; the
+    S + 1 parts weighed by the softmax of their log-sum-exps. A handful of kernels a layer: the loop that launches
+    them is the host's, and an eager verify forward is host-bound."""
     b, kv, q, d = query.shape
     splits = max(1, prefix // SPLIT_KEYS)
     chunk = prefix // splits
@@ -155,27 +161,43 @@ def split_key_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     values = value[:, :, :cut].reshape(b * kv, splits, chunk, value.shape[-1])
     queries = query.reshape(b * kv, 1, q, d).expand(b * kv, splits, q, d)
     out_p, lse_p = _attention_with_lse(queries, keys, values, scale)  # [B*Hkv, S, Q, Dv], [B*Hkv, S, Q]
-    scores = (query.float() @ key[:, :, cut:].float().transpose(-1, -2)) * scale + mask[..., cut:].float()
-    lse_t = scores.logsumexp(-1)  # [B, Hkv, Q]
-    out_t = scores.softmax(-1) @ value[:, :, cut:].float()  # [B, Hkv, Q, Dv]
-    lse = torch.cat([lse_p.float().view(b, kv, splits, q), lse_t[:, :, None]], 2)  # [B, Hkv, S+1, Q]
-    parts = torch.cat([out_p.float().view(b, kv, splits, q, -1), out_t[:, :, None]], 2)  # [B, Hkv, S+1, Q, Dv]
+    out_t, lse_t = _attention_with_lse(query, key[:, :, cut:], value[:, :, cut:], scale, _tail_bias(mask, cut, kv))
+    lse = torch.cat([lse_p.view(b, kv, splits, q), lse_t.view(b, kv, 1, q)], 2)  # [B, Hkv, S+1, Q] float32
+    parts = torch.cat([out_p.view(b, kv, splits, q, -1), out_t.view(b, kv, 1, q, -1)], 2)  # [B, Hkv, S+1, Q, Dv]
     return (lse.softmax(2)[..., None] * parts).sum(2).to(query.dtype)
 
 
-def _attention_with_lse(query, key, value, scale: float):
-    """Unmasked attention and its log-sum-exp (the public SDPA returns none): query [B, H, Q, D], key/value
-    [B, H, L, D] -> ([B, H, Q, Dv], [B, H, Q]). torch's flash kernel (CUDA: half precision; the CPU's any dtype),
-    else its memory-efficient one."""
+def _attention_with_lse(query, key, value, scale: float, bias: torch.Tensor | None = None):
+    """Attention and its log-sum-exp (the public SDPA returns none): query [B, H, Q, D], key/value [B, H, L, D],
+    `bias` None or additive [B, H, Q, L] (broadcast views allowed) -> ([B, H, Q, Dv], [B, H, Q] float32). torch's
+    flash kernel (the CPU's: any dtype and a mask; CUDA's: half precision, no mask), else its memory-efficient one."""
     if query.device.type != "cuda":
-        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False, scale=scale)
-        return out[0], out[1]
-    if query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False,
+                                                                          attn_mask=bias, scale=scale)
+        return out[0], out[1].float()
+    if bias is None and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
         out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, False, False, scale=scale)
         return out[0], out[1]
-    out = torch.ops.aten._scaled_dot_product_efficient_attention(query.contiguous(), key, value, None, True,
+    out = torch.ops.aten._scaled_dot_product_efficient_attention(query.contiguous(), key, value, bias, True,
                                                                   scale=scale)
     return out[0], out[1][..., : query.shape[2]]
+
+
+def _tail_bias(mask: torch.Tensor, cut: int, heads: int) -> torch.Tensor:
+    """The mask's columns from `cut` on as the masked call's bias: [B, Hkv, Q, L - cut] in the query's dtype, a
+    broadcast view of a fresh buffer whose rows start at multiples of 16 elements (the memory-efficient kernel's
+    alignment). Every layer of a forward gets the same mask and cut: the last one's is reused."""
+    global _last_tail
+    seen, seen_cut, tail = _last_tail
+    if seen is not None and seen() is mask and seen_cut == cut and tail.shape[1] == heads:
+        return tail
+    b, _, q, length = mask.shape
+    width = length - cut
+    buffer = mask.new_empty(b, 1, q, -(-width // 16) * 16)  # [B, 1, Q, W'] (W' >= W, aligned rows)
+    buffer[..., :width] = mask[..., cut:]
+    tail = buffer[..., :width].expand(b, heads, q, width)
+    _last_tail = (weakref.ref(mask), cut, tail)
+    return tail
 
 
 def _tiled(mask: torch.Tensor, groups: int) -> torch.Tensor:
