@@ -1,4 +1,5 @@
-"""The numerics rule of greedy-equality checks on a device (used by the tests and by scripts/device_check.py).
+"""The numerics rule of greedy-equality checks on a device (used by the tests and by the equality stage of
+scripts/device_check.py, benchmarks/device_check/equality.py).
 
 Speculative decoding verifies several tokens in one forward; plain decoding computes one token per forward. The
 two run different kernels, so on a GPU even float32 can round a near-tie differently. The rule: compare with

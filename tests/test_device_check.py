@@ -1,10 +1,10 @@
 """scripts/device_check.py, the one command of a GPU session (docs/gpu.md), runs here on the CPU with small shapes
 and leaves its report; a stage that raises is recorded and the next one runs. (The suite stage is left out: it
-would run this suite again.)"""
+would run this suite again.) Its stages are the package benchmarks/device_check/, imported here (its bootstrap runs
+only in the script)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,16 +15,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "device_check.py"
-
-
-def load_script():
-    """The script as a module (imported once; its bootstrap runs only as a script)."""
-    if "device_check" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["device_check"] = module  # (its dataclasses look their module up)
-        spec.loader.exec_module(module)
-    return sys.modules["device_check"]
 
 
 def test_small_run_on_cpu_writes_the_report_and_greedy_equality_holds(tmp_path):
@@ -56,42 +46,54 @@ def test_small_run_on_cpu_writes_the_report_and_greedy_equality_holds(tmp_path):
     assert "## equality: ok" in markdown and "## kernels: ok" in markdown
 
 
+def test_the_script_imports_only_the_standard_library_before_its_bootstrap():
+    """scripts/device_check.py imports benchmarks.device_check.bootstrap before the bootstrap may put .device/site
+    first on the path: that module and the package's __init__ files import nothing else."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import benchmarks.device_check.bootstrap; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} - set(sys.stdlib_module_names)"
+            " - {'benchmarks', '__main__'}))")
+    out = subprocess.run([sys.executable, "-S", "-c", code, str(ROOT)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_a_stage_that_raises_is_recorded_and_the_next_runs(tmp_path, monkeypatch):
-    dc = load_script()
+    from benchmarks.device_check import cli
+    from benchmarks.device_check.common import StageResult
 
     def broken(ctx, budget):
         raise RuntimeError("boom")
 
     def fine(ctx, budget):
-        result = dc.StageResult()
+        result = StageResult()
         result["summary"] = "fine"
         return result
 
-    monkeypatch.setitem(dc.STAGE_FUNCTIONS, "env", broken)
-    monkeypatch.setitem(dc.STAGE_FUNCTIONS, "quant", fine)
-    assert dc.main(["--device", "cpu", "--only", "env,quant", "--out", str(tmp_path)]) == 1
+    monkeypatch.setitem(cli.STAGE_FUNCTIONS, "env", broken)
+    monkeypatch.setitem(cli.STAGE_FUNCTIONS, "quant", fine)
+    assert cli.main(["--device", "cpu", "--only", "env,quant", "--out", str(tmp_path)]) == 1
     stages = json.loads((tmp_path / "report.json").read_text())["stages"]
     assert stages["env"]["status"] == "error" and "RuntimeError: boom" in stages["env"]["error"]
     assert stages["quant"]["status"] == "ok"
     # a later run of another stage keeps the earlier stages in the report
-    monkeypatch.setitem(dc.STAGE_FUNCTIONS, "env", fine)
-    assert dc.main(["--device", "cpu", "--only", "env", "--out", str(tmp_path)]) == 0
+    monkeypatch.setitem(cli.STAGE_FUNCTIONS, "env", fine)
+    assert cli.main(["--device", "cpu", "--only", "env", "--out", str(tmp_path)]) == 0
     stages = json.loads((tmp_path / "report.json").read_text())["stages"]
     assert stages["env"]["status"] == "ok" and stages["quant"]["status"] == "ok"
 
 
 def test_homogeneity_test_separates_equal_from_different_distributions():
     torch = pytest.importorskip("torch")
-    dc = load_script()
+    from benchmarks.device_check.sampling import chi2_sf, homogeneity
+
     g = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.randn(16, generator=g) * 2, -1)
     a, b = torch.multinomial(p, 4000, True, generator=g), torch.multinomial(p, 4000, True, generator=g)
-    assert dc.homogeneity(a, b, 16)[2] > 1e-3
+    assert homogeneity(a, b, 16)[2] > 1e-3
     q = p.roll(1)
     c = torch.multinomial(q, 4000, True, generator=g)
-    assert dc.homogeneity(a, c, 16)[2] < 1e-6
+    assert homogeneity(a, c, 16)[2] < 1e-6
     # the fallback approximation of the chi-square tail is close to scipy's
-    assert abs(dc.chi2_sf(30.0, 20) - 0.0699) < 0.005
+    assert abs(chi2_sf(30.0, 20) - 0.0699) < 0.005
 
 
 def test_verify_attention_bench_times_every_case_on_the_cpu(tmp_path):
@@ -118,8 +120,9 @@ def test_the_compiled_stage_measures_chains_trees_and_the_curve_on_the_cycle_tar
     """The compiled stage's rehearsal (here: a static cache, uncompiled): every mode's output follows the cycle
     target's continuation, the oracle drafter's drafts are all accepted at rate 0 (tau pinned), fewer at a withheld
     rate, and the drafter's level is timed eagerly and at fixed shapes."""
-    dc = load_script()
-    assert dc.main(["--device", "cpu", "--small", "--only", "compiled", "--compiled-cells", "32x1",
+    from benchmarks.device_check import cli, common
+
+    assert cli.main(["--device", "cpu", "--small", "--only", "compiled", "--compiled-cells", "32x1",
                     "--compiled-modes", "chain 5; tree; default", "--compiled-rates", "0.5",
                     "--budget-s", "compiled=120", "--out", str(tmp_path)]) == 0
     stage = json.loads((tmp_path / "report.json").read_text())["stages"]["compiled"]
@@ -127,7 +130,7 @@ def test_the_compiled_stage_measures_chains_trees_and_the_curve_on_the_cycle_tar
     assert set(rows) == {("plain", 0.0), ("chain 5", 0.0), ("tree", 0.0), ("default", 0.0), ("chain 5", 0.5),
                          ("default", 0.5)}
     assert all(r["follows_cycle"] for r in rows.values())
-    new = dc.SMALL.new_tokens
+    new = common.SMALL.new_tokens
     assert rows[("chain 5", 0.0)]["tau"] == pytest.approx((new - 1) / 4)  # the prefill's token, then 4 rounds
     assert rows[("chain 5", 0.5)]["tau"] < rows[("chain 5", 0.0)]["tau"]
     assert {(r["k"], r["levels"]) for r in stage["data"]["drafter level alone"]} == {
@@ -137,8 +140,9 @@ def test_the_compiled_stage_measures_chains_trees_and_the_curve_on_the_cycle_tar
 def test_the_cycle_target_continues_its_cycle_by_a_wide_margin():
     import torch
 
-    dc = load_script()
-    target, succ = dc.cycle_target(dc.SMALL.target, torch.bfloat16, torch.device("cpu"), seed=3)
+    from benchmarks.device_check import common
+
+    target, succ = common.cycle_target(common.SMALL.target, torch.bfloat16, torch.device("cpu"), seed=3)
     ids = torch.tensor([[5, 9, 200]])
     with torch.no_grad():
         logits = target(ids).logits[0, -1].float()
@@ -152,17 +156,17 @@ def test_the_oracle_drafter_follows_the_cycle_on_every_path(monkeypatch):
     import torch
 
     import eagle_hf
+    from benchmarks.device_check import common
 
-    dc = load_script()
-    s = dc.SMALL
-    within = dc.draft_ids(s.target["vocab_size"], s.draft_vocab, seed=22)
-    target, succ = dc.cycle_target(s.target, torch.float32, torch.device("cpu"), seed=21, within=within)
-    drafter = dc.build_drafter(target, s.draft_vocab, seed=22)
+    s = common.SMALL
+    within = common.draft_ids(s.target["vocab_size"], s.draft_vocab, seed=22)
+    target, succ = common.cycle_target(s.target, torch.float32, torch.device("cpu"), seed=21, within=within)
+    drafter = common.build_drafter(target, s.draft_vocab, seed=22)
     ids = torch.tensor([[5, 9, int(within[3])]])
     for levels in ("off", "on"):
         monkeypatch.setenv("EAGLE_HF_DRAFTER_GRAPHS", levels)
-        for mode in (dc.TREE, dict(draft_mode="chain", num_assistant_tokens=5)):
-            with dc.oracle_drafter(drafter, succ):
+        for mode in (common.TREE, dict(draft_mode="chain", num_assistant_tokens=5)):
+            with common.oracle_drafter(drafter, succ):
                 target.generate(ids, max_new_tokens=13, do_sample=False, assistant_model=drafter, **mode)
             st = eagle_hf.last_stats()
             assert st.accepted == st.drafted == 10, (levels, mode)

@@ -1,0 +1,267 @@
+"""The compiled stage: EAGLE against plain generate() on the static cache with transformers' automatic compile, on
+the `cycle_target` with `oracle_drafter`: chain 3/5/8, the tree and the default at full acceptance, then the
+acceptance curve; speedups over compiled plain in the same cell, graphs compiled after the warm-up, and the
+drafter's level alone, eager and at fixed shapes."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import torch
+
+from .common import (
+    TREE,
+    Budget,
+    Context,
+    StageResult,
+    build_drafter,
+    cycle_target,
+    draft_ids,
+    draft_levels,
+    draft_vocabulary,
+    generate,
+    last_stats,
+    loop_rounds,
+    oracle_drafter,
+    parse_cells,
+    prompts,
+    timed,
+)
+
+
+def stage_compiled(ctx: Context, budget: Budget) -> StageResult:
+    """EAGLE against what a speed-minded user runs: plain generate() with a static cache and transformers'
+    automatic compile. On a `cycle_target` (identical calls give identical output) with `oracle_drafter`: chain
+    3/5/8, the tree and the default at full acceptance, then the acceptance curve (drafts withheld at set rates)
+    for chain 5 and the default, per CONTEXTxBATCH cell (`--compiled-cells`), interleaved timed runs after a
+    warm-up, medians; speedups over compiled plain in the same cell, and the eager plain step beside it. Graphs
+    compiled after the warm-up are counted (0: nothing recompiles in the timed runs)."""
+    res = StageResult()
+    s = ctx.shapes
+    for kind in ("bf16", "f32"):
+        ctx.drop(kind)  # (room for the oracle target: the earlier stages' pairs are not needed again)
+    within = draft_ids(s.target["vocab_size"], s.draft_vocab, seed=22)  # (the cycle the drafter can propose)
+    target, succ = cycle_target(s.target, torch.bfloat16, ctx.device, seed=21, within=within)
+    drafter = build_drafter(target, s.draft_vocab, seed=22)
+    drafter.bind_target_embedding(target.get_input_embeddings())  # (generate() does it; the level benchmark first)
+    compiled = ctx.cuda or ctx.args.compile_cpu
+    if not compiled:
+        res.find("compiled rows ran the static cache uncompiled: transformers compiles automatically on CUDA only "
+                 "(--compile-cpu compiles through inductor here: minutes)")
+    else:
+        torch._dynamo.config.recompile_limit = 64  # one graph per verify width bucket and mode (docs/gpu.md)
+        torch._dynamo.config.accumulated_recompile_limit = 1024
+    static = dict(cache_implementation="static", disable_compile=not compiled)
+    if compiled and not ctx.cuda:
+        import transformers as tf
+
+        static["compile_config"] = tf.CompileConfig()
+        static["compile_config"]._compile_all_devices = True  # (transformers compiles on accelerators only unless told)
+    full = {f"chain {k}": dict(draft_mode="chain", num_assistant_tokens=k) for k in (3, 5, 8)}
+    full.update({"tree": TREE, "default": {}})
+    full.update({f"{m}, eager levels": dict(full[m], levels="eager") for m in ("chain 5", "default")})
+    if ctx.args.compiled_modes:
+        full = {m.strip(): full[m.strip()] for m in ctx.args.compiled_modes.split(";")}
+    rates = [float(r) for r in (ctx.args.compiled_rates or "0.15,0.25,0.35,0.5,1.0").split(",") if r]
+    curve = [(m, r) for r in rates for m in ("chain 5", "default") if m in full]
+    cells = parse_cells(ctx.args.compiled_cells or ("64x1,64x2" if ctx.small else "1024x1,1024x4"))
+    if budget.allows(10):  # (first: cheap, and the cells may use up the budget)
+        context = cells[0][0] if cells else 1024
+        res["data"]["drafter level alone"] = [
+            {"context": context, "k": k, "levels": "fixed shapes" if fixed else "eager",
+             "ms": drafter_level_ms(ctx, drafter, context, k, fixed=fixed)} for k in (1, 4) for fixed in (False, True)]
+        ctx.partial(res)
+    table = []
+    for ctx_len, rows in cells:
+        cases = [(m, 0.0) for m in full] + (curve if rows == 1 else [])  # (the curve: batch 1)
+        if not budget.allows(30):
+            res["status"] = "partial"
+            res.find(f"budget: skipped context {ctx_len} x batch {rows}")
+            continue
+        table += _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, full, static, budget)
+        res["data"]["speed"] = table
+        ctx.partial(res)
+    done = [r for r in table if r["mode"] != "plain" and r.get("runs")]
+    from eagle_hf.drafter.graphs import wanted
+
+    alone = {(x["k"], x["levels"]): x["ms"] for x in res["data"].get("drafter level alone", [])}
+    for r in done:  # (the level alone, as the mode runs it: k nodes a row, eager or at fixed shapes)
+        fixed = wanted(drafter, static.get("disable_compile") is False) and "eager levels" not in r["mode"]
+        r["drafter_ms_per_level"] = alone.get((1 if r["mode"].startswith("chain") else 4,
+                                               "fixed shapes" if fixed else "eager"))
+    bad = [r for r in done if r.get("follows_cycle") is False]
+    if bad:
+        res["status"] = "failed"
+        res.find(f"{len(bad)} runs left the target's cycle (a lossy round): " +
+                 ", ".join(f"{r['mode']} r={r['withheld_rate']}" for r in bad[:6]))
+    recompiled = [r for r in done if r.get("graphs_after_warmup")]
+    if recompiled:
+        res.find(f"{len(recompiled)} modes compiled graphs in their timed runs: " +
+                 ", ".join(f"{r['mode']} ({r['graphs_after_warmup']})" for r in recompiled[:6]))
+    res.find("speedup = compiled plain's median / the mode's median, same cell; eager_plain_ms_per_token: plain "
+             "generate() with the default cache, same prompt; drafter_ms_per_round: the drafter's clock (catch-up, "
+             "levels, choices), of which catch_up_ms_per_round its catch-up; verify_ms_per_round: the target's "
+             "forwards after the prefill (both from the loop's device clock); drafter_ms_per_level: the level alone, "
+             "k nodes as the mode drafts, eager or at fixed shapes as it runs; withheld_rate: the share of "
+             "continuation tokens the oracle withholds; warmup_recompiles: torch.compile's reasons to recompile in "
+             "the mode's warm-up call (its first guard failure each)")
+    top = {r["mode"]: r for r in done if r["withheld_rate"] == 0 and r["batch"] == 1}
+    res["summary"] = "; ".join(f"{m} {r['speedup']:.2f}x (tau {r['tau']:.2f})" for m, r in top.items())
+    return res
+
+
+def drafter_level_ms(ctx, drafter, context: int, k: int, calls: int = 50, fixed: bool = False) -> float:
+    """Milliseconds of one draft level alone: the drafter's forward over k frontier nodes after `context` real rows
+    and the top-k choice of their children, `calls` times back to back (the device synchronised around the loop:
+    launches and kernels, no host bookkeeping). `fixed`: at fixed shapes (`eagle_hf.drafter.graphs`: a CUDA
+    graph's replay on CUDA)."""
+    from eagle_hf.drafter.graphs import LevelGraphs
+    from eagle_hf.speculation.drafting import DraftState, top_k_choice
+
+    device, dtype = ctx.device, drafter.fc.weight.dtype
+    g = torch.Generator(device="cpu").manual_seed(k)
+    state = DraftState(graphs=LevelGraphs.for_drafter(drafter) if fixed else None)
+    aux = torch.randn(1, context, drafter.fc.in_features, generator=g).to(device, dtype)  # [1, n, A*H_t]
+    tokens = torch.randint(1, drafter.config.vocab_size, (1, context), generator=g).to(device)
+    with torch.no_grad():
+        _, hidden = state.extend(drafter, aux, tokens)  # hidden: [1, 1, H]
+        state.reserve(drafter, k, hidden)
+        feed, ids = hidden.expand(1, k, hidden.shape[-1]).contiguous(), tokens[:, :k]  # [1, k, H], [1, k]
+        positions = torch.full((1, k), context, device=device)
+        mask = None if k == 1 else state.level_mask(torch.eye(k, dtype=torch.bool, device=device)[None], k, 0)
+
+        def level():
+            out = state.level_forward(drafter, feed, ids, positions, state.length, mask)
+            return top_k_choice(drafter, out.logits, k)
+
+        for _ in range(3):
+            level()
+        _, seconds = timed(ctx, lambda: [level() for _ in range(calls)])
+    return 1e3 * seconds / calls
+
+
+def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes, static, budget) -> list[dict]:
+    from eagle_hf.drafter import graphs as drafter_graphs
+    from eagle_hf.hf.models import compiled_graphs
+
+    s = ctx.shapes
+    ids, mask = prompts(rows, ctx_len, target.config.vocab_size, seed=ctx_len + 3 * rows, device=ctx.device)
+    ids[:, -1] = draft_vocabulary(drafter)[1 : rows + 1].to(ids.device)  # (continuations the drafter can propose)
+    generate(target, ids, mask, s.new_tokens)  # warm-ups: eager, then compiled (compiles the one-token graph)
+    ref = generate(target, ids, mask, s.new_tokens, **static)
+    expected = ids.new_tensor(_cycle(succ, ids[:, -1].tolist(), s.new_tokens))  # [B, new]
+    follows = bool(torch.equal(ref[:, -s.new_tokens:], expected))
+    if not follows:
+        res.find(f"context {ctx_len} x batch {rows}: compiled plain output leaves the cycle (the oracle needs it)")
+    plain = {"eager": [], "compiled": []}
+    times, info, carried = {c: [] for c in cases}, {}, {}
+    for case in cases:  # warm-up: every graph a mode needs, compiled now
+        mode, rate = case
+        start = time.perf_counter()
+        with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), own_acceptance(drafter, carried, case), \
+                draft_levels(modes[mode]) as kwargs:
+            graphs = compiled_graphs()
+            with dynamo_recompiles() as reasons:
+                generate(target, ids, mask, s.new_tokens, drafter, **kwargs, **static)
+            info[case] = dict(warmup_graphs=compiled_graphs() - graphs, after=0,
+                              warmup_s=round(time.perf_counter() - start, 1), recompiles=reasons)
+        if not budget.allows(20):
+            break
+    for _ in range(s.repeats):
+        if not budget.allows(10):
+            res["status"] = "partial"
+            break
+        for which, kwargs in (("eager", {}), ("compiled", static)):
+            plain[which].append(timed(ctx, generate, target, ids, mask, s.new_tokens, **kwargs)[1])
+        for case in [c for c in cases if c in info]:
+            mode, rate = case
+            graphs, captures = compiled_graphs(), drafter_graphs.CAPTURES
+            with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), own_acceptance(drafter, carried, case), \
+                    draft_levels(modes[mode]) as kwargs:
+                out, t = timed(ctx, generate, target, ids, mask, s.new_tokens, drafter, **kwargs, **static)
+            times[case].append(t)
+            st = last_stats()
+            info[case].update(tau=st.mean_acceptance_length, rounds=loop_rounds(st) + 1, drafter=st.drafter_time,
+                              catch_up=st.catch_up_time, verify=st.verify_time,
+                              follows=bool(torch.equal(out, ref)), after=info[case]["after"] + compiled_graphs() - graphs,
+                              captures=info[case].get("captures", 0) + drafter_graphs.CAPTURES - captures)
+    med = {k: statistics.median(v) if v else float("nan") for k, v in plain.items()}
+    base = dict(context=ctx_len, batch=rows, compiled=bool(static.get("disable_compile") is False))
+    out = [dict(base, mode="plain", withheld_rate=0.0, runs=len(plain["compiled"]), median_s=med["compiled"],
+                speedup=1.0, tau=1.0, ms_per_round=1e3 * med["compiled"] / s.new_tokens,
+                eager_plain_ms_per_token=1e3 * med["eager"] / s.new_tokens,
+                compiled_over_eager=med["eager"] / med["compiled"], follows_cycle=follows)]
+    for case in cases:
+        mode, rate = case
+        i, t = info.get(case, {}), times[case]
+        if not t:
+            out.append(dict(base, mode=mode, withheld_rate=rate, runs=0))
+            continue
+        m = statistics.median(t)
+        out.append(dict(base, mode=mode, withheld_rate=rate, runs=len(t), median_s=m, speedup=med["compiled"] / m,
+                        tau=i["tau"], rounds=i["rounds"], ms_per_round=1e3 * m / i["rounds"],
+                        drafter_ms_per_round=1e3 * i["drafter"] / i["rounds"],
+                        catch_up_ms_per_round=1e3 * i["catch_up"] / i["rounds"],
+                        verify_ms_per_round=1e3 * i["verify"] / i["rounds"],
+                        plain_ms_per_step=1e3 * med["compiled"] / s.new_tokens, follows_cycle=i["follows"],
+                        warmup_graphs=i["warmup_graphs"], warmup_s=i["warmup_s"], graphs_after_warmup=i["after"],
+                        drafter_captures_after_warmup=i.get("captures", 0),
+                        warmup_recompiles=" | ".join(i["recompiles"][:3]) or None))
+    return out
+
+
+@contextlib.contextmanager
+def dynamo_recompiles():
+    """The reasons torch.compile recompiled a function while active (each recompilation's first guard failure;
+    a hit recompile limit as its warning), collected from torch's `recompiles` log."""
+    import logging
+
+    reasons: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            lines = record.getMessage().splitlines()
+            if "Recompiling" in lines[0]:
+                failed = next((ln.strip() for ln in lines if ln.strip().startswith("- ")), lines[0])
+                reasons.append(failed[:160])
+            elif "recompile_limit" in lines[0] or "cache_size_limit" in lines[0]:
+                reasons.append(lines[0][:160])
+
+    logger, handler = logging.getLogger("torch._dynamo"), Collect()
+    torch._logging.set_logs(recompiles=True)
+    logger.addHandler(handler)
+    try:
+        yield reasons
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
+
+
+@contextlib.contextmanager
+def own_acceptance(drafter, kept: dict, case):
+    """A call that starts from the acceptance its own case's last call ended with (eagle_hf carries a drafter's
+    acceptance from one call to the next, `eagle_hf.hf.costs.keep_acceptance`): cases of different acceptance on
+    one drafter object do not start from each other's, as a user whose drafter has that acceptance would not."""
+    from eagle_hf.hf import costs
+
+    costs._ACCEPTANCE.pop(drafter, None)
+    if case in kept:
+        costs._ACCEPTANCE[drafter] = dict(kept[case])
+    try:
+        yield
+    finally:
+        kept[case] = dict(costs._ACCEPTANCE.get(drafter, {}))
+
+
+def _cycle(succ: torch.Tensor, last: list[int], new: int) -> list[list[int]]:
+    """Each row's `new` tokens after its last prompt token under a `cycle_target`."""
+    table, out = succ.tolist(), []
+    for t in last:
+        row = []
+        for _ in range(new):
+            t = table[t]
+            row.append(t)
+        out.append(row)
+    return out
