@@ -111,10 +111,21 @@ def tiny_target(family: str = "llama", vocab: int = VOCAB, layers: int = 6, seed
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=16, **common))
     elif family == "mistral":
         model = tf.MistralForCausalLM(tf.MistralConfig(sliding_window=None, **common))
-    elif family == "gemma3":
+    elif family == "mistral_window":  # every layer a sliding window of 8
+        model = tf.MistralForCausalLM(tf.MistralConfig(sliding_window=8, **common))
+    elif family == "qwen2_window":  # full-attention layers, then sliding windows of 8
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(use_sliding_window=True, sliding_window=8,
+                                                   max_window_layers=layers // 2, **common))
+    elif family == "gemma3":  # sliding windows of 8, every sixth layer full
         model = tf.Gemma3ForCausalLM(
             tf.Gemma3TextConfig(head_dim=16, sliding_window=8, layer_types=None, **common)
         )
+    elif family == "llama4":  # chunked attention (chunks of 8) in three layers of four, one expert
+        model = tf.Llama4ForCausalLM(tf.Llama4TextConfig(
+            head_dim=16, attention_chunk_size=8, intermediate_size_mlp=128, num_local_experts=1,
+            interleave_moe_layer_step=1, **common))
+    elif family == "gemma2":  # sliding and full layers alternate; soft-capped attention logits
+        model = tf.Gemma2ForCausalLM(tf.Gemma2Config(head_dim=16, sliding_window=8, **common))
     else:
         raise ValueError(family)
     model.generation_config.pad_token_id = 0

@@ -220,11 +220,13 @@ def test_sampling_with_copy_branches_is_lossless():
 
 
 def test_copy_drafting_where_the_own_loop_cannot_run():
-    """A sliding-window target runs chains in transformers' loop: copy alone is refused before any compute (with
-    the alternatives named); both sources fall back to the drafter alone, exactly."""
+    """A target whose layers the tree mask cannot cover runs chains in transformers' loop: copy alone is refused
+    before any compute (with the alternatives named); both sources fall back to the drafter alone, exactly."""
+    from test_tree import unmaskable_target
+
     from eagle_hf.errors import EagleCompatibilityError
 
-    target = tiny_target("gemma3")
+    target = unmaskable_target()
     drafter = tiny_drafter(target)
     with pytest.raises(EagleCompatibilityError, match="prompt_lookup_num_tokens"):
         target.generate(REPEAT, max_new_tokens=8, do_sample=False, draft_sources="copy")

@@ -193,8 +193,10 @@ def test_streamer_in_tree_mode():
     assert streamer.seen[-(out.shape[1] - 6):] == out[0, 6:].tolist()
 
 
-def test_sliding_window_fallback_warns_once_per_model(caplog):
-    target = tiny_target("gemma3")
+def test_tree_fallback_warns_once_per_model(caplog):
+    from test_tree import unmaskable_target
+
+    target = unmaskable_target()
     drafter = tiny_drafter(target)
     ids = torch.randint(1, 96, (1, 6))
     with caplog.at_level("WARNING", logger="eagle_hf"):

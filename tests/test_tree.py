@@ -114,7 +114,8 @@ def oracle_tree(truth: list[int]):
     return patch_drafts(fake)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "qwen2", "mistral_window", "qwen2_window", "gemma3",
+                                    "gemma2"])
 def test_tree_mode_greedy_equals_plain_generate(family):
     target = tiny_target(family)
     for seed, draft_vocab in ((0, None), (1, 48)):
@@ -213,8 +214,48 @@ def test_a_growing_layer_writes_only_into_its_own_buffers_and_keeps_to_its_limit
     assert "_grown" not in cache.layers[0].__dict__
 
 
-def test_sliding_window_target_falls_back_to_chain(caplog):
-    target = tiny_target("gemma3")
+def unmaskable_target():
+    """A target with layers of a type the tree mask does not cover yet: Llama 4's chunked attention."""
+    return tiny_target("llama4", layers=4)
+
+
+@pytest.mark.parametrize("family", ["qwen2_window", "gemma3"])
+def test_sliding_window_layers_keep_the_tree_in_a_batch(family):
+    """Rows of different lengths (left padding, then holes where their accepted paths differ): each layer's
+    window counts a row's tokens, not its slots; plain steps with holes get the windowed masks too."""
+    target = tiny_target(family)
+    drafter = tiny_drafter(target)
+    torch.manual_seed(3)
+    ids = torch.randint(1, 96, (2, 14))
+    mask = torch.ones_like(ids)
+    ids[1, :5], mask[1, :5] = 0, 0
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False)
+    for mode in (dict(draft_mode="tree", tree_depth=4, tree_top_k=3, tree_total_tokens=10,
+                      num_assistant_tokens_schedule="constant"), {}):
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, assistant_model=drafter,
+                              **mode)
+        assert torch.equal(out, ref), mode
+        assert eagle_hf.last_stats().cycles > 0
+
+
+def test_window_masks_hide_keys_by_position():
+    from eagle_hf.hf.windows import key_positions, window_masks
+
+    valid = torch.tensor([[True, True, True, True], [False, True, False, True]])  # row 1: two holes
+    keys = torch.cat([key_positions(valid, 2, 4, "cpu"), torch.tensor([[4, 5], [2, 3]])], 1)  # [B, L + N]
+    assert keys[1, [1, 3, 4, 5]].tolist() == [0, 1, 2, 3]  # (its real slots hold tokens 0 and 1, then nodes 2, 3)
+    mask = torch.zeros(2, 1, 2, 6)
+    out = window_masks(mask, {"full_attention": None, "sliding_attention": 3}, keys, torch.tensor([[4, 5], [2, 3]]))
+    assert out["full_attention"] is mask
+    hidden = out["sliding_attention"][:, 0] < 0  # [B, N, L + N]
+    assert hidden[0].tolist() == [[1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]]  # position 5 reads 3, 4, 5
+    assert hidden[1, 1].tolist() == [1, 1, 1, 0, 0, 0]  # position 3 reads 1, 2, 3: token 0 (slot 1) is out, and
+    # the holes (slots 0 and 2: the tree mask hides them anyway)
+    assert window_masks(mask, {"": 3}, keys, torch.tensor([[4, 5], [2, 3]])).shape == mask.shape
+
+
+def test_unmaskable_layers_fall_back_to_chain(caplog):
+    target = unmaskable_target()
     drafter = tiny_drafter(target)
     ids = torch.randint(1, 96, (1, 6))
     with caplog.at_level("WARNING", logger="eagle_hf"):
@@ -353,3 +394,13 @@ def test_drafter_catches_up_after_plain_steps(sources):
         assert s.fallback_steps > 5
     else:  # copy branches filled some of the drafter's rest rounds
         assert s.drafted_by_source["copy"] > 0
+
+
+def test_sliding_window_layers_in_a_static_cache_are_refused_before_any_compute():
+    from eagle_hf.errors import EagleCompatibilityError
+
+    target = tiny_target("gemma3")
+    drafter = tiny_drafter(target)
+    with pytest.raises(EagleCompatibilityError, match="dynamic cache"):
+        target.generate(torch.randint(1, 96, (1, 12)), max_new_tokens=8, do_sample=False, assistant_model=drafter,
+                        cache_implementation="static")

@@ -7,7 +7,7 @@ import logging
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, StaticLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
 from ..speculation.ragged import Ragged
 from ..speculation.tree import DraftTree
@@ -23,11 +23,13 @@ def tree_unsupported_reason(target) -> str | None:
     reason = kernel_unsupported_reason(kernel_name(target))
     if reason:
         return reason
-    types = getattr(text, "layer_types", None)
-    if (types and any(t != "full_attention" for t in types)) or (
-        getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True)
-    ):
-        return "it has sliding-window (or other non-causal) attention layers, which cannot take a tree mask"
+    if kernel_name(target) != "eager":  # (eager attention reads the tree mask with the model's own arithmetic)
+        if getattr(text, "attn_logit_softcapping", None) is not None:
+            return ("its attention soft-caps its logits, which eagle_hf's tree attention does not; load it with "
+                    "attn_implementation='eager' to keep the tree")
+        if getattr(text, "model_type", "") == "gpt_oss":
+            return ("its attention has sinks, which eagle_hf's tree attention does not; load it with "
+                    "attn_implementation='eager' to keep the tree")
     if getattr(target, "_is_stateful", False):
         return "it is a stateful (recurrent) model whose state cannot be compacted to a tree path"
     return None
@@ -37,8 +39,11 @@ def cache_unsupported_reason(cache=None, implementation: str | None = None) -> s
     """Why the tree loop cannot hold draft trees in this cache (None when it can): transformers' dynamic and
     static caches only. `cache`: a cache object passed in; `implementation`: generate()'s `cache_implementation`."""
     if cache is not None:
+        if any(type(layer) is DynamicSlidingWindowLayer and layer.is_initialized for layer in cache.layers):
+            return ("the cache passed in holds sliding-window layers that keep only their window; a draft tree "
+                    "needs a fresh cache (eagle_hf keeps every token's keys during a call)")
         kinds = {type(layer) for layer in cache.layers}
-        if kinds and not (kinds <= {DynamicLayer, GrowingLayer} or kinds <= {StaticLayer}):
+        if kinds and not (kinds <= {DynamicLayer, DynamicSlidingWindowLayer, GrowingLayer} or kinds <= {StaticLayer}):
             names = ", ".join(sorted(k.__name__ for k in kinds))
             return f"its cache ({names} layers) cannot hold draft trees (dynamic and static caches can)"
     elif implementation not in (None, "dynamic", "static"):
@@ -109,6 +114,9 @@ def grow_in_place(cache, slot_limit: int | None = None) -> None:
     """The call's dynamic cache layers grow in place (`GrowingLayer`), layers the prefill adds too, until
     `stop_growing_in_place`."""
     for layer in cache.layers:
+        if type(layer) is DynamicSlidingWindowLayer:  # (it keeps every key too: the verify forward's mask
+            layer.slides = True  # applies its window, `eagle_hf.hf.windows`)
+            layer.__class__ = GrowingLayer
         if type(layer) is DynamicLayer:
             layer.__class__ = GrowingLayer
         if type(layer) is GrowingLayer:
@@ -128,9 +136,13 @@ def stop_growing_in_place(cache) -> None:
     """Back to transformers' own layers (the views stay: the next concatenation copies from them)."""
     for layer in cache.layers:
         if type(layer) is GrowingLayer:
-            layer.__class__ = DynamicLayer
+            layer.__class__ = DynamicSlidingWindowLayer if layer.__dict__.pop("slides", False) else DynamicLayer
             layer.__dict__.pop("_grown", None)
             layer.__dict__.pop("slot_limit", None)
+            if type(layer) is DynamicSlidingWindowLayer and layer.is_initialized:  # its window, as it keeps it
+                layer.cumulative_length = layer.keys.shape[-2]
+                keep = layer.sliding_window - 1
+                layer.keys, layer.values = layer.keys[:, :, -keep:], layer.values[:, :, -keep:]
     if getattr(getattr(cache, "layer_class_to_replicate", None), "grows_in_place", False):
         cache.layer_class_to_replicate = DynamicLayer
 

@@ -21,6 +21,7 @@ from .call import batch_rows, prompt_length
 from .costs import cost_model
 from .tree_loop import VERIFY_BUCKETS
 from .version import cache_in
+from .windows import windows_unsupported_reason
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ def route(target, drafter, settings: DraftSettings, kwargs: dict) -> Route:
     """Decide the call's loop and settle `settings` for it (in place: the call's settings are these)."""
     reason = unsupported_reason(target, kwargs)
     if reason:
-        _fall_back(target, settings, reason, batch_rows(kwargs))
+        _fall_back(target, settings, reason, batch_rows(kwargs),
+                   is_static(cache_in(kwargs), cache_implementation(target, kwargs)))
     elif settings.mode == "chain":
         why = _own_loop_for_chain(target, settings, kwargs)
         if why:
@@ -63,13 +65,19 @@ def unsupported_reason(target, kwargs: dict) -> str | None:
     special = [k for k in CHAIN_ONLY_INPUTS if kwargs.get(k) is not None]
     if special:
         return f"tree mode does not take {', '.join(special)} yet"
-    reason = tree_unsupported_reason(target) or cache_unsupported_reason(cache_in(kwargs),
-                                                                         cache_implementation(target, kwargs))
+    cache, implementation = cache_in(kwargs), cache_implementation(target, kwargs)
+    reason = (tree_unsupported_reason(target) or cache_unsupported_reason(cache, implementation)
+              or windows_unsupported_reason(target, is_static(cache, implementation)))
     return f"{type(target).__name__}: {reason}" if reason else None
 
 
-def _fall_back(target, settings: DraftSettings, reason: str, rows: int) -> None:
-    """Transformers' assisted loop: a chain of the drafter's drafts, one sequence. What it cannot do raises."""
+def _fall_back(target, settings: DraftSettings, reason: str, rows: int, static: bool = False) -> None:
+    """Transformers' assisted loop: a chain of the drafter's drafts, one sequence, in a cache it can crop. What it
+    cannot do raises."""
+    if static:
+        raise EagleCompatibilityError(
+            f"EAGLE drafting cannot run here with a static cache ({reason}): transformers' assisted loop, "
+            "the fallback, cannot crop one. Use the default dynamic cache (no cache_implementation).")
     if settings.mode == "tree":
         _log_fallback_once(target, reason, asked="mode" in settings.sources)
         settings.mode = "chain"

@@ -37,6 +37,7 @@ from .costs import controller_for, cost_model
 from .models import compiled_graphs, head_on_positions, warming_up
 from .stopping import eos_ids
 from .version import cache_in, cache_kwarg
+from .windows import key_positions, layer_windows, window_masks
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class TreeLoop:
         self.tree_kwargs = routed_kernel(target)  # a drafting round's verify forward: eagle_hf's tree attention
         self.device = input_device(target)  # where the inputs go (looked up once: it walks the modules)
         self.split_from = split_keys_from(self.tree_kwargs, self.cache, compiled, self.device)  # (None: never)
+        self.windows = layer_windows(target)  # per layer type its window (None: every layer reads everything)
         self.logits_processor, self.streamer = logits_processor, streamer
         # EOS and max_length are checked directly; the other criteria (stop strings, the user's) on every prefix
         self.criteria = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
@@ -230,7 +232,7 @@ class TreeLoop:
         past_len = self.cache.length
         width = self.verify_width(max(t.size for t in trees))  # N: the trees are padded to the largest (or more)
         host = pack(self.device, **self.verify_layout(active, trees, width))
-        mask = self.verify_mask(host.get("tree"), len(trees), width)
+        mask = self.verify_mask(host.get("tree"), len(trees), width, host["positions"])
         marks["verify"] = self.timer.mark()
         graphs = compiled_graphs() if self.compiled is not None else 0
         tree = {}
@@ -274,12 +276,21 @@ class TreeLoop:
             out["parents"] = [t.host.parents + [0] * p for t, p in zip(trees, pad)]
         return out
 
-    def verify_mask(self, tree: torch.Tensor | None, rows: int, width: int):
+    def verify_mask(self, tree: torch.Tensor | None, rows: int, width: int, positions: torch.Tensor):
         """The verify forward's attention mask: a 4D float mask over the cache and the trees (drafting rounds),
-        the 2D padding mask (plain steps with holes), or None (plain steps without)."""
-        if tree is not None:
-            return self.cache.tree_mask(tree.bool(), self.target.dtype)
-        return self.cache.padding_mask(rows)
+        the 2D padding mask (plain steps with holes), or None (plain steps without). A target with sliding-window
+        layers gets its 4D masks by layer type (`eagle_hf.hf.windows`), plain steps with holes too (their
+        windows count tokens, not slots). positions: [B, N] the nodes' (device)."""
+        if tree is None and self.windows is not None and self.cache.ragged.holes:
+            tree = torch.ones(rows, 1, 1, dtype=torch.bool, device=positions.device)  # [B, 1, 1] each its root
+        if tree is None:
+            return self.cache.padding_mask(rows)
+        mask = self.cache.tree_mask(tree.bool(), self.target.dtype)  # [B, 1, N, L + N]
+        if self.windows is None:
+            return mask
+        length = mask.shape[-1] - width
+        keys = torch.cat([key_positions(self.valid, rows, length, positions.device), positions], 1)  # [B, L + N]
+        return window_masks(mask, self.windows, keys, positions)
 
     def accept(self, active: list[Row], trees: list[DraftTree], logits: torch.Tensor, host: dict):
         """Each row's accepted path from the target's logits [B, N, V], read back once for all rows: (outcomes,

@@ -1,0 +1,70 @@
+"""Targets whose layers do not all read the whole context: sliding-window layers (Gemma 2 and 3, Mistral, Qwen2
+with `use_sliding_window`, gpt-oss) under a draft tree.
+
+A layer of window W lets a query at position p read the keys at positions above p - W (transformers'
+`sliding_window_overlay`). During a call eagle_hf keeps every layer's keys (the sliding layers' too: their cache
+layers grow like the others, `eagle_hf.hf.cache.GrowingLayer`), so a verify forward's mask says what each layer
+type reads: the tree mask for full-attention layers, the same with the keys out of each node's window hidden for
+sliding ones, by the tokens' positions (a batch's rows have holes among their slots). transformers' models with
+layer types take such masks as a dict keyed by layer type; a model without layer types (Mistral) applies its one
+window to every layer, and takes the one mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: the layer types a verify forward can mask (transformers' names)
+MASKABLE = ("full_attention", "sliding_attention")
+
+
+def layer_windows(target) -> dict[str, int | None] | None:
+    """Per layer type, the window its layers read (None: the whole context); None when every layer reads the
+    whole context. A config without layer types whose sliding window is on (Mistral) has one type, ``""``."""
+    text = target.config.get_text_config()
+    window = getattr(text, "sliding_window", None) if getattr(text, "use_sliding_window", True) else None
+    types = getattr(text, "layer_types", None)
+    if types:
+        if all(t == "full_attention" for t in types):
+            return None
+        return {t: window if t == "sliding_attention" else None for t in sorted(set(types))}
+    return {"": window} if window is not None else None
+
+
+def windows_unsupported_reason(target, static: bool) -> str | None:
+    """Why a verify forward cannot mask `target`'s layers (None when it can): layer types other than full and
+    sliding attention (chunked, ...), or a static cache, whose sliding layers roll their buffers."""
+    windows = layer_windows(target)
+    if windows is None:
+        return None
+    other = sorted(set(windows) - {"", *MASKABLE})
+    if other:
+        return f"its {', '.join(other)} layers cannot take a tree mask yet"
+    if static:
+        return ("its sliding-window layers roll their buffers in a static cache; the default dynamic cache "
+                "keeps the tree")
+    return None
+
+
+def key_positions(valid: torch.Tensor | None, rows: int, length: int, device) -> torch.Tensor:
+    """[B, L] the position of the token in each committed slot: its index among the row's real slots (`valid`
+    [B, L] bool; None: every slot is real). A hole gets its neighbour's (it is hidden anyway)."""
+    if valid is None:
+        return torch.arange(length, device=device).expand(rows, length)
+    return valid.long().cumsum(-1) - 1
+
+
+def window_masks(mask: torch.Tensor, windows: dict[str, int | None], keys: torch.Tensor,
+                 queries: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+    """What each layer type reads: `mask` [B, 1, N, L] additive (the tree mask over every slot), with the keys
+    more than the type's window behind a query hidden; keys [B, L] and queries [B, N] the positions. A dict by
+    layer type, or the one mask of a config without layer types. Not in place: `mask` may be a kept one."""
+    low = torch.finfo(mask.dtype).min
+    out = {}
+    for kind, window in windows.items():
+        if window is None:
+            out[kind] = mask
+            continue
+        far = keys[:, None, None, :] <= queries[:, None, :, None] - window  # [B, 1, N, L]
+        out[kind] = mask.masked_fill(far, low)
+    return out.get("", out)
