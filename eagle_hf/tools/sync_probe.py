@@ -190,12 +190,6 @@ class SyncProbe:
                         delattr(t, _TAG)
 
     # ------------------------------------------------------------------ results
-    def by_kind(self) -> dict[str, list[Round]]:
-        out: dict[str, list[Round]] = {}
-        for r in self.rounds:
-            out.setdefault(r.kind, []).append(r)
-        return out
-
     def summary(self) -> dict[str, dict[str, float]]:
         """Per round kind: rounds, and the most and the median reads, copies, syncs and mixed ops of one round.
         The last round also holds the loop's wrap-up; it is left out where other rounds of its kind exist."""
