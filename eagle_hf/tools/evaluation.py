@@ -47,8 +47,13 @@ def load_prompt_set(name_or_path: str, limit: int | None = None, turn: int = 0) 
 
 
 def chat_inputs(tokenizer, text: str | list[dict], device) -> dict:
-    """The chat template's inputs for one user message (a string) or a whole conversation (a list of messages)."""
+    """The chat template's inputs for one user message (a string) or a whole conversation (a list of messages).
+    A tokenizer without a chat template (a pretrained model's, such as Gemma 3 270M's) gets the messages' text,
+    a paragraph each."""
     messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
+    if getattr(tokenizer, "chat_template", None) is None:
+        enc = tokenizer("\n\n".join(m["content"] for m in messages) + "\n\n", return_tensors="pt")
+        return {k: v.to(device) for k, v in enc.items()}
     enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     return {k: v.to(device) for k, v in enc.items()}
 
