@@ -67,3 +67,16 @@ def test_every_result_file_is_cited():
         if not any(n in text for n in names):
             uncited.append(f)
     assert not uncited, uncited
+
+
+def test_relative_links_in_the_docs_resolve():
+    """Every relative Markdown link in README.md and docs/ names a file or folder of the checkout."""
+    broken = []
+    for doc in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "scripts").glob("*.md")]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            path = target.split("#", 1)[0]
+            if not path or re.match(r"[a-z]+:", path):  # (an anchor in the page, or a URL)
+                continue
+            if not (doc.parent / path).exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert not broken, broken
