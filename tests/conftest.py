@@ -127,6 +127,10 @@ def tiny_target(family: str = "llama", vocab: int = VOCAB, layers: int = 6, seed
         model = tf.Llama4ForCausalLM(tf.Llama4TextConfig(
             head_dim=16, attention_chunk_size=8, intermediate_size_mlp=128, num_local_experts=1,
             interleave_moe_layer_step=1, **common))
+    elif family == "gpt_oss":  # sliding and full layers alternate; attention sinks (eager attention reads them)
+        model = tf.GptOssForCausalLM(tf.GptOssConfig(
+            **{"head_dim": 16, "sliding_window": 8, "num_local_experts": 2, "num_experts_per_tok": 1,
+               "attn_implementation": "eager", **common}))
     elif family == "gemma2":  # sliding and full layers alternate; soft-capped attention logits
         model = tf.Gemma2ForCausalLM(tf.Gemma2Config(head_dim=16, sliding_window=8, **common))
     else:

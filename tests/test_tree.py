@@ -115,7 +115,7 @@ def oracle_tree(truth: list[int]):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "qwen2", "mistral_window", "qwen2_window", "gemma3",
-                                    "gemma2"])
+                                    "gemma2", "gpt_oss"])
 def test_tree_mode_greedy_equals_plain_generate(family):
     target = tiny_target(family)
     for seed, draft_vocab in ((0, None), (1, 48)):
