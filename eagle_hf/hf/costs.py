@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..devices import input_device
+from ..drafter.graphs import wanted as fixed_levels
 from ..speculation.cost_model import CostModel
 from ..speculation.schedule import DraftLengthController
 from ..speculation.settings import DraftSettings
@@ -63,8 +64,12 @@ def keep_costs(target) -> None:
 
 
 def _cost_key(target, drafter, compiled: bool = False) -> str:
+    """Apart: each drafter width and dtype, the compiled forward, and draft levels at fixed shapes (a CUDA
+    graph's level costs a third of an eager one: `eagle_hf.drafter.graphs`)."""
+    fixed = drafter is not None and fixed_levels(drafter, compiled)
     return json.dumps(["costs", drafter.config.hidden_size if drafter is not None else 0,
-                       str(drafter.fc.weight.dtype) if drafter is not None else ""] + (["compiled"] if compiled else []))
+                       str(drafter.fc.weight.dtype) if drafter is not None else ""] + (["compiled"] if compiled else [])
+                      + (["fixed levels"] if fixed else []))
 
 
 def _cost_file(target) -> Path | None:
