@@ -69,14 +69,22 @@ def test_every_result_file_is_cited():
     assert not uncited, uncited
 
 
+def _anchors(doc: Path) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings (lower case, punctuation dropped, spaces to hyphens)."""
+    headings = re.findall(r"^#+ (.+)$", doc.read_text(), flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
 def test_relative_links_in_the_docs_resolve():
-    """Every relative Markdown link in README.md and docs/ names a file or folder of the checkout."""
+    """Every relative Markdown link in README.md and docs/ names a file or folder of the checkout, and a heading of
+    it where it names one."""
     broken = []
     for doc in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "scripts").glob("*.md")]:
         for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
-            path = target.split("#", 1)[0]
-            if not path or re.match(r"[a-z]+:", path):  # (an anchor in the page, or a URL)
+            path, _, anchor = target.partition("#")
+            if re.match(r"[a-z]+:", path):  # (a URL)
                 continue
-            if not (doc.parent / path).exists():
+            where = doc.parent / path if path else doc
+            if not where.exists() or (anchor and where.suffix == ".md" and anchor not in _anchors(where)):
                 broken.append(f"{doc.relative_to(ROOT)}: {target}")
     assert not broken, broken
