@@ -278,16 +278,15 @@ def test_decision_trace_lines_up_two_processes(tmp_path, capsys):
 
 def test_chat_inputs_without_a_chat_template():
     """A pretrained model's tokenizer (no chat template, as Gemma 3 270M's) gets the messages' text."""
-    import torch
 
     from eagle_hf.tools.evaluation import chat_inputs
 
     class Plain:
         chat_template = None
 
-        def __call__(self, text, return_tensors):
+        def __call__(self, text):
             self.text = text
-            return {"input_ids": torch.tensor([[1, 2]])}
+            return {"input_ids": [1, 2]}
 
     tok = Plain()
     enc = chat_inputs(tok, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "cpu")

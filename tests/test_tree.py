@@ -115,7 +115,7 @@ def oracle_tree(truth: list[int]):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "qwen2", "mistral_window", "qwen2_window", "gemma3",
-                                    "gemma2", "gpt_oss"])
+                                    "gemma2", "gpt_oss", "llama4"])
 def test_tree_mode_greedy_equals_plain_generate(family):
     target = tiny_target(family)
     for seed, draft_vocab in ((0, None), (1, 48)):
@@ -215,8 +215,8 @@ def test_a_growing_layer_writes_only_into_its_own_buffers_and_keeps_to_its_limit
 
 
 def unmaskable_target():
-    """A target with layers of a type the tree mask does not cover yet: Llama 4's chunked attention."""
-    return tiny_target("llama4", layers=4)
+    """A target with layers of a type the tree mask does not cover: DeepSeek V3.2's indexed (sparse) attention."""
+    return tiny_target("deepseek_v32", layers=2)
 
 
 @pytest.mark.parametrize("family", ["qwen2_window", "gemma3"])
@@ -239,19 +239,38 @@ def test_sliding_window_layers_keep_the_tree_in_a_batch(family):
 
 
 def test_window_masks_hide_keys_by_position():
-    from eagle_hf.hf.windows import key_positions, window_masks
+    from eagle_hf.hf.windows import Window, key_positions, window_masks
 
     valid = torch.tensor([[True, True, True, True], [False, True, False, True]])  # row 1: two holes
     keys = torch.cat([key_positions(valid, 2, 4, "cpu"), torch.tensor([[4, 5], [2, 3]])], 1)  # [B, L + N]
     assert keys[1, [1, 3, 4, 5]].tolist() == [0, 1, 2, 3]  # (its real slots hold tokens 0 and 1, then nodes 2, 3)
     mask = torch.zeros(2, 1, 2, 6)
-    out = window_masks(mask, {"full_attention": None, "sliding_attention": 3}, keys, torch.tensor([[4, 5], [2, 3]]))
+    out = window_masks(mask, {"full_attention": None, "sliding_attention": Window(3)}, keys, torch.tensor([[4, 5], [2, 3]]))
     assert out["full_attention"] is mask
     hidden = out["sliding_attention"][:, 0] < 0  # [B, N, L + N]
     assert hidden[0].tolist() == [[1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]]  # position 5 reads 3, 4, 5
     assert hidden[1, 1].tolist() == [1, 1, 1, 0, 0, 0]  # position 3 reads 1, 2, 3: token 0 (slot 1) is out, and
     # the holes (slots 0 and 2: the tree mask hides them anyway)
-    assert window_masks(mask, {"": 3}, keys, torch.tensor([[4, 5], [2, 3]])).shape == mask.shape
+    assert window_masks(mask, {"": Window(3)}, keys, torch.tensor([[4, 5], [2, 3]])).shape == mask.shape
+    chunks = window_masks(mask, {"chunked_attention": Window(4, chunked=True)}, keys, torch.tensor([[4, 5], [2, 3]]))
+    assert (chunks["chunked_attention"][:, 0] < 0)[0].tolist() == [[1, 1, 1, 1, 0, 0]] * 2  # chunk 1: 4, 5
+    assert (chunks["chunked_attention"][:, 0] < 0)[1].tolist() == [[1, 0, 0, 0, 0, 0]] * 2  # chunk 0 (the hole
+    # before its first token counts as position -1)
+
+
+def test_layer_windows_by_layer_type():
+    from types import SimpleNamespace
+
+    from eagle_hf.hf.windows import Window, layer_windows, windows_unsupported_reason
+
+    assert layer_windows(tiny_target("llama4", layers=4)) == {"chunked_attention": Window(8, chunked=True),
+                                                             "full_attention": None}
+    assert layer_windows(tiny_target("mistral_window", layers=2)) == {"": Window(8)}
+    assert layer_windows(tiny_target("llama", layers=2)) is None
+    text = SimpleNamespace(layer_types=["full_attention", "linear_attention"], sliding_window=None)
+    odd = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: text))
+    assert "linear_attention layers cannot take a tree mask" in windows_unsupported_reason(odd, static=False)
+    assert "static cache" in windows_unsupported_reason(tiny_target("llama4", layers=4), static=True)
 
 
 def test_unmaskable_layers_fall_back_to_chain(caplog):

@@ -1,39 +1,54 @@
-"""Targets whose layers do not all read the whole context: sliding-window layers (Gemma 2 and 3, Mistral, Qwen2
-with `use_sliding_window`, gpt-oss) under a draft tree.
+"""Targets whose layers do not all read the whole context under a draft tree: sliding-window layers (Gemma 2
+and 3, Mistral, Qwen2 with `use_sliding_window`, gpt-oss) and chunked-attention layers (Llama 4).
 
-A layer of window W lets a query at position p read the keys at positions above p - W (transformers'
-`sliding_window_overlay`). During a call eagle_hf keeps every layer's keys (the sliding layers' too: their cache
-layers grow like the others, `eagle_hf.hf.cache.GrowingLayer`), so a verify forward's mask says what each layer
-type reads: the tree mask for full-attention layers, the same with the keys out of each node's window hidden for
-sliding ones, by the tokens' positions (a batch's rows have holes among their slots). transformers' models with
-layer types take such masks as a dict keyed by layer type; a model without layer types (Mistral) applies its one
-window to every layer, and takes the one mask.
+A layer of sliding window W lets a query at position p read the keys at positions above p - W (transformers'
+`sliding_window_overlay`); a chunked layer of chunk C the keys of p's own chunk, positions with the same p // C
+(`chunked_overlay`, counted from a row's first token). During a call eagle_hf keeps every layer's keys (these
+layers' too: their cache layers grow like the others, `eagle_hf.hf.cache.GrowingLayer`), so a verify forward's
+mask says what each layer type reads: the tree mask for full-attention layers, the same with the keys out of
+each node's window or chunk hidden for the others, by the tokens' positions (a batch's rows have holes among
+their slots). transformers' models with layer types take such masks as a dict keyed by layer type; a model
+without layer types (Mistral) applies its one window to every layer, and takes the one mask.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+
+class Window(NamedTuple):
+    """What a layer type reads besides the causal rule: the last `size` positions, or (`chunked`) the positions
+    of the query's chunk of `size`."""
+
+    size: int
+    chunked: bool = False
+
+
 #: the layer types a verify forward can mask (transformers' names)
-MASKABLE = ("full_attention", "sliding_attention")
+MASKABLE = ("full_attention", "sliding_attention", "chunked_attention")
 
 
-def layer_windows(target) -> dict[str, int | None] | None:
+def layer_windows(target) -> dict[str, Window | None] | None:
     """Per layer type, the window its layers read (None: the whole context); None when every layer reads the
     whole context. A config without layer types whose sliding window is on (Mistral) has one type, ``""``."""
     text = target.config.get_text_config()
     window = getattr(text, "sliding_window", None) if getattr(text, "use_sliding_window", True) else None
+    chunk = getattr(text, "attention_chunk_size", None)
     types = getattr(text, "layer_types", None)
     if types:
         if all(t == "full_attention" for t in types):
             return None
-        return {t: window if t == "sliding_attention" else None for t in sorted(set(types))}
-    return {"": window} if window is not None else None
+        reach = {"full_attention": None, "sliding_attention": window and Window(window),
+                 "chunked_attention": chunk and Window(chunk, chunked=True)}
+        return {t: reach.get(t) for t in sorted(set(types))}  # (other types: `windows_unsupported_reason`)
+    return {"": Window(window)} if window is not None else None
 
 
 def windows_unsupported_reason(target, static: bool) -> str | None:
-    """Why a verify forward cannot mask `target`'s layers (None when it can): layer types other than full and
-    sliding attention (chunked, ...), or a static cache, whose sliding layers roll their buffers."""
+    """Why a verify forward cannot mask `target`'s layers (None when it can): layer types it does not know, or a
+    static cache, whose sliding and chunked layers roll their buffers."""
     windows = layer_windows(target)
     if windows is None:
         return None
@@ -41,8 +56,8 @@ def windows_unsupported_reason(target, static: bool) -> str | None:
     if other:
         return f"its {', '.join(other)} layers cannot take a tree mask yet"
     if static:
-        return ("its sliding-window layers roll their buffers in a static cache; the default dynamic cache "
-                "keeps the tree")
+        return ("its sliding-window or chunked layers roll their buffers in a static cache; the default dynamic "
+                "cache keeps the tree")
     return None
 
 
@@ -54,17 +69,21 @@ def key_positions(valid: torch.Tensor | None, rows: int, length: int, device) ->
     return valid.long().cumsum(-1) - 1
 
 
-def window_masks(mask: torch.Tensor, windows: dict[str, int | None], keys: torch.Tensor,
+def window_masks(mask: torch.Tensor, windows: dict[str, Window | None], keys: torch.Tensor,
                  queries: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
     """What each layer type reads: `mask` [B, 1, N, L] additive (the tree mask over every slot), with the keys
-    more than the type's window behind a query hidden; keys [B, L] and queries [B, N] the positions. A dict by
-    layer type, or the one mask of a config without layer types. Not in place: `mask` may be a kept one."""
+    out of each query's window or chunk hidden; keys [B, L] and queries [B, N] the positions. A dict by layer
+    type, or the one mask of a config without layer types. Not in place: `mask` may be a kept one."""
     low = torch.finfo(mask.dtype).min
     out = {}
     for kind, window in windows.items():
         if window is None:
             out[kind] = mask
             continue
-        far = keys[:, None, None, :] <= queries[:, None, :, None] - window  # [B, 1, N, L]
+        key, query = keys[:, None, None, :], queries[:, None, :, None]  # [B, 1, 1, L], [B, 1, N, 1]
+        if window.chunked:
+            far = torch.div(key, window.size, rounding_mode="floor") != torch.div(query, window.size, rounding_mode="floor")
+        else:
+            far = key <= query - window.size  # [B, 1, N, L]
         out[kind] = mask.masked_fill(far, low)
     return out.get("", out)

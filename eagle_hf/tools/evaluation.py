@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from ..devices import input_device
 from ..speculation.stats import SpecDecodeStats, last_stats, merge_stats
+from ..training.prompts import render_messages
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +48,11 @@ def load_prompt_set(name_or_path: str, limit: int | None = None, turn: int = 0) 
 
 
 def chat_inputs(tokenizer, text: str | list[dict], device) -> dict:
-    """The chat template's inputs for one user message (a string) or a whole conversation (a list of messages).
-    A tokenizer without a chat template (a pretrained model's, such as Gemma 3 270M's) gets the messages' text,
-    a paragraph each."""
+    """The inputs for one user message (a string) or a whole conversation (a list of messages): the chat template
+    with its generation prompt, or a pretrained model's plain text (`render_messages`)."""
     messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
-    if getattr(tokenizer, "chat_template", None) is None:
-        enc = tokenizer("\n\n".join(m["content"] for m in messages) + "\n\n", return_tensors="pt")
-        return {k: v.to(device) for k, v in enc.items()}
-    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    return {k: v.to(device) for k, v in enc.items()}
+    ids = torch.tensor([render_messages(tokenizer, messages)], device=device)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
 def batch_chat_inputs(tokenizer, texts: list[str | list[dict]], device) -> dict:

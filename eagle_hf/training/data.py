@@ -226,7 +226,7 @@ def _capture_sample(target, tokenizer, request, aux_ids, prompt: str, response: 
     if tokenizer.eos_token_id is not None and finished is not False:
         r_ids = r_ids + [tokenizer.eos_token_id]
     ids = torch.tensor([(p_ids + r_ids)[:max_tokens]], device=target.device)
-    o = target(input_ids=ids, output_hidden_states=request)
+    o = target(input_ids=ids, output_hidden_states=request, logits_to_keep=1)  # (the states are what it keeps)
     t = ids.shape[1]
     aux = gather_aux(o.hidden_states, aux_ids)[0].to(torch.bfloat16).cpu()
     final = o.hidden_states[-1][0].to(torch.bfloat16).cpu()

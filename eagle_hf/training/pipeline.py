@@ -184,8 +184,6 @@ def run_training(target, tokenizer, out_dir: str | Path, run: RunConfig, prompts
             f"draft_vocab_size={run.draft_vocab_size} must be between 1 and the target vocabulary size "
             f"({text_cfg.vocab_size}); 8192-32000 is typical."
         )
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("The target tokenizer has no chat template; set `tokenizer.chat_template` first.")
     if init is not None:
         check_init_fits_target(init, target, run.init_from)
         aux_ids = resolve_aux_layer_ids(init.config.aux_layer_ids, n_layers)

@@ -1,7 +1,8 @@
 """Training prompts: ShareGPT, JSONL with `turns` / `conversations` / `messages`, or a `datasets` dataset.
 
 Only user turns are kept (the target regenerates the answers); the first user turn of each conversation
-becomes one prompt, rendered with the target tokenizer's chat template.
+becomes one prompt, rendered with the target tokenizer's chat template (a pretrained model's tokenizer, which has
+none, gets the plain text: see `render_messages`).
 """
 
 from __future__ import annotations
@@ -129,18 +130,24 @@ def load_prompts(source, limit: int | None = None, seed: int = 0, shuffle: bool 
     return prompts
 
 
-def render_chat(tokenizer, prompt: str, context: list[dict] | None = None) -> list[int]:
-    """Token ids of `prompt` as a user turn, with the generation prompt of the target's chat template; `context`:
-    earlier turns of the conversation (`{"role": "user" | "assistant", "content": str}`), rendered before it."""
+def render_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation ending with a user turn, ready for the answer: the chat template with its
+    generation prompt, or, for a tokenizer without one (a pretrained model's, such as Gemma 3 270M's), the turns'
+    text a paragraph each, followed by a blank line, with the tokenizer's special tokens (BOS)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            "The target tokenizer has no chat template; drafter training renders prompts as chat turns. "
-            "Set `tokenizer.chat_template` (or use the instruct variant of the model)."
-        )
-    ids = tokenizer.apply_chat_template(
-        [*(context or []), {"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
-        return_dict=False,
-    )
+        ids = tokenizer("\n\n".join(m["content"] for m in messages) + "\n\n")["input_ids"]
+    else:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if ids and isinstance(ids[0], list):  # a batch of one
+        ids = ids[0]
     return list(ids)
+
+
+def render_chat(tokenizer, prompt: str, context: list[dict] | None = None) -> list[int]:
+    """Token ids of `prompt` as a user turn ready for the answer (`render_messages`); `context`: earlier turns of
+    the conversation (`{"role": "user" | "assistant", "content": str}`), rendered before it."""
+    return render_messages(tokenizer, [*(context or []), {"role": "user", "content": prompt}])

@@ -10,12 +10,13 @@ import math
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from ..devices import native_bf16
 from ..drafter.modeling import EagleDrafter
 from .ttt import add_feature_noise, ttt_evaluate, ttt_loss
 from .vocab import DraftVocab
@@ -46,7 +47,7 @@ class TrainConfig:
     eval_tokens: int = 20000  # answer tokens of the held-out split that each evaluation reads
     eval_chain: int = 5  # drafts per chain for the held-out acceptance length (tau)
     seed: int = 0
-    bf16: bool = True
+    bf16: bool | None = None  # bf16 autocast; None: where the device computes bf16 natively (`native_bf16`)
     max_minutes: float | None = None  # stop (after a checkpoint) when the wall-clock budget is spent
     compile: bool = False  # torch.compile the decoder layer (dynamic shapes; needs a C++ compiler on CPU)
     feature_noise: float = 0.0  # uniform noise on the captured states, half-width x their RMS (0: off; training only)
@@ -251,6 +252,9 @@ def train(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(device)
+    if cfg.bf16 is None:
+        cfg = replace(cfg, bf16=native_bf16(device))
+        logger.info("bf16 autocast %s (%s)", "on" if cfg.bf16 else "off: float32", "native" if cfg.bf16 else "emulated here")
     torch.manual_seed(cfg.seed)
     train_idx, eval_idx, held = split_heldout(samples, cfg, greedy)
     eval_set = hashlib.sha1(json.dumps(sorted(prompt_key(samples[i]) for i in eval_idx)).encode()).hexdigest()[:12]
