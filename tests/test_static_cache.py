@@ -14,7 +14,7 @@ from transformers.cache_utils import DynamicLayer
 import eagle_hf
 from eagle_hf.hf import cache as tree_cache
 from eagle_hf.hf import tree_loop
-from eagle_hf.hf.cache import StaticTreeCache, cache_unsupported_reason, tree_attention_mask
+from eagle_hf.hf.cache import VERIFY_BUCKETS, StaticTreeCache, cache_unsupported_reason, tree_attention_mask
 from eagle_hf.hf.costs import cost_model
 from eagle_hf.hf.routing import STATIC_CACHE_ROOM
 from eagle_hf.hf.version import cache_kwarg, output_cache
@@ -141,7 +141,7 @@ def test_a_compiled_forward_verifies_trees_in_a_few_shapes():
         for _ in range(2):
             out = target.generate(REPEAT, assistant_model=drafter, tree_total_tokens=12, **call)
             assert torch.equal(out, ref)
-    assert set(widths) <= set(tree_loop.VERIFY_BUCKETS) and len(set(widths)) >= 2
+    assert set(widths) <= set(VERIFY_BUCKETS) and len(set(widths)) >= 2
     # the compiled forward's costs are kept apart, and a round that compiled a shape taught none (a compile takes
     # seconds; a forward of this model, milliseconds)
     compiled_costs = cost_model(target, drafter, compiled=True)

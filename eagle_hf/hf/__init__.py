@@ -17,23 +17,19 @@ KV cache); other versions raise a clear error on use.
 
 from __future__ import annotations
 
-import importlib
+from .call import check_compatible
+from .candidate import EagleCandidateGenerator
+from .hooks import generate, install, uninstall
+from .hub import write_custom_generate
+from .version import SUPPORTED_TRANSFORMERS, check_transformers_version
 
-_EXPORTS = {
-    "EagleCandidateGenerator": "candidate",
-    "SUPPORTED_TRANSFORMERS": "version",
-    "check_compatible": "call",
-    "check_transformers_version": "version",
-    "generate": "hooks",
-    "install": "hooks",
-    "uninstall": "hooks",
-    "write_custom_generate": "hub",
-}
-__all__ = sorted(_EXPORTS)  # noqa: PLE0605 - a list built from the exports' table
-
-
-def __getattr__(name: str):
-    """Exports load on first use, so that `eagle_hf.drafter.modeling` can use `eagle_hf.hf.models` without a cycle."""
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = [
+    "SUPPORTED_TRANSFORMERS",
+    "EagleCandidateGenerator",
+    "check_compatible",
+    "check_transformers_version",
+    "generate",
+    "install",
+    "uninstall",
+    "write_custom_generate",
+]

@@ -15,6 +15,10 @@ from .version import cache_kwarg
 
 logger = logging.getLogger(__name__)
 
+#: the verify forward's widths with a compiled forward (beyond the last: multiples of 64); a static cache keeps
+#: room for the widest after its last committed token
+VERIFY_BUCKETS = (1, 4, 8, 16, 32, 64)
+
 
 def tree_unsupported_reason(target) -> str | None:
     """Why tree verification cannot run on `target` (None when it can): it needs a plain causal mask to replace."""

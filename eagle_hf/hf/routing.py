@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from ..errors import EagleCompatibilityError
 from ..speculation.schedule import choose_tree_size
 from ..speculation.settings import DraftSettings
-from .cache import cache_unsupported_reason, is_static, tree_unsupported_reason
+from .cache import VERIFY_BUCKETS, cache_unsupported_reason, is_static, tree_unsupported_reason
 from .call import batch_rows, prompt_length
 from .costs import cost_model
-from .tree_loop import VERIFY_BUCKETS
 from .version import cache_in
 from .windows import windows_unsupported_reason
 

@@ -31,7 +31,7 @@ from ..speculation.transfer import pack, to_device
 from ..speculation.tree import DraftTree
 from ..speculation.verification import accept_drawn, draw, process_logits, sampling_draws, verify_greedy
 from .attention import TREE_PREFIX, routed_kernel, split_keys_from
-from .cache import stacked_ancestor_masks, tree_cache
+from .cache import VERIFY_BUCKETS, stacked_ancestor_masks, tree_cache
 from .call import active_call, finish_rows, speculators_for
 from .costs import controller_for, cost_model
 from .models import compiled_graphs, head_on_positions, warming_up
@@ -80,10 +80,6 @@ class Outcome:
     raw: torch.Tensor | None = None  # [n, V] the target's logits per node (only where outputs need them)
     scores: torch.Tensor | None = None  # [n, V] the same, processed
     cut: bool = False
-
-
-#: the verify forward's widths with a compiled forward (beyond the last: multiples of 64)
-VERIFY_BUCKETS = (1, 4, 8, 16, 32, 64)
 
 
 class TreeLoop:
