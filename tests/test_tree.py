@@ -269,8 +269,8 @@ def test_layer_windows_by_layer_type():
     assert layer_windows(tiny_target("llama", layers=2)) is None
     text = SimpleNamespace(layer_types=["full_attention", "linear_attention"], sliding_window=None)
     odd = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: text))
-    assert "linear_attention layers cannot take a tree mask" in windows_unsupported_reason(odd, static=False)
-    assert "static cache" in windows_unsupported_reason(tiny_target("llama4", layers=4), static=True)
+    assert "linear_attention layers cannot take a tree mask" in windows_unsupported_reason(odd)
+    assert windows_unsupported_reason(tiny_target("llama4", layers=4)) is None
 
 
 def test_unmaskable_layers_fall_back_to_chain(caplog):
@@ -418,11 +418,30 @@ def test_drafter_catches_up_after_plain_steps(sources):
         assert s.drafted_by_source["copy"] > 0
 
 
-def test_sliding_window_layers_in_a_static_cache_are_refused_before_any_compute():
-    from eagle_hf.errors import EagleCompatibilityError
+@pytest.mark.parametrize("family", ["gemma3", "mistral_window", "llama4"])
+def test_sliding_and_chunked_layers_keep_the_tree_in_a_static_cache(family):
+    """transformers' static cache rolls its sliding layers' buffers; during a call they hold every key (full
+    static layers), and the verify masks apply the windows: outputs equal plain decoding on the same cache kind,
+    a batch with holes too, and a static cache passed in without room for every prompt."""
+    from transformers import StaticCache
 
-    target = tiny_target("gemma3")
+    from eagle_hf.hf.version import cache_kwarg
+
+    target = tiny_target(family)
     drafter = tiny_drafter(target)
-    with pytest.raises(EagleCompatibilityError, match="dynamic cache"):
-        target.generate(torch.randint(1, 96, (1, 12)), max_new_tokens=8, do_sample=False, assistant_model=drafter,
-                        cache_implementation="static")
+    torch.manual_seed(5)
+    ids = torch.randint(1, 96, (2, 12))
+    mask = torch.ones_like(ids)
+    ids[1, :4], mask[1, :4] = 0, 0
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    assert torch.equal(target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                                       cache_implementation="static"), ref)
+    for mode in (dict(draft_mode="tree", tree_depth=4, tree_top_k=3, tree_total_tokens=10,
+                      num_assistant_tokens_schedule="constant"), {}):
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, assistant_model=drafter,
+                              cache_implementation="static", **mode)
+        assert torch.equal(out, ref), mode
+        assert eagle_hf.last_stats().cycles > 0
+    cache = StaticCache(config=target.config, max_cache_len=ref.shape[1] + 8)
+    out = target.generate(ids[:1], max_new_tokens=24, do_sample=False, assistant_model=drafter, **cache_kwarg(cache))
+    assert torch.equal(out, target.generate(ids[:1], max_new_tokens=24, do_sample=False))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 
 from ..speculation.ragged import Ragged
 from ..speculation.tree import DraftTree
@@ -42,11 +42,12 @@ def cache_unsupported_reason(cache=None, implementation: str | None = None) -> s
     """Why the tree loop cannot hold draft trees in this cache (None when it can): transformers' dynamic and
     static caches only. `cache`: a cache object passed in; `implementation`: generate()'s `cache_implementation`."""
     if cache is not None:
-        if any(type(layer) is DynamicSlidingWindowLayer and layer.is_initialized for layer in cache.layers):
+        if any(type(layer) in _WINDOWED and layer.is_initialized for layer in cache.layers):
             return ("the cache passed in holds sliding-window layers that keep only their window; a draft tree "
                     "needs a fresh cache (eagle_hf keeps every token's keys during a call)")
         kinds = {type(layer) for layer in cache.layers}
-        if kinds and not (kinds <= {DynamicLayer, DynamicSlidingWindowLayer, GrowingLayer} or kinds <= {StaticLayer}):
+        if kinds and not (kinds <= {DynamicLayer, DynamicSlidingWindowLayer, GrowingLayer}
+                          or kinds <= {StaticLayer, StaticSlidingWindowLayer}):
             names = ", ".join(sorted(k.__name__ for k in kinds))
             return f"its cache ({names} layers) cannot hold draft trees (dynamic and static caches can)"
     elif implementation not in (None, "dynamic", "static"):
@@ -58,16 +59,36 @@ def is_static(cache=None, implementation: str | None = None) -> bool:
     """Whether the call's cache is transformers' static cache (`cache` passed in, else generate()'s
     `cache_implementation`)."""
     if cache is not None:
-        return bool(cache.layers) and all(type(layer) is StaticLayer for layer in cache.layers)
+        return bool(cache.layers) and all(type(layer) in (StaticLayer, StaticSlidingWindowLayer) for layer in cache.layers)
     return implementation == "static"
 
 
-def tree_cache(cache, ragged: Ragged | None = None) -> TreeCache:
-    """The tree-cache protocol over `cache`: `StaticTreeCache` for transformers' static cache, else `TreeCache`."""
+#: transformers' cache layers that keep a window (sliding and chunked layers alike)
+_WINDOWED = (DynamicSlidingWindowLayer, StaticSlidingWindowLayer)
+
+
+def hold_whole_windows(cache, slots: int) -> None:
+    """A static cache's sliding and chunked layers (`StaticSlidingWindowLayer`: buffers of the window's size that
+    roll) become static layers of the cache's full length, before the prefill: a tree's nodes need the keys
+    behind the window of the committed tokens, and commits move nodes in place. The verify masks apply the
+    windows (`eagle_hf.hf.windows`); the returned cache keeps every key (plain decoding on it masks by the
+    config's window too). `slots`: the length when no layer gives it (every layer slides, as in Mistral)."""
+    full = [layer.max_cache_len for layer in cache.layers if type(layer) is StaticLayer]
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is StaticSlidingWindowLayer:
+            cache.layers[i] = StaticLayer(max_cache_len=max(full) if full else slots)
+
+
+def tree_cache(cache, ragged: Ragged | None = None, slots: int | None = None) -> TreeCache:
+    """The tree-cache protocol over `cache`: `StaticTreeCache` for transformers' static cache (`slots`: the length
+    its sliding layers get when no layer gives it, `hold_whole_windows`), else `TreeCache`."""
     reason = cache_unsupported_reason(cache)
     if reason:  # (generate() falls back to chain mode before this: a cache passed some other way)
         raise NotImplementedError(f"Tree mode: {reason}. Use draft_mode='chain' or cache_implementation='dynamic'.")
-    return (StaticTreeCache if is_static(cache) else TreeCache)(cache, ragged)
+    if is_static(cache):
+        hold_whole_windows(cache, slots or max(layer.max_cache_len for layer in cache.layers))
+        return StaticTreeCache(cache, ragged)
+    return TreeCache(cache, ragged)
 
 
 #: slots a grown buffer keeps free after the live ones: at least the widest verify forward, or an eighth of them

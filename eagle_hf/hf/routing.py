@@ -66,7 +66,7 @@ def unsupported_reason(target, kwargs: dict) -> str | None:
         return f"tree mode does not take {', '.join(special)} yet"
     cache, implementation = cache_in(kwargs), cache_implementation(target, kwargs)
     reason = (tree_unsupported_reason(target) or cache_unsupported_reason(cache, implementation)
-              or windows_unsupported_reason(target, is_static(cache, implementation)))
+              or windows_unsupported_reason(target))
     return f"{type(target).__name__}: {reason}" if reason else None
 
 

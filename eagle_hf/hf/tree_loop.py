@@ -91,7 +91,8 @@ class TreeLoop:
         # transformers' compiled forward (static cache, automatic compile): the verify forwards run it, on widths
         # padded to a few buckets (`verify_width`), so that it compiles once per bucket; the prefill does not
         self.compiled = compiled
-        self.cache = tree_cache(cache)  # the tree-cache protocol over the call's cache (dynamic or static)
+        # the tree-cache protocol over the call's cache (dynamic or static: room for the longest row and a verify)
+        self.cache = tree_cache(cache, slots=generation_config.max_length - 1 + VERIFY_BUCKETS[-1])
         self.tree_kwargs = routed_kernel(target)  # a drafting round's verify forward: eagle_hf's tree attention
         self.device = input_device(target)  # where the inputs go (looked up once: it walks the modules)
         self.split_from = split_keys_from(self.tree_kwargs, self.cache, compiled, self.device)  # (None: never)
@@ -281,11 +282,13 @@ class TreeLoop:
             tree = torch.ones(rows, 1, 1, dtype=torch.bool, device=positions.device)  # [B, 1, 1] each its root
         if tree is None:
             return self.cache.padding_mask(rows)
-        mask = self.cache.tree_mask(tree.bool(), self.target.dtype)  # [B, 1, N, L + N]
+        mask = self.cache.tree_mask(tree.bool(), self.target.dtype)  # [B, 1, N, C]: L committed, N nodes, rest hidden
         if self.windows is None:
             return mask
-        length = mask.shape[-1] - width
-        keys = torch.cat([key_positions(self.valid, rows, length, positions.device), positions], 1)  # [B, L + N]
+        length = self.cache.length
+        keys = positions.new_zeros(rows, mask.shape[-1])  # [B, C] each column's position (the hidden rest: 0)
+        keys[:, :length] = key_positions(self.valid, rows, length, positions.device)
+        keys[:, length : length + width] = positions
         return window_masks(mask, self.windows, keys, positions)
 
     def accept(self, active: list[Row], trees: list[DraftTree], logits: torch.Tensor, host: dict):

@@ -46,19 +46,11 @@ def layer_windows(target) -> dict[str, Window | None] | None:
     return {"": Window(window)} if window is not None else None
 
 
-def windows_unsupported_reason(target, static: bool) -> str | None:
-    """Why a verify forward cannot mask `target`'s layers (None when it can): layer types it does not know, or a
-    static cache, whose sliding and chunked layers roll their buffers."""
+def windows_unsupported_reason(target) -> str | None:
+    """Why a verify forward cannot mask `target`'s layers (None when it can): layer types it does not know."""
     windows = layer_windows(target)
-    if windows is None:
-        return None
-    other = sorted(set(windows) - {"", *MASKABLE})
-    if other:
-        return f"its {', '.join(other)} layers cannot take a tree mask yet"
-    if static:
-        return ("its sliding-window or chunked layers roll their buffers in a static cache; the default dynamic "
-                "cache keeps the tree")
-    return None
+    other = sorted(set(windows or ()) - {"", *MASKABLE})
+    return f"its {', '.join(other)} layers cannot take a tree mask yet" if other else None
 
 
 def key_positions(valid: torch.Tensor | None, rows: int, length: int, device) -> torch.Tensor:
