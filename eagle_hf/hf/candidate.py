@@ -7,7 +7,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..drafter.capture import gather_aux, hidden_state_request
 from ..speculation.drafting import Choice
-from ..speculation.rounds import RoundTiming
+from ..speculation.rounds import Round, RoundTiming
 from ..speculation.speculator import Speculator
 from ..speculation.transfer import to_device
 from ..speculation.verification import draw, process_logits
@@ -78,7 +78,7 @@ class EagleCandidateGenerator(CandidateGenerator):
         device = self.drafter.fc.weight.device
         with torch.no_grad():
             aux = gather_aux(model_outputs.hidden_states, self.aux_ids, device)  # [1, t, A*H_t]
-            n_new = aux.shape[1] if sp.round == "prefill" else n_last_matches + 1
+            n_new = aux.shape[1] if sp.round == Round.PREFILL else n_last_matches + 1
             sp.commit(aux[:, :n_new], input_ids[:, -n_new:].to(device), position=input_ids.shape[1] - 1 - n_new)
             depth = sp.choose_depth(room=self.max_length - input_ids.shape[1] - 1)
             if depth == 0:  # plain decoding this round; the drafter catches up when drafting resumes

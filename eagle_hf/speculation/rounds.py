@@ -10,12 +10,21 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from .tree import EAGLE, SOURCE_NAMES, DraftTree
 
-#: kinds of rounds after the prefill: a draft-and-verify cycle; a plain step chosen by the schedule (or a fully
-#: pruned tree); a plain step because no room was left for drafts
-KINDS = ("draft", "fallback", "final")
+
+class Round(StrEnum):
+    """A row's round: the prompt's prefill; a draft-and-verify cycle; a plain step chosen by the schedule (or a
+    fully pruned tree); a plain step because no room was left for drafts; a finished row kept in the batch (a
+    cheaper forward than dropping it), its root alone."""
+
+    PREFILL = "prefill"
+    DRAFT = "draft"
+    FALLBACK = "fallback"
+    FINAL = "final"
+    PASSENGER = "passenger"
 
 
 @dataclass
@@ -25,7 +34,7 @@ class RoundRecord:
     were cut at EOS or the length limit (nothing after the accepted drafts was rejected); `eagle_depth`: the
     drafter's levels this round (0: copies alone, or a plain step)."""
 
-    kind: str
+    kind: Round
     accepted: int
     last_token: int
     row: int | None = None
@@ -36,7 +45,7 @@ class RoundRecord:
 
     @property
     def drafting(self) -> bool:
-        return self.kind == "draft"
+        return self.kind == Round.DRAFT
 
     @functools.cached_property
     def depths(self) -> list[int]:

@@ -23,6 +23,7 @@ never tried drafts once first. A round's timings enter through one door (`observ
 from __future__ import annotations
 
 import logging
+from enum import StrEnum
 
 from .acceptance import AcceptanceEstimate
 from .cost_model import CostModel
@@ -34,9 +35,27 @@ logger = logging.getLogger(__name__)
 
 #: timed rounds of a kind (a depth, with or without copy branches) before a batch's measured rate of it counts
 MEASURED_ROUNDS = 2
-#: a batch's kinds of drafting round: its drafter alone, its drafter with copy branches beside it, copy branches
-#: alone (their timed rounds are `LossBudget` keys (depth, copies): (k, False), (k, True) and (0, True))
-ALONE, BESIDE, COPIES = "drafter alone", "drafter and copies", "copies alone"
+
+
+class Plan(StrEnum):
+    """A batch's kind of drafting round: its drafter alone, its drafter with copy branches beside it, copy
+    branches alone (their timed rounds are `LossBudget` keys (depth, copies): (k, False), (k, True), (0, True))."""
+
+    ALONE = "drafter alone"
+    BESIDE = "drafter and copies"
+    COPIES = "copies alone"
+
+
+ALONE, BESIDE, COPIES = Plan.ALONE, Plan.BESIDE, Plan.COPIES
+
+
+class CopyAction(StrEnum):
+    """What copy branches do in a round: draft, only probe (in the probe rounds), or rest."""
+
+    DRAFT = "draft"
+    PROBE = "probe"
+    REST = "rest"
+
 #: a batch leaves its preferred kind of round (the drafter with copy branches) for another only where that one's
 #: timed rounds beat it by this factor: copies' width is certain, their hits are not, and two rates over about ten
 #: rounds differ by a few per cent by chance
@@ -217,21 +236,21 @@ class DraftLengthController:
         plain = b.plain_seconds or c.plain * c.cost.base_seconds * c.rows
         return {d: sums.tokens / max(sums.seconds, 1e-9) * plain for d, sums in b.timed(MEASURED_ROUNDS).items()}
 
-    def copy_branches(self, depth: int | None = None) -> str:
-        """What copy branches do this round: "draft", "probe" (only a probe, in the probe rounds) or "rest". A
+    def copy_branches(self, depth: int | None = None) -> CopyAction:
+        """What copy branches do this round: a `CopyAction`. A
         single row's (`depth` None) draft: its own plan choice follows (`Speculator.choose_depth`). A batch's
         (`depth`: its drafter's this round) rest with every source (`rest`) and where its drafter drafts alone;
         they draft beside its drafter and where they draft alone (`plan`); in a round where its drafter rests
         while nothing pays, they draft while their timed rounds alone beat plain ones (before any was timed too),
         else only probe."""
         if depth is None:
-            return "draft"
+            return CopyAction.DRAFT
         if self.rest or (depth > 0 and not self.copies):
-            return "rest"
+            return CopyAction.REST
         if not self.batch or depth > 0 or self.plan == COPIES:
-            return "draft"
+            return CopyAction.DRAFT
         measured = self._copies_gain
-        return "draft" if measured is None or measured >= self.keep_gain else "probe"
+        return CopyAction.DRAFT if measured is None or measured >= self.keep_gain else CopyAction.PROBE
 
     def choose(self) -> int:
         """This round's drafter depth (0: a plain round, or copy branches alone; `rest`: every source rests), and

@@ -23,8 +23,8 @@ import torch
 
 from .copying import CopySource
 from .drafting import Chooser, DraftState, draft_trees
-from .rounds import RoundRecord
-from .schedule import DraftLengthController
+from .rounds import Round, RoundRecord
+from .schedule import CopyAction, DraftLengthController
 from .settings import MAX_DEPTH, DraftSettings
 from .stats import SpecDecodeStats
 from .timing import Timer
@@ -43,11 +43,9 @@ DEFAULT_MARGINAL_COST = 0.05
 
 
 class Speculator:
-    """The drafter's side of one `generate()` call. Rounds are ``"prefill"``, ``"draft"`` (a draft-and-verify
-    cycle), ``"fallback"`` (a plain step chosen by the schedule, or a fully pruned tree), ``"final"`` (a plain
-    step because no room is left for a draft) or ``"passenger"`` (a finished batch row kept in the batch because
-    the forward is cheaper with it: its root alone, never drafting again). Only this class writes its round and
-    its slot; the loops say what happened (`prefill`, `ride_along`, `move_to`)."""
+    """The drafter's side of one `generate()` call. Its round is a `Round` (prefill, a draft-and-verify cycle, a
+    plain step the schedule chose or one without room for drafts, a finished batch row kept as a passenger: its
+    root alone, never drafting again). Only this class writes its round and its slot; the loops say what happened (`prefill`, `ride_along`, `move_to`)."""
 
     def __init__(
         self,
@@ -74,7 +72,7 @@ class Speculator:
                                functools.partial(marginal_cost, controller), settings.probe_every,
                                stop_tokens=stop_tokens) if settings.uses_copy else None
         self.depth = settings.depth  # the fixed (or heuristic) schedule's depth
-        self.round = "prefill"
+        self.round = Round.PREFILL
         self.eagle_depth = 0  # the drafter's depth this round (0: only copy branches, or a plain step)
         self.drafter_levels = 0  # drafter forwards this round's levels took (fewer than the depth where pruned)
         self.tree: DraftTree | None = None
@@ -110,12 +108,12 @@ class Speculator:
             wanted = self.controller.choose()
         depth = max(min(wanted, room), 0)
         branches = []
-        copies = "draft" if self.controller is None else self.controller.copy_branches(
+        copies = CopyAction.DRAFT if self.controller is None else self.controller.copy_branches(
             None if planned is None else depth)  # (a batch's plan: `DraftLengthController.copy_branches`)
         if self.copy is not None:
             self.copy.branches = []  # (none left from an earlier round)
-        if self.copy is not None and copies != "rest":
-            paying = copies == "draft"
+        if self.copy is not None and copies != CopyAction.REST:
+            paying = copies == CopyAction.DRAFT
             # a batch where drafting does not pay probes its rows' copies together, in the controller's probe
             # rounds: one row's probe widens every row's round
             probe = None if paying or planned is None else planned > 0
@@ -137,7 +135,7 @@ class Speculator:
                     depth = depth if drafter else 0
                     if not copies:
                         self.copy.branches = branches = []  # (nothing to learn from this round: they rest)
-        self.round = "draft" if depth > 0 or branches else ("fallback" if wanted <= 0 else "final")
+        self.round = Round.DRAFT if depth > 0 or branches else (Round.FALLBACK if wanted <= 0 else Round.FINAL)
         return depth
 
     def draft(self, root_token: int, depth: int, total_tokens: int, choose: Chooser | None = None,
@@ -149,7 +147,7 @@ class Speculator:
     @property
     def copying(self) -> bool:
         """Whether this round verifies copy branches."""
-        return self.round == "draft" and self.copy is not None and bool(self.copy.branches)
+        return self.round == Round.DRAFT and self.copy is not None and bool(self.copy.branches)
 
     @property
     def backlog(self) -> bool:
@@ -169,11 +167,11 @@ class Speculator:
 
     def prefill(self) -> None:
         """The target reads the prompt this round: nothing to draft."""
-        self.round = "prefill"
+        self.round = Round.PREFILL
 
     def ride_along(self) -> None:
         """This row has finished but stays in the batch (a cheaper forward): its root alone from now on."""
-        self.round = "passenger"
+        self.round = Round.PASSENGER
 
     def move_to(self, slot: int) -> None:
         """Rows left the batch: this row is now `slot` in the shared drafter cache."""
@@ -195,9 +193,9 @@ class Speculator:
 
         path: the accepted node path (default: the first `accepted` drafts of a chain); cut: the round's tokens
         were cut at EOS or the length limit, so nothing after the accepted drafts was rejected."""
-        if self.round == "prefill":
+        if self.round == Round.PREFILL:
             return None
-        drafting = self.round == "draft"
+        drafting = self.round == Round.DRAFT
         record = RoundRecord(self.round, accepted, last_token, self.row, self.tree if drafting else None,
                              (path if path is not None else list(range(accepted + 1))) if drafting else [0], cut,
                              self.eagle_depth if drafting else 0)
@@ -262,11 +260,11 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
     """Step "draft" of one round for the rows of a batch that share a drafter cache, in its row order (a single
     row: `Speculator.draft`). Every row with committed rows catches them up in one drafter forward; the rows with
     a depth grow their trees together, one drafter forward per level; then each row grafts its copy branches.
-    A row not in a drafting round (`round` is not ``"draft"``) keeps the root alone. `marks`: the round's named
+    A row not in a drafting round (`round` is not `Round.DRAFT`) keeps the root alone. `marks`: the round's named
     marks on the timer (`eagle_hf.speculation.rounds.RoundTiming`), where the drafter's start, catch-up and levels end."""
     first = speculators[0]
     state, timer, s = first.state, first.timer, first.settings
-    drafting = [i for i, sp in enumerate(speculators) if sp.round == "draft" and depths[i] > 0]
+    drafting = [i for i, sp in enumerate(speculators) if sp.round == Round.DRAFT and depths[i] > 0]
     trees = [DraftTree.root(r) for r in roots]
     if drafting:
         if marks is not None:
@@ -287,11 +285,11 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
             speculators[i].drafter_levels = state.steps - steps
     for i, sp in enumerate(speculators):
         sp.eagle_depth = depths[i] if i in drafting else 0
-        if sp.round != "draft":
+        if sp.round != Round.DRAFT:
             continue
         sp.tree = trees[i] = sp.graft_copy(trees[i])
         if sp.tree.num_drafts == 0:  # every branch was below the confidence threshold: a plain step
-            sp.round = "fallback"
+            sp.round = Round.FALLBACK
     return trees
 
 

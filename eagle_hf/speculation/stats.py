@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from dataclasses import asdict, dataclass, field, fields
 
+from .rounds import Round
+
 
 @dataclass
 class SpecDecodeStats:
@@ -40,10 +42,10 @@ class SpecDecodeStats:
 
     def read(self, record) -> None:
         """One row's round (a `eagle_hf.speculation.rounds.RoundRecord`)."""
-        if record.kind == "draft":
+        if record.kind == Round.DRAFT:
             self.record_cycle(record.depth, record.accepted)
             self.record_sources(record.per_source)
-        elif record.kind == "fallback":
+        elif record.kind == Round.FALLBACK:
             self.fallback_steps += 1
         else:
             self.final_steps += 1
