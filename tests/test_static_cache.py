@@ -122,8 +122,8 @@ def test_a_cache_that_cannot_hold_trees_falls_back_to_chain_mode(caplog):
 
 def test_a_compiled_forward_verifies_trees_in_a_few_shapes():
     """transformers' automatic compile (a static cache; here forced on the CPU): the verify forwards run the
-    compiled forward on widths padded to a few buckets, so it compiles once per bucket, not once per tree size;
-    output equal to plain compiled decoding."""
+    compiled forward on widths padded to a few buckets, so it compiles once per bucket, not once per tree size,
+    each graph specialised to its width; output equal to plain compiled decoding."""
     import torch._dynamo
 
     target = tiny_target("llama", layers=2)
@@ -147,4 +147,6 @@ def test_a_compiled_forward_verifies_trees_in_a_few_shapes():
     compiled_costs = cost_model(target, drafter, compiled=True)
     assert compiled_costs.observed and not cost_model(target, drafter).observed
     assert max(compiled_costs.as_dict()["seconds"].values()) < 0.5
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= len(set(widths))
+    # one graph per width, specialised as a plain step's is (automatic dynamic shapes would have run every width
+    # after the second through one dynamic-shape graph: 2 graphs here with EAGLE_HF_VERIFY_WIDTHS=dynamic)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == len(set(widths))

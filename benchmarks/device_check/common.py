@@ -459,14 +459,16 @@ def oracle_drafter(drafter, succ: torch.Tensor, corrupt: float = 0.0, seed: int 
 
 @contextlib.contextmanager
 def draft_levels(kwargs: dict):
-    """generate() keyword arguments, with ``levels="eager"`` (draft levels eager, not at fixed shapes) and
-    ``split_keys="off"`` (tree attention in one masked call) turned into eagle_hf's settings for the call."""
+    """generate() keyword arguments, with ``levels="eager"`` (draft levels eager, not at fixed shapes),
+    ``split_keys="off"`` (tree attention in one masked call) and ``widths="dynamic"`` (the compiled verify
+    forward's width left to automatic dynamic shapes) turned into eagle_hf's settings for the call."""
     from eagle_hf.drafter.graphs import GRAPHS_ENV
     from eagle_hf.hf.attention import SPLIT_KEY_ENV
+    from eagle_hf.hf.models import VERIFY_WIDTHS_ENV
 
     kwargs = dict(kwargs)
     settings = {GRAPHS_ENV: "off" if kwargs.pop("levels", None) == "eager" else None,
-                SPLIT_KEY_ENV: kwargs.pop("split_keys", None)}
+                SPLIT_KEY_ENV: kwargs.pop("split_keys", None), VERIFY_WIDTHS_ENV: kwargs.pop("widths", None)}
     before = {name: os.environ.get(name) for name in settings}
     for name, value in settings.items():
         if value is not None:

@@ -62,8 +62,11 @@ def stage_compiled(ctx: Context, budget: Budget) -> StageResult:
     full = {f"chain {k}": dict(draft_mode="chain", num_assistant_tokens=k) for k in (3, 5, 8)}
     full.update({"tree": TREE, "default": {}})
     full.update({f"{m}, eager levels": dict(full[m], levels="eager") for m in ("chain 5", "default")})
+    full.update({f"{m}, dynamic widths": dict(full[m], widths="dynamic") for m in ("chain 5", "chain 8", "default")})
     if ctx.args.compiled_modes:
         full = {m.strip(): full[m.strip()] for m in ctx.args.compiled_modes.split(";")}
+    else:  # (the comparisons of the compiled path's widths: asked for by name)
+        full = {m: kwargs for m, kwargs in full.items() if "widths" not in kwargs}
     rates = [float(r) for r in (ctx.args.compiled_rates or "0.15,0.25,0.35,0.5,1.0").split(",") if r]
     curve = [(m, r) for r in rates for m in ("chain 5", "default") if m in full]
     cells = parse_cells(ctx.args.compiled_cells or ("64x1,64x2" if ctx.small else "1024x1,1024x4"))

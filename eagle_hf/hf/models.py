@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import weakref
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 #: calls of transformers' compiled forward on a new input shape that run slower than the rest: the one that
 #: compiles, then (mode "reduce-overhead") the CUDA graph's warm-up run and its recording
@@ -33,6 +37,39 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
+
+
+#: environment variable: "dynamic" leaves the compiled verify forward's width to torch.compile's automatic dynamic
+#: shapes (one dynamic-shape graph for every width after the second); unset or "static": a graph per width
+VERIFY_WIDTHS_ENV = "EAGLE_HF_VERIFY_WIDTHS"
+#: torch.compile's recompile limit while the compiled forward runs a graph per verify width (bucket, with and
+#: without a tree mask, as the batch size changes): its default 8 would send later shapes to eager
+RECOMPILE_ROOM = 32
+
+
+def specialise_width(ids: torch.Tensor, kwargs: dict) -> None:
+    """The compiled forward keeps one graph per verify width: the inputs' width dimension is marked static, so
+    that torch.compile's automatic dynamic shapes (a dimension seen with a second value becomes dynamic) does not
+    turn it into one dynamic-shape graph, whose generic kernels would then run every width, plain rounds' too (a
+    plain generate() step runs a graph specialised to width 1). The widths are a few buckets
+    (`eagle_hf.hf.cache.VERIFY_BUCKETS`); the batch dimension and the cache's length may still become dynamic.
+    `VERIFY_WIDTHS_ENV` turns it off (to compare)."""
+    import torch._dynamo
+
+    if os.environ.get(VERIFY_WIDTHS_ENV, "static").lower() == "dynamic":
+        return
+    config = torch._dynamo.config
+    if config.recompile_limit < RECOMPILE_ROOM:
+        logger.info("torch._dynamo.config.recompile_limit raised from %d to %d: a compiled graph per verify width",
+                    config.recompile_limit, RECOMPILE_ROOM)
+        config.recompile_limit = RECOMPILE_ROOM
+    torch._dynamo.mark_static(ids, 1)  # [B, N]
+    if kwargs.get("position_ids") is not None:
+        torch._dynamo.mark_static(kwargs["position_ids"], 1)  # [B, N]
+    mask = kwargs.get("attention_mask")
+    for tensor in mask.values() if isinstance(mask, dict) else [mask]:
+        if tensor is not None and tensor.dim() == 4:  # [B, 1, N, C] (a 2D padding mask [B, L + 1] grows)
+            torch._dynamo.mark_static(tensor, 2)
 
 
 def warming_up(model, shape: tuple) -> bool:

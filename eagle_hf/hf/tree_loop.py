@@ -34,7 +34,7 @@ from .attention import TREE_PREFIX, routed_kernel, split_keys_from
 from .cache import VERIFY_BUCKETS, stacked_ancestor_masks, tree_cache
 from .call import active_call, finish_rows, speculators_for
 from .costs import controller_for, cost_model
-from .models import compiled_graphs, head_on_positions, warming_up
+from .models import compiled_graphs, head_on_positions, specialise_width, warming_up
 from .stopping import eos_ids
 from .version import cache_in, cache_kwarg
 from .windows import key_positions, layer_windows, window_masks
@@ -411,6 +411,8 @@ class TreeLoop:
     def forward(self, ids: torch.Tensor, all_rows: bool = False, prefill: bool = False, **kwargs):
         hidden = {} if self.request is None else {"output_hidden_states": self.request}
         model = self.target if prefill or self.compiled is None else self.compiled
+        if model is self.compiled:
+            specialise_width(ids, kwargs)
         return model(input_ids=ids, **self.cache.forward_kwargs(), use_cache=True,
                      logits_to_keep=0 if all_rows else 1, **hidden, **kwargs)
 
