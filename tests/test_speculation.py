@@ -354,3 +354,18 @@ def test_no_import_cycles_and_transformers_internals_stay_in_eagle_hf_hf():
             assert not wrong, f"{name} imports {wrong}: eagle_hf.speculation must not import the loops or the tools"
             text = path.read_text()
             assert not re.search(r"^\s*(from|import) transformers", text, re.MULTILINE), f"{name} imports transformers"
+
+
+def test_a_rounds_timings_enter_through_one_door():
+    """Both loops report a round's timings through `report_round` (the schedule, or the loop's cost model, and
+    the rows' stats) with facts from `round_facts`; nothing else feeds them."""
+    pkg = ROOT / "eagle_hf"
+    found = {}
+    for path in pkg.rglob("*.py"):
+        text = path.read_text()
+        for pattern in ("record_timing(timing", ".observe(timing", "round_facts(", "report_round("):
+            if pattern in text:
+                found.setdefault(pattern, set()).add(path.relative_to(pkg).as_posix())
+    assert found["record_timing(timing"] == found[".observe(timing"] == {"speculation/rounds.py"}
+    assert found["report_round("] == found["round_facts("] == {"speculation/rounds.py", "hf/tree_loop.py",
+                                                               "hf/candidate.py"}

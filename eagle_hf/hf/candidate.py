@@ -7,7 +7,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..drafter.capture import gather_aux, hidden_state_request
 from ..speculation.drafting import Choice
-from ..speculation.rounds import Round, RoundTiming
+from ..speculation.rounds import Round, RoundTiming, report_round, round_facts
 from ..speculation.speculator import Speculator
 from ..speculation.transfer import to_device
 from ..speculation.verification import draw, process_logits
@@ -35,7 +35,8 @@ class EagleCandidateGenerator(CandidateGenerator):
         self.speculator = speculator
         self.drafter = speculator.drafter
         self._marks: dict | None = None  # the current round's named marks (`RoundTiming`), ended by the next round
-        self._facts: dict = {}  # ... and what the round did
+        self._facts: dict = {}  # ... and what the round did (`round_facts`)
+        self._drafting: list = []  # ... and whether its drafter drafted
 
     @property
     def state(self):
@@ -95,13 +96,13 @@ class EagleCandidateGenerator(CandidateGenerator):
         """Mark where transformers' verify forward over `width` tokens starts."""
         sp = self.speculator
         self._marks["verify"] = sp.timer.mark()
-        self._facts = dict(width=width, levels=sp.drafter_levels, depth=sp.eagle_depth, copies=sp.copying,
-                           drafting_rows=int(sp.eagle_depth > 0), backlog=sp.backlog)
+        self._facts = round_facts([sp], width)
+        self._drafting = [sp] if sp.eagle_depth > 0 else []
         return input_ids
 
     def _end_timing(self) -> None:
-        """The last round's timings, from its marks to now (the next round's start), to the cost model and the
-        schedule (as the tree loop's `observe`)."""
+        """The last round's timings, from its marks to now (the next round's start), through the round's one
+        door (`report_round`), as the tree loop's."""
         marks, sp = self._marks, self.speculator
         self._marks = None
         if marks is None or "verified" not in marks:
@@ -109,13 +110,8 @@ class EagleCandidateGenerator(CandidateGenerator):
         marks["end"] = sp.timer.mark()
         facts = self._facts
 
-        def observe(at):
-            timing = RoundTiming.from_marks(at, **facts)
-            if sp.controller is not None:
-                sp.controller.observe(timing)
-            sp.stats.record_timing(timing)
-
-        sp.timer.measure_marks(marks, observe)
+        drafting = self._drafting
+        sp.timer.measure_marks(marks, lambda at: report_round(RoundTiming.from_marks(at, **facts), [sp], drafting))
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         sp = self.speculator

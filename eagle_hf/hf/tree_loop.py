@@ -25,7 +25,7 @@ from ..devices import input_device
 from ..drafter import graphs as drafter_graphs
 from ..drafter.capture import gather_aux, hidden_state_request
 from ..speculation.ragged import Ragged
-from ..speculation.rounds import RoundTiming
+from ..speculation.rounds import RoundTiming, report_round, round_facts
 from ..speculation.speculator import Speculator, draft_round
 from ..speculation.transfer import pack, to_device
 from ..speculation.tree import DraftTree
@@ -151,12 +151,8 @@ class TreeLoop:
             planned = self.controller.choose() if self.controller is not None and len(rows) > 1 else None
             trees = self.plan(active, planned, marks)
             drafting = [r.sp for r in active if r.sp.eagle_depth > 0]
-            facts = dict(rows=len(active), width=max(t.size for t in trees), drafting_rows=len(drafting),
-                         levels=max((sp.drafter_levels for sp in drafting), default=0),
-                         depth=max((sp.eagle_depth for sp in drafting), default=0),
-                         copies=any(r.sp.copying for r in active),
-                         backlog=any(sp.backlog for sp in drafting), batch=len(rows) > 1,
-                         kind=None if planned is None else self.controller.kind)
+            facts = round_facts([r.sp for r in active], max(t.size for t in trees), batch=len(rows) > 1,
+                                kind=None if planned is None else self.controller.kind)
             before = sum(r.length for r in active)  # the rows' tokens before the round
             self.verify_and_commit(active, trees, marks)
             marks["end"] = self.timer.mark()
@@ -164,7 +160,7 @@ class TreeLoop:
             # (a round that compiled a shape, or captured a drafter graph, teaches no cost)
             if not self.compiling and drafter_graphs.CAPTURES == captures:
                 self.timer.measure_marks(marks, lambda at, f=facts, d=drafting, a=[r.sp for r in active]:
-                                         self.observe(RoundTiming.from_marks(at, **f), d, a))
+                                         report_round(RoundTiming.from_marks(at, **f), a, d, self.cost))
             if sum(not r.done for r in active) < live:
                 active = self.retire(active)
             else:
@@ -366,13 +362,6 @@ class TreeLoop:
             row.position += n
             self.append(row, o.new, mine[0])
             row.sp.end_round(n - 1, row.token, path=o.keep, cut=o.cut)
-
-    def observe(self, timing: RoundTiming, drafting: list[Speculator], active: list[Speculator]) -> None:
-        """A round's timings, once measured: the cost model, the schedule, the rows' stats (each its share of the
-        target's forward and, drafting rows, of the drafter's time)."""
-        (self.controller or self.cost).observe(timing)  # (a fixed schedule's loop teaches the cost model alone)
-        for sp in active:
-            sp.stats.record_timing(timing, 1 / len(active), 1 / len(drafting) if sp in drafting else 0.0)
 
     def retire(self, rows: list[Row]) -> list[Row]:
         """Finished rows leave the batch (and the cache), but as few as are needed for the cheapest forward that

@@ -141,5 +141,29 @@ class RoundTiming:
         return self.width > 1 or self.drafting_rows > 0
 
 
+def round_facts(speculators, width: int, batch: bool = False, kind: tuple[int, bool] | None = None) -> dict:
+    """What a round did, for its `RoundTiming` (`from_marks`'s facts; `tokens` follows after the verify): the
+    rows (`Speculator`s, each after its draft step) verifying `width` tokens each, the drafter's rows and levels,
+    copies; `batch`: the call decodes several rows; `kind`: the kind of drafting round a batch planned."""
+    drafting = [sp for sp in speculators if sp.eagle_depth > 0]
+    return dict(rows=len(speculators), width=width, drafting_rows=len(drafting),
+                levels=max((sp.drafter_levels for sp in drafting), default=0),
+                depth=max((sp.eagle_depth for sp in drafting), default=0),
+                copies=any(sp.copying for sp in speculators), backlog=any(sp.backlog for sp in drafting),
+                batch=batch, kind=kind)
+
+
+def report_round(timing: RoundTiming, speculators, drafting, learner=None) -> None:
+    """The one door of a round's timings, once measured (a round late on a GPU: `drafting`, the rows whose
+    drafter drafted, was taken at the round): the schedule (`DraftLengthController.observe`; else `learner`, a
+    cost model taught by the loop's rounds, if any) and each row's stats (its share of the target's forward and,
+    a drafting row, of the drafter's time)."""
+    controller = speculators[0].controller
+    if controller is not None or learner is not None:
+        (controller or learner).observe(timing)
+    for sp in speculators:
+        sp.stats.record_timing(timing, 1 / len(speculators), 1 / len(drafting) if sp in drafting else 0.0)
+
+
 def source_name(bits: int) -> str:
     return "+".join(name for bit, name in SOURCE_NAMES.items() if bits & bit)
