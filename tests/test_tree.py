@@ -445,3 +445,20 @@ def test_sliding_and_chunked_layers_keep_the_tree_in_a_static_cache(family):
     cache = StaticCache(config=target.config, max_cache_len=ref.shape[1] + 8)
     out = target.generate(ids[:1], max_new_tokens=24, do_sample=False, assistant_model=drafter, **cache_kwarg(cache))
     assert torch.equal(out, target.generate(ids[:1], max_new_tokens=24, do_sample=False))
+
+
+def test_llama4_query_scale_steps_do_not_split_a_tree():
+    """Llama 4's NoPE layers scale queries by cache slot, a step every `floor_scale` slots; a tree's nodes sit at
+    slots past their positions, so a tree stops short of a step. With steps every 8 slots and long accepted
+    paths (an oracle tree), outputs equal plain decoding (without the stop, 2 of these 8 prompts differ)."""
+    target = tiny_target("llama4", floor_scale=8, attn_scale=50.0)
+    drafter = tiny_drafter(target)
+    for seed in range(8):
+        torch.manual_seed(seed)
+        ids = torch.randint(1, 96, (1, 9))
+        ref = target.generate(ids, max_new_tokens=40, do_sample=False)
+        with oracle_tree(ref[0].tolist() + [0] * 8):
+            out = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=drafter,
+                                  draft_mode="tree", tree_depth=5, tree_top_k=2, tree_total_tokens=8,
+                                  num_assistant_tokens_schedule="constant")
+        assert torch.equal(out, ref), seed

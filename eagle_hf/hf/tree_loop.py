@@ -34,7 +34,7 @@ from .attention import TREE_PREFIX, routed_kernel, split_keys_from
 from .cache import VERIFY_BUCKETS, stacked_ancestor_masks, tree_cache
 from .call import active_call, finish_rows, speculators_for
 from .costs import controller_for, cost_model
-from .models import compiled_graphs, head_on_positions, specialise_width, warming_up
+from .models import compiled_graphs, head_on_positions, slot_scaled_room, specialise_width, warming_up
 from .stopping import eos_ids
 from .version import cache_in, cache_kwarg
 from .windows import key_positions, layer_windows, window_masks
@@ -206,6 +206,8 @@ class TreeLoop:
         # a static cache's free slots, up to the widest verify it keeps room for (copy branches are not sized by
         # the drafter's budget); None: a dynamic cache grows
         fits = self.cache.room(VERIFY_BUCKETS[-1])
+        scaled = slot_scaled_room(self.target, self.cache.length)  # (Llama 4: short of a query-scale step)
+        fits = scaled if fits is None else fits if scaled is None else min(fits, scaled)
         for row in active:
             if row.done:  # a passenger: its root alone
                 depths.append(0)
