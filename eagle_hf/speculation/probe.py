@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: the share of the time a dropped source's tries may be expected to lose: a try comes once the rounds sat out
+#: since the last one would absorb its expected loss at this share (halved with each failed try)
+PROBE_SHARE = 0.01
+
 
 @dataclass
 class Probe:

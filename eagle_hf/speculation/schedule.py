@@ -9,7 +9,9 @@ Four parts, each in its own module, meet here:
   forwards plus the overheads the loop times);
 * `Probe` (`probe`): the longest a dropped drafter waits before it tries again (a wait that doubles after each
   failed try);
-* `LossBudget` (`loss_budget`): a batch's verdict from its own timed rounds.
+* `LossBudget` (`loss_budget`): a batch's verdict from its own timed rounds;
+* `BatchPlan` (`batch_plan`): a batch's kind of drafting round (its drafter alone, with copy branches beside it,
+  or copy branches alone), from its timed rounds of each kind.
 
 The schedule drafts ``argmax_k E(k) / cost(k)`` (against a plain round's one token for its cost) while that beats
 plain decoding, with hysteresis (start above `min_gain`, keep until below `keep_gain`, after a warm-up). When it does
@@ -26,27 +28,15 @@ import logging
 from enum import StrEnum
 
 from .acceptance import AcceptanceEstimate
+from .batch_plan import ALONE, BESIDE, COPIES, MEASURED_ROUNDS, BatchPlan, Plan
 from .cost_model import CostModel
 from .loss_budget import LossBudget
-from .probe import Probe
+from .probe import PROBE_SHARE, Probe
 from .round_costs import RoundCosts
 
 logger = logging.getLogger(__name__)
-
-#: timed rounds of a kind (a depth, with or without copy branches) before a batch's measured rate of it counts
-MEASURED_ROUNDS = 2
-
-
-class Plan(StrEnum):
-    """A batch's kind of drafting round: its drafter alone, its drafter with copy branches beside it, copy
-    branches alone (their timed rounds are `LossBudget` keys (depth, copies): (k, False), (k, True), (0, True))."""
-
-    ALONE = "drafter alone"
-    BESIDE = "drafter and copies"
-    COPIES = "copies alone"
-
-
-ALONE, BESIDE, COPIES = Plan.ALONE, Plan.BESIDE, Plan.COPIES
+__all__ = ["ALONE", "BESIDE", "COPIES", "MEASURED_ROUNDS", "CopyAction", "DraftLengthController", "Plan",
+           "choose_tree_size"]
 
 
 class CopyAction(StrEnum):
@@ -55,14 +45,6 @@ class CopyAction(StrEnum):
     DRAFT = "draft"
     PROBE = "probe"
     REST = "rest"
-
-#: a batch leaves its preferred kind of round (the drafter with copy branches) for another only where that one's
-#: timed rounds beat it by this factor: copies' width is certain, their hits are not, and two rates over about ten
-#: rounds differ by a few per cent by chance
-KIND_MARGIN = 1.05
-#: the share of the time a dropped drafter's tries may be expected to lose (by the model): a try comes once the
-#: rounds sat out since the last one would absorb its expected loss at this share (halved with each failed try)
-PROBE_SHARE = 0.01
 
 
 class DraftLengthController:
@@ -85,26 +67,10 @@ class DraftLengthController:
                            else AcceptanceEstimate(max_draft, values=list(acceptance or [])))
         self.costs = RoundCosts(cost, tree=tree, rows=rows)
         self.probe = Probe(probe_every, max_probe_every)
-        self.kind_probe = Probe(probe_every, max_probe_every)  # a batch's tries of the kinds of drafting round
-        # it does not prefer (`ALONE`, `BESIDE`, `COPIES`)
-        self._trying, self._try_left, self._try_depth = None, 0, 0  # the kind a batch tries, the rounds left of
-        # its try and their depth
-        self._tries = {}  # kind -> the drafting round a batch last tried it in (never tried: absent)
-        self._kind_rounds = {}  # kind -> a batch's wide rounds of it so far (`_first_of_kind`)
-        self._rounds = 0  # a batch's drafting rounds so far
-        self._gains = {}  # kind -> a batch's gain of it this round (None: not timed; `_kind_gains`)
-        self._copies_gain = None  # a batch's timed rounds of copy branches alone this round (None: not timed)
+        self.kinds = BatchPlan(probe_every, max_probe_every)  # a batch's kind of drafting round
         self.budget = LossBudget(share=loss_budget, plain_every=plain_every)
         self.rest = False  # this round of a batch is plain for every source (copy branches rest too): it times a
         # plain round, or its loss budget is spent
-        self.plan = None  # this round's kind of drafting round in a batch (`ALONE`, `BESIDE`, `COPIES`; None: no
-        # drafting round, copy branches draft where their own timed rounds pay): chosen each round from the
-        # timed rounds of each kind
-        self.kind = None  # this round's kind as a batch's timed rounds key it, (the drafter's depth (0: copy
-        # branches alone), whether copy branches join it), where a plan chose it: the plan's rounds are timed as
-        # its own whatever its rows then drafted (copies alone where no row found a match: a plain round)
-        self._preferred = self._drafter_plan = BESIDE  # the kinds a batch's timed rounds prefer, of all and of
-        # those where its drafter drafts (`_plan`)
         self._drafting = True
         self._tried = self.acceptance.seeded  # whether the drafter's acceptance was observed (in this call or the
         # last one it starts from): a drafter never tried drafts once first, a known one only where its rounds pay
@@ -113,10 +79,25 @@ class DraftLengthController:
     def batch(self) -> bool:
         return self.costs.rows > 1
 
+    @property
+    def plan(self) -> Plan | None:
+        """This round's kind of drafting round in a batch (`BatchPlan.plan`; None: no drafting round)."""
+        return self.kinds.plan
+
+    @property
+    def kind(self) -> tuple[int, bool] | None:
+        """This round's kind as a batch's timed rounds key it (`BatchPlan.kind`)."""
+        return self.kinds.kind
+
+    @property
+    def copies(self) -> bool:
+        """Whether copy branches join a batch's drafter this round (where its rows have them)."""
+        return self.kinds.copies
+
     def best(self) -> tuple[int, float]:
         """(k, expected speedup over plain decoding) of the best draft length: a plain round yields one token for
         `costs.plain`, a drafting round E(k) for its cycle cost plus the loop's. In a batch the drafter's timed
-        rounds have the last word (`_timed_gain`)."""
+        rounds have the last word (`timed_gain`)."""
         gains = {k: self._gain(k) for k in range(1, self.max_draft + 1)}
         timed = self._timed() if self.batch else {}
         for k in gains:  # from the deepest depth timed at or below k: a batch's wide forwards are what the model
@@ -124,7 +105,7 @@ class DraftLengthController:
             # there, until it was timed: the shallower rounds get their try)
             below = max((d for d in timed if d <= k), default=None)
             if below is not None:
-                gains[k] = self._timed_gain(k, below, timed[below])
+                gains[k] = self.timed_gain(k, below, timed[below])
         return max(gains.items(), key=lambda x: x[1])
 
     def _timed(self) -> dict:
@@ -135,82 +116,18 @@ class DraftLengthController:
         alone = {d: sums for (d, copies), sums in timed.items() if not copies}
         return alone or {d: sums for (d, _), sums in timed.items()}
 
-    @property
-    def copies(self) -> bool:
-        """Whether copy branches join a batch's drafter this round (where its rows have them)."""
-        return self.plan != ALONE
-
     def _plan(self) -> tuple[int, float]:
-        """(k, gain) of this round's best draft; a batch also chooses its kind of drafting round (`plan`): the
-        drafter with copy branches beside it (each row then drafts with the sources that pay for it), unless the
-        drafter alone or copy branches alone beat it by `KIND_MARGIN` in their timed rounds; a kind is gained
-        by its timed rounds where two were timed, at k or the deepest depth below for the drafter's, and the
-        kinds not preferred are tried now and then (`_try_kinds`)."""
+        """(k, gain) of this round's best draft; a batch also chooses its kind of drafting round
+        (`BatchPlan.choose`)."""
         k, gain = self.best()
-        if not self.batch:
-            return k, gain
-        self._copies_gain = copies = self.measured_gains().get((0, True))  # (read by `copy_branches`)
-        if not self.copying:
-            self.plan = ALONE
-            return k, gain
-        if not self.drafts:  # copy branches alone: their timed rounds have the last word on whether they draft
-            return k, gain if copies is None else min(gain, copies)
-        self._gains = gains = self._kind_gains(k, gain, copies)
-        def score(kind):  # (ties to the earlier kind: the drafter with copies first)
-            return (gains[kind] or 0.0) / (1.0 if kind == BESIDE else KIND_MARGIN)
-        self._drafter_plan = max((BESIDE, ALONE), key=score)
-        self.plan = self._preferred = max((self._drafter_plan, COPIES), key=score)
-        return k, gains[self.plan]
-
-    def _kind_gains(self, k: int, gain: float, copies: float | None) -> dict[str, float | None]:
-        """A batch's gain of each kind of drafting round at depth k (None: not timed): the drafter alone (`gain`,
-        `best`), with copy branches beside it (the model's gain while none was timed) and copy branches alone."""
-        timed = self.budget.timed(MEASURED_ROUNDS)
-        alone = any(0 < d <= k and not c and sums.expected for (d, c), sums in timed.items())
-        beside = {d: sums for (d, c), sums in timed.items() if c and 0 < d <= k and sums.expected}
-        beside_gain = self._timed_gain(k, max(beside), beside[max(beside)]) if beside else None
-        return {ALONE: gain if alone else None, BESIDE: gain if beside_gain is None else beside_gain, COPIES: copies}
-
-    def _try_kinds(self, k: int, paying: bool) -> int:
-        """A batch's drafting round at depth k: a kind it does not prefer is tried for `MEASURED_ROUNDS` rounds at
-        one depth (the rounds a verdict needs, timed per depth), at once if it was never tried, else (while
-        drafting pays) the kind tried longest ago whose try is due (`_try_due`). Returns the round's depth."""
-        self._rounds += 1
-        if self._try_left > 0:
-            self._try_left -= 1
-            self.plan = self._trying
-            return self._try_depth
-        others = [kind for kind in (ALONE, COPIES, BESIDE) if kind != self._preferred]
-        fresh = [kind for kind in others if self._gains[kind] is None and kind not in self._tries]
-        due = [kind for kind in sorted(others, key=lambda kind: self._tries.get(kind, -1)) if self._try_due(kind)]
-        if fresh or (paying and due):
-            if not fresh:
-                self.kind_probe.restart()
-                self.kind_probe.failed()
-            self.plan = self._trying = (fresh or due)[0]
-            self._try_left, self._tries[self.plan], self._try_depth = MEASURED_ROUNDS - 1, self._rounds, k
-        else:
-            self.kind_probe.skip()
-        return k
-
-    def _try_due(self, kind: str) -> bool:
-        """Whether a try of a kind not preferred is due: after the try's wait (16 drafting rounds, doubling with
-        each try), once the rounds since the last try absorb its expected loss against the preferred kind (by
-        their timed gains) at `PROBE_SHARE` of their time, as a dropped drafter's tries are paced
-        (`_probe_due`), and at the latest after the longest wait. A kind close to the preferred one is tried
-        every wait; one far below it seldom (batched translation: the drafter's own rounds at 1.0x plain beside
-        copies alone at 2.4x, each try a loss of more than a round)."""
-        p, gains = self.kind_probe, self._gains
-        best, gain = gains[self._preferred] or 0.0, gains[kind]
-        loss = MEASURED_ROUNDS * (max(1.0 - gain / best, 0.0) if gain is not None and best > 0 else 0.0)
-        return p.due() and (p.absorbs(loss, PROBE_SHARE) or p.skipped >= p.most)
+        return self.kinds.choose(self, k, gain) if self.batch else (k, gain)
 
     def _gain(self, k: int) -> float:
         """The model's gain at depth k."""
         c = self.costs
         return self.acceptance.expected_tokens(k) * c.plain / (c.cycle_cost(k) + c.loop_overhead)
 
-    def _timed_gain(self, k: int, d: int, timed) -> float:
+    def timed_gain(self, k: int, d: int, timed) -> float:
         """A batch's gain at depth k from its rounds timed at depth d <= k (`LossBudget.timed`), against its timed
         plain rounds. Tokens: the model's E(k), scaled by what d's rounds yielded over what the model expected of
         them (copy branches beside the drafter, an acceptance model off for this text); the acceptance the model
@@ -249,7 +166,7 @@ class DraftLengthController:
             return CopyAction.REST
         if not self.batch or depth > 0 or self.plan == COPIES:
             return CopyAction.DRAFT
-        measured = self._copies_gain
+        measured = self.kinds.copies_gain
         return CopyAction.DRAFT if measured is None or measured >= self.keep_gain else CopyAction.PROBE
 
     def choose(self) -> int:
@@ -257,9 +174,9 @@ class DraftLengthController:
         in a batch its kind of drafting round (`plan`)."""
         k = self._choose()
         if self.batch and self.drafts and self.copying and k > 0:
-            k = self._try_kinds(k, paying=self._drafting)
+            k = self.kinds.try_kinds(k, paying=self._drafting)
         depth = 0 if self.plan == COPIES else k
-        self.kind = None if self.plan is None or not self.batch else (depth, self.plan != ALONE)
+        self.kinds.kind = None if self.plan is None or not self.batch else (depth, self.plan != ALONE)
         return depth
 
     def _choose(self) -> int:
@@ -280,7 +197,7 @@ class DraftLengthController:
             return k
         self._drafting = False
         if self.plan == COPIES:  # (nothing pays: the drafter tries alone or beside copies, as it prefers)
-            self.plan = self._drafter_plan
+            self.kinds.plan = self.kinds.drafter_plan
         if not self._tried or self._untimed():  # a drafter never tried is tried at once: its costs and
             # acceptance are priors yet (in a batch, until its rounds were timed: a batch's verdict is measured)
             self._tried = True
@@ -291,7 +208,7 @@ class DraftLengthController:
             self.probe.failed()  # (until a round pays again)
             return k
         self.probe.skip()
-        self.budget.since_plain, self.plan = 0, None
+        self.budget.since_plain, self.kinds.plan = 0, None
         return 0
 
     def _untimed(self) -> bool:
@@ -316,7 +233,7 @@ class DraftLengthController:
         self.probe.restart()
 
     def _rest(self) -> int:
-        self.rest, self.budget.since_plain, self.plan = True, 0, None
+        self.rest, self.budget.since_plain, self.kinds.plan = True, 0, None
         return 0
 
     def observe(self, timing) -> None:
@@ -347,17 +264,7 @@ class DraftLengthController:
             self.budget.observe_plain(t.seconds)
             c.observe_plain(t.seconds)
         if t.batch:
-            self.budget.account(t.seconds, t.tokens, t.wide and not self._first_of_kind(t))
-
-    def _first_of_kind(self, t) -> bool:
-        """Whether a batch's wide round is among the first `MEASURED_ROUNDS` of its kind (`ALONE`, `BESIDE`,
-        `COPIES`) in this call: what a measured verdict on the kind needs, at most six rounds a call, so their loss
-        is not held against the loss budget (else one losing try at the start of a call, a few plain rounds'
-        time in, would spend it and rest every source for a dozen rounds)."""
-        depth, copies = t.kind or (t.depth, t.copies)
-        kind = (ALONE, BESIDE)[copies] if depth else COPIES
-        self._kind_rounds[kind] = self._kind_rounds.get(kind, 0) + 1
-        return self._kind_rounds[kind] <= MEASURED_ROUNDS
+            self.budget.account(t.seconds, t.tokens, t.wide and not self.kinds.first_of_kind(t))
 
     def update(self, drafted: int, accepted: int, confidences: list[float] | None = None) -> None:
         """A drafting round's outcome for the drafter: see `AcceptanceEstimate.update`."""
