@@ -219,16 +219,22 @@ def unmaskable_target():
     return tiny_target("deepseek_v32", layers=2)
 
 
+def padded_pair(seed: int, length: int, padding: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two random prompts [2, length], the second left-padded by `padding` tokens, and their attention mask."""
+    torch.manual_seed(seed)
+    ids = torch.randint(1, 96, (2, length))
+    mask = torch.ones_like(ids)
+    ids[1, :padding], mask[1, :padding] = 0, 0
+    return ids, mask
+
+
 @pytest.mark.parametrize("family", ["qwen2_window", "gemma3"])
 def test_sliding_window_layers_keep_the_tree_in_a_batch(family):
     """Rows of different lengths (left padding, then holes where their accepted paths differ): each layer's
     window counts a row's tokens, not its slots; plain steps with holes get the windowed masks too."""
     target = tiny_target(family)
     drafter = tiny_drafter(target)
-    torch.manual_seed(3)
-    ids = torch.randint(1, 96, (2, 14))
-    mask = torch.ones_like(ids)
-    ids[1, :5], mask[1, :5] = 0, 0
+    ids, mask = padded_pair(seed=3, length=14, padding=5)
     ref = target.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False)
     for mode in (dict(draft_mode="tree", tree_depth=4, tree_top_k=3, tree_total_tokens=10,
                       num_assistant_tokens_schedule="constant"), {}):
@@ -429,10 +435,7 @@ def test_sliding_and_chunked_layers_keep_the_tree_in_a_static_cache(family):
 
     target = tiny_target(family)
     drafter = tiny_drafter(target)
-    torch.manual_seed(5)
-    ids = torch.randint(1, 96, (2, 12))
-    mask = torch.ones_like(ids)
-    ids[1, :4], mask[1, :4] = 0, 0
+    ids, mask = padded_pair(seed=5, length=12, padding=4)
     ref = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
     assert torch.equal(target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
                                        cache_implementation="static"), ref)

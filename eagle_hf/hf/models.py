@@ -72,20 +72,20 @@ def specialise_width(ids: torch.Tensor, kwargs: dict) -> None:
             torch._dynamo.mark_static(tensor, 2)
 
 
-def slot_scaled_room(target, length: int) -> int | None:
-    """How many nodes a verify forward may hold from slot `length` on (None: any number) where transformers
-    scales queries by cache slot: Llama 4's NoPE layers (`attn_temperature_tuning`) multiply a query at slot x by
-    ``1 + attn_scale * log1p(floor((x + 1) / floor_scale))``, a step every `floor_scale` slots. A tree's node
-    sits at slot length + i but at position length + depth, so the tree stops short of the next step: its nodes
-    are scaled as plain decoding scales them (a batch's holes still shift the slots, as they shift plain
-    decoding's left padding)."""
+def query_scale_step(target) -> int | None:
+    """Every how many cache slots transformers steps the query scale of `target`'s layers (None: it does not
+    scale by slot). Llama 4's NoPE layers (`attn_temperature_tuning`) multiply a query at slot x by
+    ``1 + attn_scale * log1p(floor((x + 1) / floor_scale))``; a tree's node sits at slot length + i but at
+    position length + depth, so a tree must stop short of the next step (`slots_before_step`) to be scaled as
+    plain decoding scales it (a batch's holes still shift the slots, as they shift plain decoding's padding)."""
     text = target.config.get_text_config()
     nope = [not rope for rope in getattr(text, "no_rope_layers", None) or []]
-    if not (getattr(text, "attn_temperature_tuning", False) and any(nope)):
-        return None
-    scale = text.floor_scale
-    next_step = ((length + 1) // scale + 1) * scale - 1  # the first slot scaled differently from slot `length`
-    return next_step - length
+    return text.floor_scale if getattr(text, "attn_temperature_tuning", False) and any(nope) else None
+
+
+def slots_before_step(step: int, length: int) -> int:
+    """The nodes a verify forward may hold from slot `length` on before the query scale's next step."""
+    return ((length + 1) // step + 1) * step - 1 - length
 
 
 def warming_up(model, shape: tuple) -> bool:

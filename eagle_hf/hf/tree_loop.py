@@ -34,7 +34,14 @@ from .attention import TREE_PREFIX, routed_kernel, split_keys_from
 from .cache import VERIFY_BUCKETS, stacked_ancestor_masks, tree_cache
 from .call import active_call, finish_rows, speculators_for
 from .costs import controller_for, cost_model
-from .models import compiled_graphs, head_on_positions, slot_scaled_room, specialise_width, warming_up
+from .models import (
+    compiled_graphs,
+    head_on_positions,
+    query_scale_step,
+    slots_before_step,
+    specialise_width,
+    warming_up,
+)
 from .stopping import eos_ids
 from .version import cache_in, cache_kwarg
 from .windows import key_positions, layer_windows, window_masks
@@ -97,6 +104,7 @@ class TreeLoop:
         self.device = input_device(target)  # where the inputs go (looked up once: it walks the modules)
         self.split_from = split_keys_from(self.tree_kwargs, self.cache, compiled, self.device)  # (None: never)
         self.windows = layer_windows(target)  # per layer type its window (None: every layer reads everything)
+        self.scale_step = query_scale_step(target)  # slots between the query scale's steps (None: no steps)
         self.logits_processor, self.streamer = logits_processor, streamer
         # EOS and max_length are checked directly; the other criteria (stop strings, the user's) on every prefix
         self.criteria = [c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
@@ -206,8 +214,9 @@ class TreeLoop:
         # a static cache's free slots, up to the widest verify it keeps room for (copy branches are not sized by
         # the drafter's budget); None: a dynamic cache grows
         fits = self.cache.room(VERIFY_BUCKETS[-1])
-        scaled = slot_scaled_room(self.target, self.cache.length)  # (Llama 4: short of a query-scale step)
-        fits = scaled if fits is None else fits if scaled is None else min(fits, scaled)
+        if self.scale_step is not None:  # (Llama 4: short of the query scale's next step)
+            scaled = slots_before_step(self.scale_step, self.cache.length)
+            fits = scaled if fits is None else min(fits, scaled)
         for row in active:
             if row.done:  # a passenger: its root alone
                 depths.append(0)
