@@ -20,6 +20,10 @@ logger = logging.getLogger(__name__)
 VERIFY_BUCKETS = (1, 4, 8, 16, 32, 64)
 
 
+#: transformers' cache layers that keep a window (sliding and chunked layers alike)
+_WINDOWED = (DynamicSlidingWindowLayer, StaticSlidingWindowLayer)
+
+
 def tree_unsupported_reason(target) -> str | None:
     """Why tree verification cannot run on `target` (None when it can): it needs a plain causal mask to replace."""
     text = target.config.get_text_config()
@@ -61,10 +65,6 @@ def is_static(cache=None, implementation: str | None = None) -> bool:
     if cache is not None:
         return bool(cache.layers) and all(type(layer) in (StaticLayer, StaticSlidingWindowLayer) for layer in cache.layers)
     return implementation == "static"
-
-
-#: transformers' cache layers that keep a window (sliding and chunked layers alike)
-_WINDOWED = (DynamicSlidingWindowLayer, StaticSlidingWindowLayer)
 
 
 def hold_whole_windows(cache, slots: int) -> None:
