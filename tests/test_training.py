@@ -463,6 +463,33 @@ def test_sharegpt_original_answers_follow_the_prompt_order(tmp_path):
             parse_answer_specs([bad])
 
 
+def test_the_target_start_keeps_every_unrolled_step_at_the_targets_scale():
+    """A fresh drafter starts from the target's head and final norm. Where the norm scales channels unevenly
+    (Gemma 3: 0.19 to 301), the state an EAGLE-3.1 drafter feeds back must not be scaled again at each step: the
+    warm-started drafter's steps 0 and 1 give the same logits, and step 0's are the target's head over `fc`."""
+    from conftest import HIDDEN
+
+    from eagle_hf.training.trainer import initialise_from_target
+    from eagle_hf.training.vocab import DraftVocab
+
+    g = torch.Generator().manual_seed(0)
+    drafter = tiny_drafter(draft_vocab=32)
+    drafter.bind_target_embedding(torch.nn.Embedding(VOCAB, HIDDEN))
+    head = torch.randn(32, HIDDEN, generator=g)  # [Vd, H]
+    scale = torch.exp(torch.randn(HIDDEN, generator=g) * 2)  # [H]: spread over orders of magnitude
+    samples = [{"input_ids": torch.zeros(40, dtype=torch.long), "aux": torch.randn(40, 3 * HIDDEN, generator=g),
+                "final": torch.randn(40, HIDDEN, generator=g) * scale} for _ in range(4)]
+    vocab = DraftVocab(d2t=torch.zeros(32, dtype=torch.long), t2d=torch.ones(VOCAB, dtype=torch.bool), coverage=1.0)
+    initialise_from_target(drafter, samples, vocab, head, scale)
+    tokens, positions = torch.tensor([[5, 6, 7]]), torch.arange(3)[None]
+    first = drafter.step(drafter.fuse(samples[0]["aux"][None, :3]), tokens, positions)
+    second = drafter.step(first.hidden, tokens, positions + 1)
+    fused = drafter.fuse(samples[0]["aux"][None, :3])
+    expected = (fused * torch.rsqrt(fused.pow(2).mean(-1, keepdim=True) + drafter.config.rms_norm_eps)) @ (head * scale).T
+    torch.testing.assert_close(first.logits, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(second.logits, first.logits, rtol=1e-4, atol=1e-4)
+
+
 def _init_drafter(tmp_path, target):
     init = tiny_drafter(target, draft_vocab=48)
     init.save_pretrained(tmp_path / "init")

@@ -429,10 +429,17 @@ def save_state(path: Path, drafter, opt, step: int) -> None:
 
 @torch.no_grad()
 def initialise_from_target(drafter: EagleDrafter, samples, vocab: DraftVocab, head_weight, final_norm_weight, max_rows: int = 20000):
-    """Warm start (training_notes.md): copy the target's lm_head rows and final norm, zero the layer's output
-    projections, and fit `fc` by least squares so that the drafter starts out predicting the next position."""
-    drafter.lm_head.weight.copy_(head_weight.to(drafter.lm_head.weight.dtype))
-    drafter.norm.weight.copy_(final_norm_weight.to(drafter.norm.weight.dtype))
+    """Warm start (training_notes.md): the target's lm_head rows with its final norm's scale folded in, a unit
+    final norm, the layer's output projections at zero, and `fc` fitted by least squares so that the drafter starts
+    out predicting the next position.
+
+    The scale goes into `lm_head` rather than the drafter's norm because an EAGLE-3.1 drafter feeds its post-norm
+    state back as the next step's residual: a copied norm would apply the target's scale once more at every
+    unrolled step (Gemma 3's final norm scales channels by 0.19 to 301, so logits grew with depth). With a unit
+    norm, the warm-started drafter's fed-back state is a fixed point of its norm and every step starts out alike."""
+    scale = final_norm_weight.float().to(head_weight.device)  # [H]
+    drafter.lm_head.weight.copy_((head_weight.float() * scale).to(drafter.lm_head.weight.dtype))  # [Vd, H]
+    drafter.norm.weight.fill_(1.0)
     drafter.midlayer.self_attn.o_proj.weight.zero_()
     drafter.midlayer.mlp.down_proj.weight.zero_()
     xs, ys = [], []
