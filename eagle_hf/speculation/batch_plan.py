@@ -48,9 +48,12 @@ class BatchPlan:
     schedule passes itself to `choose`: no reference back to it, so a call's objects are freed by reference
     counting). `kind`: this round's kind as the batch's timed rounds key it, (the drafter's depth (0: copy branches
     alone), whether copy branches join it), where the plan chose it: the plan's rounds are timed as its own
-    whatever its rows then drafted (copies alone where no row found a match: a plain round)."""
+    whatever its rows then drafted (copies alone where no row found a match: a plain round). `drafts`: whether the
+    drafter drafts (False: copy branches alone); `copying`: whether copy branches draft (False: the drafter alone,
+    the batch's only kind of drafting round)."""
 
-    def __init__(self, probe_every: int, max_probe_every: int):
+    def __init__(self, probe_every: int, max_probe_every: int, drafts: bool = True, copying: bool = True):
+        self.drafts, self.copying = drafts, copying
         self.probe = Probe(probe_every, max_probe_every)  # the tries of the kinds the batch does not prefer
         self.tries = KindTries()
         self.rounds = 0  # drafting rounds so far
@@ -74,10 +77,10 @@ class BatchPlan:
         timed, at k or the deepest depth below for the drafter's, and the kinds not preferred are tried now and
         then (`try_kinds`). `s`: the schedule (`DraftLengthController`)."""
         self.copies_gain = copies = s.measured_gains().get((0, True))  # (read by `copy_branches`)
-        if not s.copying:
+        if not self.copying:
             self.plan = ALONE
             return k, gain
-        if not s.drafts:  # copy branches alone: their timed rounds have the last word on whether they draft
+        if not self.drafts:  # copy branches alone: their timed rounds have the last word on whether they draft
             return k, gain if copies is None else min(gain, copies)
         self.gains = gains = self.kind_gains(s, k, gain, copies)
 

@@ -13,6 +13,9 @@ Four parts, each in its own module, meet here:
 * `BatchPlan` (`batch_plan`): a batch's kind of drafting round (its drafter alone, with copy branches beside it,
   or copy branches alone), from its timed rounds of each kind.
 
+What a batch decides otherwise than a single row (its timed rounds, its plain rounds, its kinds) is its policy's
+(`policy`: `BatchPolicy`, `OneRowPolicy`), asked each round: the schedule itself has no batch branches.
+
 The schedule drafts ``argmax_k E(k) / cost(k)`` (against a plain round's one token for its cost) while that beats
 plain decoding, with hysteresis (start above `min_gain`, keep until below `keep_gain`, after a warm-up). When it does
 not, a dropped drafter tries again once the rounds it sat out absorb a try's expected loss at `PROBE_SHARE` of
@@ -31,6 +34,7 @@ from .acceptance import AcceptanceEstimate
 from .batch_plan import ALONE, BESIDE, COPIES, MEASURED_ROUNDS, BatchPlan, Plan
 from .cost_model import CostModel
 from .loss_budget import LossBudget
+from .policy import BATCH, ONE_ROW, BatchPolicy, OneRowPolicy
 from .probe import PROBE_SHARE, Probe
 from .round_costs import RoundCosts
 
@@ -60,14 +64,14 @@ class DraftLengthController:
                  min_gain: float = 1.0, keep_gain: float = 0.95, tree: tuple[int, int] | None = None, rows: int = 1,
                  warmup: int = 8, acceptance: list[float] | AcceptanceEstimate | None = None, plain_every: int = 16,
                  loss_budget: float = 0.03, drafts: bool = True, copying: bool = True):
-        self.max_draft, self.drafts, self.copying = max_draft, drafts, copying
+        self.max_draft = max_draft
         self.min_gain, self.keep_gain = min_gain, keep_gain  # start drafting above min_gain, keep until keep_gain
         self.warmup = warmup  # rounds observed at the first depth before `keep_gain` applies
         self.acceptance = (acceptance if isinstance(acceptance, AcceptanceEstimate)
                            else AcceptanceEstimate(max_draft, values=list(acceptance or [])))
         self.costs = RoundCosts(cost, tree=tree, rows=rows)
         self.probe = Probe(probe_every, max_probe_every)
-        self.kinds = BatchPlan(probe_every, max_probe_every)  # a batch's kind of drafting round
+        self.kinds = BatchPlan(probe_every, max_probe_every, drafts, copying)  # a batch's kind of drafting round
         self.budget = LossBudget(share=loss_budget, plain_every=plain_every)
         self.rest = False  # this round of a batch is plain for every source (copy branches rest too): it times a
         # plain round, or its loss budget is spent
@@ -76,8 +80,10 @@ class DraftLengthController:
         # last one it starts from): a drafter never tried drafts once first, a known one only where its rounds pay
 
     @property
-    def batch(self) -> bool:
-        return self.costs.rows > 1
+    def policy(self) -> OneRowPolicy | BatchPolicy:
+        """The decisions of this round's rows: a batch's where rows are verified together (`costs.rows`, which the
+        tree loop sets each round: a batch whose rows finish down to one decides as a single row), else one row's."""
+        return BATCH if self.costs.rows > 1 else ONE_ROW
 
     @property
     def plan(self) -> Plan | None:
@@ -99,7 +105,7 @@ class DraftLengthController:
         `costs.plain`, a drafting round E(k) for its cycle cost plus the loop's. In a batch the drafter's timed
         rounds have the last word (`timed_gain`)."""
         gains = {k: self._gain(k) for k in range(1, self.max_draft + 1)}
-        timed = self._timed() if self.batch else {}
+        timed = self.policy.timed(self)
         for k in gains:  # from the deepest depth timed at or below k: a batch's wide forwards are what the model
             # misjudges most, so a deeper round's shortfall says little of a shallower one (the model's own gain
             # there, until it was timed: the shallower rounds get their try)
@@ -108,19 +114,10 @@ class DraftLengthController:
                 gains[k] = self.timed_gain(k, below, timed[below])
         return max(gains.items(), key=lambda x: x[1])
 
-    def _timed(self) -> dict:
-        """A batch's drafter depths timed `MEASURED_ROUNDS` times without copy branches beside it; where none
-        was, with them."""
-        timed = {key: sums for key, sums in self.budget.timed(MEASURED_ROUNDS).items()
-                 if 0 < key[0] <= self.max_draft and sums.expected}
-        alone = {d: sums for (d, copies), sums in timed.items() if not copies}
-        return alone or {d: sums for (d, _), sums in timed.items()}
-
     def _plan(self) -> tuple[int, float]:
         """(k, gain) of this round's best draft; a batch also chooses its kind of drafting round
-        (`BatchPlan.choose`)."""
-        k, gain = self.best()
-        return self.kinds.choose(self, k, gain) if self.batch else (k, gain)
+        (`BatchPolicy.plan`)."""
+        return self.policy.plan(self, *self.best())
 
     def _gain(self, k: int) -> float:
         """The model's gain at depth k."""
@@ -143,15 +140,10 @@ class DraftLengthController:
 
     def measured_gains(self) -> dict[tuple[int, bool], float]:
         """A batch's timed drafting rounds by kind, (the drafter's depth (0: copy branches alone), whether copy
-        branches were verified), each timed at least `MEASURED_ROUNDS` times: their tokens per second over plain
-        rounds' (timed, or modelled while none was). Empty for a single row: its costs were measured on one row,
-        and its tokens per round vary too much (a copy round yields 1 token or 12) for a running rate to judge a
-        depth."""
-        c, b = self.costs, self.budget
-        if not self.batch or c.cost.base_seconds <= 0:
-            return {}
-        plain = b.plain_seconds or c.plain * c.cost.base_seconds * c.rows
-        return {d: sums.tokens / max(sums.seconds, 1e-9) * plain for d, sums in b.timed(MEASURED_ROUNDS).items()}
+        branches were verified): their tokens per second over plain rounds' (`BatchPolicy.measured_gains`). Empty
+        for a single row: its costs were measured on one row, and its tokens per round vary too much (a copy round
+        yields 1 token or 12) for a running rate to judge a depth."""
+        return self.policy.measured_gains(self)
 
     def copy_branches(self, depth: int | None = None) -> CopyAction:
         """What copy branches do this round: a `CopyAction`. A
@@ -164,32 +156,27 @@ class DraftLengthController:
             return CopyAction.DRAFT
         if self.rest or (depth > 0 and not self.copies):
             return CopyAction.REST
-        if not self.batch or depth > 0 or self.plan == COPIES:
-            return CopyAction.DRAFT
-        measured = self.kinds.copies_gain
-        return CopyAction.DRAFT if measured is None or measured >= self.keep_gain else CopyAction.PROBE
+        return CopyAction.DRAFT if self.policy.copies_draft(self, depth) else CopyAction.PROBE
 
     def choose(self) -> int:
         """This round's drafter depth (0: a plain round, or copy branches alone; `rest`: every source rests), and
         in a batch its kind of drafting round (`plan`)."""
         k = self._choose()
-        if self.batch and self.drafts and self.copying and k > 0:
-            k = self.kinds.try_kinds(k, paying=self._drafting)
+        k = self.policy.try_kinds(self, k)
         depth = 0 if self.plan == COPIES else k
-        self.kinds.kind = None if self.plan is None or not self.batch else (depth, self.plan != ALONE)
+        self.kinds.kind = self.policy.kind(self, depth)
         return depth
 
     def _choose(self) -> int:
         k, gain = self._plan()
         keep = self.keep_gain if self.acceptance.seen[0] >= self.warmup else self.min_gain
         self.rest = False
-        if (self.batch and not self.budget.plain_seconds) or not self.budget.within():
-            return self._rest()  # a batch times a plain round before anything else (its losses are counted
-            # against it), and rests while its loss budget is spent
+        if self.policy.plain_first(self) or not self.budget.within():
+            return self._rest()  # a batch times a plain round before anything else, and rests while its loss
+            # budget is spent
         if gain > (keep if self._drafting else self.min_gain):
-            if self.batch and self.budget.since_plain >= self.budget.plain_every:
-                return self._rest()  # a plain round now and then: a plain round of many rows is not a one-row
-                # forward times the rows, and without one the measured verdict would rest on that model
+            if self.policy.plain_due(self):
+                return self._rest()  # a batch's plain round now and then
             self._drafting = self._tried = True
             self.probe.paid()
             self.probe.restart()
@@ -198,8 +185,8 @@ class DraftLengthController:
         self._drafting = False
         if self.plan == COPIES:  # (nothing pays: the drafter tries alone or beside copies, as it prefers)
             self.kinds.plan = self.kinds.drafter_plan
-        if not self._tried or self._untimed():  # a drafter never tried is tried at once: its costs and
-            # acceptance are priors yet (in a batch, until its rounds were timed: a batch's verdict is measured)
+        if not self._tried or self.policy.untimed(self):  # a drafter never tried is tried at once: its costs
+            # and acceptance are priors yet (in a batch, until its rounds were timed: a batch's verdict is measured)
             self._tried = True
             self.probe.restart()
             return k
@@ -210,10 +197,6 @@ class DraftLengthController:
         self.probe.skip()
         self.budget.since_plain, self.kinds.plan = 0, None
         return 0
-
-    def _untimed(self) -> bool:
-        """Whether a batch's drafter has no kind of round timed `MEASURED_ROUNDS` times yet."""
-        return self.batch and self.drafts and not any(d > 0 for d, _ in self.budget.timed(MEASURED_ROUNDS))
 
     def _probe_due(self, k: int, gain: float) -> bool:
         """Whether a dropped drafter tries again this round (at depth k, expected to yield `gain` of a plain
