@@ -1,13 +1,59 @@
 """The speculation round's shape: the schedule asks a policy what a batch decides otherwise than a single row (no
-branch on whether it is a batch)."""
+branch on whether it is a batch), and no class that behaves (a dataclass record aside) holds more than 12 instance
+attributes."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECULATION = ROOT / "eagle_hf" / "speculation"
+MOST_ATTRIBUTES = 12
+
+
+def _is_dataclass(cls: ast.ClassDef) -> bool:
+    return any(isinstance(d, ast.Name) and d.id == "dataclass"
+               or isinstance(d, ast.Call) and isinstance(d.func, ast.Name) and d.func.id == "dataclass"
+               for d in cls.decorator_list)
+
+
+def instance_attributes(cls: ast.ClassDef) -> set[str]:
+    """The names a class's methods assign as ``self.<name> = ...`` (``+=`` and annotated assignments too)."""
+    names = set()
+    for node in ast.walk(cls):
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in targets:
+            for e in ast.walk(target):
+                if (isinstance(e, ast.Attribute) and isinstance(e.ctx, ast.Store) and isinstance(e.value, ast.Name)
+                        and e.value.id == "self"):
+                    names.add(e.attr)
+    return names
+
+
+def behaviour_classes() -> dict[str, set[str]]:
+    """Each class of eagle_hf/speculation that is not a dataclass, by ``module.Class``: its instance attributes."""
+    out = {}
+    for path in sorted(SPECULATION.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and not _is_dataclass(node):
+                out[f"{path.stem}.{node.name}"] = instance_attributes(node)
+    return out
+
+
+def test_the_attribute_count_sees_assignments_in_every_method():
+    cls = ast.parse("class A:\n    def __init__(self):\n        self.a, self.b = 1, 2\n        self.c: int = 3\n"
+                    "    def step(self):\n        self.d += 1\n        self.a = 0\n        other.e = 1\n").body[0]
+    assert instance_attributes(cls) == {"a", "b", "c", "d"}
+
+
+def test_no_behaviour_class_in_speculation_holds_more_than_12_attributes():
+    classes = behaviour_classes()
+    assert {"schedule.DraftLengthController", "speculator.Speculator", "batch_plan.BatchPlan"} <= set(classes)
+    over = {name: sorted(attrs) for name, attrs in classes.items() if len(attrs) > MOST_ATTRIBUTES}
+    assert not over, over
 
 
 def test_speculation_has_no_batch_branches():

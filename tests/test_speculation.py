@@ -254,10 +254,10 @@ def test_drafter_costs_are_timed_on_the_device_without_a_sync(monkeypatch):
     for i in range(40):  # regular cycles: commit one real row, draft 4, all rejected
         sp.commit(aux, torch.tensor([[5]], device=aux.device), position=sp.state.next_position)
         sp.choose_depth(room=8)
-        sp.round = "draft"
+        sp.this_round.kind = "draft"
         marks = {"start": timer.mark()}
         sp.draft(root, 4, 5, marks=marks)
-        backlog, levels = sp.backlog, sp.drafter_levels
+        backlog, levels = sp.backlog, sp.this_round.drafter_levels
         marks["end"] = timer.mark()
         timer.measure_marks(marks, observe)
         assert len(timings) == i  # not before the read-back

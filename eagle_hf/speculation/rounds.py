@@ -147,7 +147,7 @@ def round_facts(speculators, width: int, batch: bool = False, kind: tuple[int, b
     copies; `batch`: the call decodes several rows; `kind`: the kind of drafting round a batch planned."""
     drafting = [sp for sp in speculators if sp.eagle_depth > 0]
     return dict(rows=len(speculators), width=width, drafting_rows=len(drafting),
-                levels=max((sp.drafter_levels for sp in drafting), default=0),
+                levels=max((sp.this_round.drafter_levels for sp in drafting), default=0),
                 depth=max((sp.eagle_depth for sp in drafting), default=0),
                 copies=any(sp.copying for sp in speculators), backlog=any(sp.backlog for sp in drafting),
                 batch=batch, kind=kind)

@@ -18,6 +18,7 @@ import inspect
 import logging
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,10 +43,37 @@ DraftListener = Callable[[list[int], int, int], None]
 DEFAULT_MARGINAL_COST = 0.05
 
 
+@dataclass
+class CacheRow:
+    """A row in the drafter's cache (`DraftState`, shared by a batch's rows): its `slot` there; the real rows
+    committed that the drafter has not read yet (`pending`: target taps ``[1, n, A*H_t]`` and the token after each
+    ``[1, n]``); whether one was committed yet (`started`: the first says where the row's positions start); whether
+    the last round was a drafting one (`after_cycle`: this round's catch-up is then a regular round's cost)."""
+
+    slot: int = 0
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    started: bool = False
+    after_cycle: bool = False
+
+
+@dataclass
+class CurrentRound:
+    """A row's round as its steps write it: its `kind`; the drafter's depth in it (`eagle_depth`, 0: only copy
+    branches, or a plain step); the drafter forwards its levels took (`drafter_levels`: fewer than the depth where
+    pruned); its `tree` (the copy branches grafted on)."""
+
+    kind: Round = Round.PREFILL
+    eagle_depth: int = 0
+    drafter_levels: int = 0
+    tree: DraftTree | None = None
+
+
 class Speculator:
-    """The drafter's side of one `generate()` call. Its round is a `Round` (prefill, a draft-and-verify cycle, a
-    plain step the schedule chose or one without room for drafts, a finished batch row kept as a passenger: its
-    root alone, never drafting again). Only this class writes its round and its slot; the loops say what happened (`prefill`, `ride_along`, `move_to`)."""
+    """The drafter's side of one `generate()` call. Its round (`this_round`, a `CurrentRound`) is of a kind of
+    `Round` (prefill, a draft-and-verify cycle, a plain step the schedule chose or one without room for drafts, a
+    finished batch row kept as a passenger: its root alone, never drafting again). Only this class writes its round
+    and its row in the drafter's cache (`cache_row`, a `CacheRow`); the loops say what happened (`prefill`,
+    `ride_along`, `move_to`) and read the round's kind and drafter depth (`round`, `eagle_depth`)."""
 
     def __init__(
         self,
@@ -64,20 +92,14 @@ class Speculator:
         self.listeners = [(f, _keywords(f)) for f in listeners]
         # marks on the device's queue, measured after the round's read-back (no synchronisation); shared by a batch
         self.timer = timer or Timer(drafter.fc.weight.device if drafter is not None else "cpu")
-        # the drafter's cache, shared by a batch's rows (one row: its own); this row is `slot` in it
+        # the drafter's cache, shared by a batch's rows (one row: its own), and this row in it
         self.state = state or DraftState()
-        self.slot = 0 if row is None else row
-        self._started = False  # whether a real row was committed yet
+        self.cache_row = CacheRow(slot=0 if row is None else row)
         self.copy = CopySource(settings.copy_ngram, settings.copy_length, settings.copy_branch_count,
                                functools.partial(marginal_cost, controller), settings.probe_every,
                                stop_tokens=stop_tokens) if settings.uses_copy else None
         self.depth = settings.depth  # the fixed (or heuristic) schedule's depth
-        self.round = Round.PREFILL
-        self.eagle_depth = 0  # the drafter's depth this round (0: only copy branches, or a plain step)
-        self.drafter_levels = 0  # drafter forwards this round's levels took (fewer than the depth where pruned)
-        self.tree: DraftTree | None = None
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # real rows the drafter has not read yet
-        self._after_cycle = False  # the last round was a cycle: this round's catch-up is a regular round's cost
+        self.this_round = CurrentRound()
 
     # ------------------------------------------------------------------ the steps of a round
     def commit(self, aux: torch.Tensor, next_tokens: torch.Tensor, position: int) -> None:
@@ -85,9 +107,10 @@ class Speculator:
         token after each ``[1, n]``. They are read at the next draft (plain steps pile up; nothing runs now)."""
         if not self.settings.uses_eagle:
             return
-        if not self._started:  # the first real row: where the drafter's positions start
-            self.state.positions[self.slot], self._started = position, True
-        self._pending.append((aux, next_tokens))
+        row = self.cache_row
+        if not row.started:  # the first real row: where the drafter's positions start
+            self.state.positions[row.slot], row.started = position, True
+        row.pending.append((aux, next_tokens))
 
     def extend_context(self, tokens: Sequence[int]) -> None:
         """Tokens appended to the sequence (the prompt first): the copy source's index reads them."""
@@ -98,7 +121,8 @@ class Speculator:
         """This round's drafter depth (returned; 0: the drafter rests) and copy branches; the round is a plain
         step when neither drafts. `room`: drafts that still fit before the length limit; `planned`: the depth
         the controller chose for a whole batch this round (once per round, not once per row)."""
-        self.eagle_depth = self.drafter_levels = 0  # (until the drafter drafts: `draft_round`)
+        r = self.this_round
+        r.eagle_depth = r.drafter_levels = 0  # (until the drafter drafts: `draft_round`)
         wanted = self.depth
         if not self.settings.uses_eagle:
             wanted = 0
@@ -135,7 +159,7 @@ class Speculator:
                     depth = depth if drafter else 0
                     if not copies:
                         self.copy.branches = branches = []  # (nothing to learn from this round: they rest)
-        self.round = Round.DRAFT if depth > 0 or branches else (Round.FALLBACK if wanted <= 0 else Round.FINAL)
+        r.kind = Round.DRAFT if depth > 0 or branches else (Round.FALLBACK if wanted <= 0 else Round.FINAL)
         return depth
 
     def draft(self, root_token: int, depth: int, total_tokens: int, choose: Chooser | None = None,
@@ -145,14 +169,24 @@ class Speculator:
         return draft_round([self], [root_token], [depth], [total_tokens], [choose], marks)[0]
 
     @property
+    def round(self) -> Round:
+        """This round's kind."""
+        return self.this_round.kind
+
+    @property
+    def eagle_depth(self) -> int:
+        """The drafter's depth this round (0: only copy branches, or a plain step)."""
+        return self.this_round.eagle_depth
+
+    @property
     def copying(self) -> bool:
         """Whether this round verifies copy branches."""
-        return self.round == Round.DRAFT and self.copy is not None and bool(self.copy.branches)
+        return self.this_round.kind == Round.DRAFT and self.copy is not None and bool(self.copy.branches)
 
     @property
     def backlog(self) -> bool:
         """Whether this round's drafter caught up on plain steps' rows (not a regular round's cost)."""
-        return self.eagle_depth > 0 and not self._after_cycle
+        return self.this_round.eagle_depth > 0 and not self.cache_row.after_cycle
 
     def graft_copy(self, tree: DraftTree) -> DraftTree:
         """This round's tree with the copy branches grafted on at the root, each copy token scored by the copy's
@@ -167,24 +201,25 @@ class Speculator:
 
     def prefill(self) -> None:
         """The target reads the prompt this round: nothing to draft."""
-        self.round = Round.PREFILL
+        self.this_round.kind = Round.PREFILL
 
     def ride_along(self) -> None:
         """This row has finished but stays in the batch (a cheaper forward): its root alone from now on."""
-        self.round = Round.PASSENGER
+        self.this_round.kind = Round.PASSENGER
 
     def move_to(self, slot: int) -> None:
         """Rows left the batch: this row is now `slot` in the shared drafter cache."""
-        self.slot = slot
+        self.cache_row.slot = slot
 
     def fit(self, size: int) -> DraftTree:
         """This round's tree cut to its first `size` nodes (a static cache's free slots: copy branches are not
         sized by the tree's budget); the copy branches keep, and learn from, only what is left."""
-        if self.tree is not None and self.tree.size > size:
-            self.tree = self.tree.first(size)
+        r = self.this_round
+        if r.tree is not None and r.tree.size > size:
+            r.tree = r.tree.first(size)
             if self.copy is not None:
-                self.copy.keep_within(self.tree)
-        return self.tree
+                self.copy.keep_within(r.tree)
+        return r.tree
 
     def end_round(self, accepted: int, last_token: int, path: list[int] | None = None,
                   cut: bool = False) -> RoundRecord | None:
@@ -193,18 +228,19 @@ class Speculator:
 
         path: the accepted node path (default: the first `accepted` drafts of a chain); cut: the round's tokens
         were cut at EOS or the length limit, so nothing after the accepted drafts was rejected."""
-        if self.round == Round.PREFILL:
+        r = self.this_round
+        if r.kind == Round.PREFILL:
             return None
-        drafting = self.round == Round.DRAFT
-        record = RoundRecord(self.round, accepted, last_token, self.row, self.tree if drafting else None,
+        drafting = r.kind == Round.DRAFT
+        record = RoundRecord(r.kind, accepted, last_token, self.row, r.tree if drafting else None,
                              (path if path is not None else list(range(accepted + 1))) if drafting else [0], cut,
-                             self.eagle_depth if drafting else 0)
+                             r.eagle_depth if drafting else 0)
         self.stats.read(record)
         if drafting and record.eagle_depth > 0:
             self._learn_drafter(record)
         if drafting and self.copy is not None and self.copy.branches:
             self.copy.update(record.taken)
-        self._after_cycle = drafting and record.eagle_depth > 0
+        self.cache_row.after_cycle = drafting and record.eagle_depth > 0
         if self.listeners:
             drafts, sources = record.shown()
             for listener, keywords in self.listeners:
@@ -264,7 +300,7 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
     marks on the timer (`eagle_hf.speculation.rounds.RoundTiming`), where the drafter's start, catch-up and levels end."""
     first = speculators[0]
     state, timer, s = first.state, first.timer, first.settings
-    drafting = [i for i, sp in enumerate(speculators) if sp.round == Round.DRAFT and depths[i] > 0]
+    drafting = [i for i, sp in enumerate(speculators) if sp.this_round.kind == Round.DRAFT and depths[i] > 0]
     trees = [DraftTree.root(r) for r in roots]
     if drafting:
         if marks is not None:
@@ -273,7 +309,7 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
         if marks is not None:
             marks["caught_up"] = timer.mark()
         steps = state.steps
-        slots = [speculators[i].slot for i in drafting]
+        slots = [speculators[i].cache_row.slot for i in drafting]
         grown = draft_trees(first.drafter, state, [roots[i] for i in drafting], logits, hidden,
                             [depths[i] for i in drafting], s.branching, [total_tokens[i] for i in drafting],
                             s.confidence_threshold, [choosers[i] for i in drafting] if choosers else None,
@@ -282,14 +318,15 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
             marks["drafted"] = timer.mark()
         for i, tree in zip(drafting, grown):
             trees[i] = tree
-            speculators[i].drafter_levels = state.steps - steps
+            speculators[i].this_round.drafter_levels = state.steps - steps
     for i, sp in enumerate(speculators):
-        sp.eagle_depth = depths[i] if i in drafting else 0
-        if sp.round != Round.DRAFT:
+        r = sp.this_round
+        r.eagle_depth = depths[i] if i in drafting else 0
+        if r.kind != Round.DRAFT:
             continue
-        sp.tree = trees[i] = sp.graft_copy(trees[i])
-        if sp.tree.num_drafts == 0:  # every branch was below the confidence threshold: a plain step
-            sp.round = Round.FALLBACK
+        r.tree = trees[i] = sp.graft_copy(trees[i])
+        if r.tree.num_drafts == 0:  # every branch was below the confidence threshold: a plain step
+            r.kind = Round.FALLBACK
     return trees
 
 
@@ -297,15 +334,16 @@ def _catch_up(speculators: Sequence[Speculator]) -> tuple[torch.Tensor, torch.Te
     """The rows' pending real rows through the drafter in one forward (padded to the longest): each row's last
     row's draft logits [B, Vd] and fed-back hidden state [B, 1, H]."""
     w = speculators[0].drafter.fc.weight
-    counts = [sum(t.shape[1] for _, t in sp._pending) for sp in speculators]
+    pending = [sp.cache_row.pending for sp in speculators]
+    counts = [sum(t.shape[1] for _, t in queued) for queued in pending]
     width = max(counts)
     aux = w.new_zeros(len(speculators), width, speculators[0].drafter.fc.weight.shape[1])  # [B, n, A*H_t]
     tokens = torch.zeros(len(speculators), width, dtype=torch.long, device=w.device)  # [B, n]
-    for b, sp in enumerate(speculators):
-        if sp._pending:
-            aux[b, : counts[b]] = torch.cat([a for a, _ in sp._pending], 1)[0].to(w.device, w.dtype)
-            tokens[b, : counts[b]] = torch.cat([t for _, t in sp._pending], 1)[0].to(w.device)
-            sp._pending.clear()
+    for b, queued in enumerate(pending):
+        if queued:
+            aux[b, : counts[b]] = torch.cat([a for a, _ in queued], 1)[0].to(w.device, w.dtype)
+            tokens[b, : counts[b]] = torch.cat([t for _, t in queued], 1)[0].to(w.device)
+            queued.clear()
     return speculators[0].state.extend(speculators[0].drafter, aux, tokens, counts)
 
 
