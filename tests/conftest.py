@@ -131,11 +131,13 @@ def tiny_target(family: str = "llama", vocab: int = VOCAB, layers: int = 6, seed
         model = tf.GptOssForCausalLM(tf.GptOssConfig(
             **{"head_dim": 16, "sliding_window": 8, "num_local_experts": 2, "num_experts_per_tok": 1,
                "attn_implementation": "eager", **common}))
-    elif family == "deepseek_v32":  # indexed (sparse) attention: a top-4 indexer picks each query's keys
+    elif family == "deepseek_v32":  # indexed (sparse) attention: a top-4 indexer picks each query's keys (16
+        # indexer heads: with 2, many ReLU scores are exactly 0 and torch.topk's tie-break then depends on the
+        # candidate row's length, so transformers' prefill and plain decoding of one sequence disagree)
         model = tf.DeepseekV32ForCausalLM(tf.DeepseekV32Config(**{
             **common, "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
             "v_head_dim": 16, "qk_nope_head_dim": 8, "head_dim": 8, "index_topk": 4, "index_head_dim": 16,
-            "index_n_heads": 2, "moe_intermediate_size": 32, "n_routed_experts": 2, "num_experts_per_tok": 1,
+            "index_n_heads": 16, "moe_intermediate_size": 32, "n_routed_experts": 2, "num_experts_per_tok": 1,
             "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "mlp_layer_types": None,
             "layer_types": None}))
     elif family == "gemma2":  # sliding and full layers alternate; soft-capped attention logits

@@ -115,8 +115,10 @@ def oracle_tree(truth: list[int]):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "qwen2", "mistral_window", "qwen2_window", "gemma3",
-                                    "gemma2", "gpt_oss", "llama4"])
+                                    "gemma2", "gpt_oss", "llama4", "deepseek_v32"])
 def test_tree_mode_greedy_equals_plain_generate(family):
+    """Every family's tree verify equals plain decoding; DeepSeek V3.2's indexer picks each node's top 4 keys
+    (the 8-token prompts are longer) among the committed slots and its ancestors, and keeps its own keys."""
     target = tiny_target(family)
     for seed, draft_vocab in ((0, None), (1, 48)):
         drafter = tiny_drafter(target, draft_vocab=draft_vocab)
@@ -146,6 +148,8 @@ def test_tree_mode_greedy_equals_plain_generate(family):
             assert type(a) is type(b)  # transformers' own layers again (they grew in place during the call)
             assert a.keys.shape == b.keys.shape
             assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
+            if hasattr(b, "indexer_keys"):  # (indexed attention: the indexer's key cache, compacted like the keys)
+                assert torch.allclose(a.indexer_keys, b.indexer_keys, atol=1e-5)
 
 
 def test_a_growing_cache_layer_writes_each_forward_in_place_and_holds_what_concatenation_would():
@@ -215,8 +219,12 @@ def test_a_growing_layer_writes_only_into_its_own_buffers_and_keeps_to_its_limit
 
 
 def unmaskable_target():
-    """A target with layers of a type the tree mask does not cover: DeepSeek V3.2's indexed (sparse) attention."""
-    return tiny_target("deepseek_v32", layers=2)
+    """A stand-in for a target whose layers a tree cannot keep exact (every layout of the tests' families keeps
+    the tree): DeepSeek V3.2 relabelled as a model whose indexer eagle_hf has not checked (`eagle_hf.hf.indexed`:
+    such indexers keep the chain fallback). Its attention is DeepSeek V3.2's, so the chain decodes it exactly."""
+    target = tiny_target("deepseek_v32", layers=2)
+    target.config.model_type = "unchecked_indexer"
+    return target
 
 
 def padded_pair(seed: int, length: int, padding: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,7 +294,26 @@ def test_unmaskable_layers_fall_back_to_chain(caplog):
     with caplog.at_level("WARNING", logger="eagle_hf"):
         out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=drafter, draft_mode="tree")
     assert "falling back to chain" in caplog.text
+    assert "select keys with an indexer that eagle_hf has not checked" in caplog.text  # (the warning says why)
     assert torch.equal(out, target.generate(ids, max_new_tokens=20, do_sample=False))
+
+
+def test_indexed_layers_keep_the_tree_where_the_indexer_is_checked():
+    """DeepSeek V3.2's indexed layers read the whole context under the tree mask (its indexer selects among the
+    keys the mask lets through); an indexer eagle_hf has not checked (one scoring compressed blocks of keys)
+    keeps the chain fallback, and says so."""
+    from types import SimpleNamespace
+
+    from eagle_hf.hf.indexed import indexed_unsupported_reason
+    from eagle_hf.hf.routing import unsupported_reason
+    from eagle_hf.hf.windows import layer_windows
+
+    target = tiny_target("deepseek_v32", layers=2)
+    assert layer_windows(target) == {"indexed_attention": None}
+    assert unsupported_reason(target, {}) is None
+    text = SimpleNamespace(layer_types=["indexed_attention"], model_type="qwen4_exp")
+    other = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: text))
+    assert "(qwen4_exp) select keys with an indexer that eagle_hf has not checked" in indexed_unsupported_reason(other)
 
 
 @pytest.mark.parametrize("family,overrides", [("llama", {}), ("qwen2_window", {"sliding_window": 3})])

@@ -5,7 +5,8 @@
 - `candidate`: chain mode, the `Speculator` behind transformers' `CandidateGenerator` seam;
 - `tree_loop`: tree mode, prefill / draft / verify / commit, as a `custom_generate`;
 - `cache`: the target's KV-cache compaction and tree attention masks; `attention`: the tree attention function
-  (split keys at long context); `windows`: sliding-window layers' masks under a tree;
+  (split keys at long context); `windows`: sliding-window layers' masks under a tree; `indexed`: indexed
+  (sparse) attention's indexer keys under a tree;
 - `stopping`: EOS ids and plain generate()'s stopping point replayed;
 - `costs`: verify and drafter costs measured on the device, and the adaptive controller of a call;
 - `models`: what is read from transformers' model classes (final-norm scale, RoPE menu);

@@ -11,6 +11,14 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, St
 from ..speculation.ragged import Ragged
 from ..speculation.tree import DraftTree
 from .attention import kernel_name, kernel_unsupported_reason
+from .indexed import (
+    DYNAMIC_INDEXED,
+    STATIC_INDEXED,
+    end_index_keys,
+    move_accepted_index_keys,
+    regather_index_keys,
+    select_index_rows,
+)
 from .version import cache_kwarg
 
 logger = logging.getLogger(__name__)
@@ -22,6 +30,10 @@ VERIFY_BUCKETS = (1, 4, 8, 16, 32, 64)
 
 #: transformers' cache layers that keep a window (sliding and chunked layers alike)
 _WINDOWED = (DynamicSlidingWindowLayer, StaticSlidingWindowLayer)
+#: the cache layers that can hold draft trees: a dynamic cache's, or a static cache's (indexed layers keep their
+#: indexer's keys beside the main ones: `eagle_hf.hf.indexed`)
+_DYNAMIC = {DynamicLayer, DynamicSlidingWindowLayer, *DYNAMIC_INDEXED}
+_STATIC = (StaticLayer, StaticSlidingWindowLayer, *STATIC_INDEXED)
 
 
 def tree_unsupported_reason(target) -> str | None:
@@ -50,8 +62,7 @@ def cache_unsupported_reason(cache=None, implementation: str | None = None) -> s
             return ("the cache passed in holds sliding-window layers that keep only their window; a draft tree "
                     "needs a fresh cache (eagle_hf keeps every token's keys during a call)")
         kinds = {type(layer) for layer in cache.layers}
-        if kinds and not (kinds <= {DynamicLayer, DynamicSlidingWindowLayer, GrowingLayer}
-                          or kinds <= {StaticLayer, StaticSlidingWindowLayer}):
+        if kinds and not (kinds <= {*_DYNAMIC, GrowingLayer} or kinds <= set(_STATIC)):
             names = ", ".join(sorted(k.__name__ for k in kinds))
             return f"its cache ({names} layers) cannot hold draft trees (dynamic and static caches can)"
     elif implementation not in (None, "dynamic", "static"):
@@ -63,7 +74,7 @@ def is_static(cache=None, implementation: str | None = None) -> bool:
     """Whether the call's cache is transformers' static cache (`cache` passed in, else generate()'s
     `cache_implementation`)."""
     if cache is not None:
-        return bool(cache.layers) and all(type(layer) in (StaticLayer, StaticSlidingWindowLayer) for layer in cache.layers)
+        return bool(cache.layers) and all(type(layer) in _STATIC for layer in cache.layers)
     return implementation == "static"
 
 
@@ -171,13 +182,19 @@ def stop_growing_in_place(cache) -> None:
         cache.layer_class_to_replicate = DynamicLayer
 
 
+def _slots(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`index` [B, K] (slots along dimension 2) expanded to gather from `like` [B, H, L, D]: [B, H, K, D]. Keys and
+    values may differ in heads and widths (multi-head latent attention caches a latent and a rotary key)."""
+    b, h, _, d = like.shape
+    return index.to(like.device)[:, None, :, None].expand(b, h, index.shape[1], d)
+
+
 def _move_accepted(layer, past_len: int, index: torch.Tensor, width: int) -> None:
     """Row b's nodes ``index[b]`` ([B, K] relative to `past_len`) to slots ``past_len .. past_len+K-1``, in place."""
-    b, h, _, d = layer.keys.shape
-    gather = index[:, None, :, None].expand(b, h, width, d)  # [B, H, K, D]
     end = past_len + width
-    layer.keys[:, :, past_len:end] = layer.keys[:, :, past_len:].gather(2, gather)
-    layer.values[:, :, past_len:end] = layer.values[:, :, past_len:].gather(2, gather)
+    layer.keys[:, :, past_len:end] = layer.keys[:, :, past_len:].gather(2, _slots(index, layer.keys))
+    layer.values[:, :, past_len:end] = layer.values[:, :, past_len:].gather(2, _slots(index, layer.values))
+    move_accepted_index_keys(layer, past_len, index, width)
 
 
 def commit_accepted(cache, past_len: int, index: torch.Tensor | None, width: int) -> None:
@@ -191,6 +208,7 @@ def commit_accepted(cache, past_len: int, index: torch.Tensor | None, width: int
             _move_accepted(layer, past_len, index, width)
         if layer.keys.shape[2] > end:  # (a view: the next forward writes after it, `GrowingLayer`)
             layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
+        end_index_keys(layer, end)
 
 
 def select_cache(cache, rows: torch.Tensor) -> None:
@@ -198,19 +216,19 @@ def select_cache(cache, rows: torch.Tensor) -> None:
     for layer in cache.layers:
         layer.keys = layer.keys.index_select(0, rows.to(layer.keys.device))
         layer.values = layer.values.index_select(0, rows.to(layer.values.device))
+        select_index_rows(layer, rows)
 
 
 def regather_cache(cache, index: torch.Tensor) -> None:
     """Row b keeps its slots ``index[b]`` ([B, L'] per row), in every layer (the holes' compaction)."""
     for layer in cache.layers:
-        b, h, _, d = layer.keys.shape
-        gather = index.to(layer.keys.device)[:, None, :, None].expand(b, h, index.shape[1], d)
-        keys, values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
+        keys, values = layer.keys.gather(2, _slots(index, layer.keys)), layer.values.gather(2, _slots(index, layer.values))
         if isinstance(layer, StaticLayer):  # the buffers stay: the first L' slots are rewritten
             layer.keys[:, :, : index.shape[1]], layer.values[:, :, : index.shape[1]] = keys, values
             layer.cumulative_length.fill_(index.shape[1])
         else:
             layer.keys, layer.values = keys, values
+        regather_index_keys(layer, index)
 
 
 def stacked_ancestor_masks(trees: list[DraftTree], width: int | None = None) -> torch.Tensor:
@@ -415,4 +433,5 @@ class StaticTreeCache(TreeCache):
             if index is not None:
                 _move_accepted(layer, past_len, index, width)
             layer.cumulative_length.fill_(past_len + width)
+            end_index_keys(layer, past_len + width)
 

@@ -19,6 +19,7 @@ from ..speculation.settings import DraftSettings
 from .cache import VERIFY_BUCKETS, cache_unsupported_reason, is_static, tree_unsupported_reason
 from .call import batch_rows, prompt_length
 from .costs import cost_model
+from .indexed import indexed_unsupported_reason
 from .version import cache_in
 from .windows import windows_unsupported_reason
 
@@ -66,7 +67,7 @@ def unsupported_reason(target, kwargs: dict) -> str | None:
         return f"tree mode does not take {', '.join(special)} yet"
     cache, implementation = cache_in(kwargs), cache_implementation(target, kwargs)
     reason = (tree_unsupported_reason(target) or cache_unsupported_reason(cache, implementation)
-              or windows_unsupported_reason(target))
+              or windows_unsupported_reason(target) or indexed_unsupported_reason(target))
     return f"{type(target).__name__}: {reason}" if reason else None
 
 

@@ -34,6 +34,7 @@ from .attention import TREE_PREFIX, routed_kernel, split_keys_from
 from .cache import VERIFY_BUCKETS, stacked_ancestor_masks, tree_cache
 from .call import active_call, finish_rows, speculators_for
 from .costs import controller_for, cost_model
+from .indexed import has_indexed_layers
 from .models import (
     compiled_graphs,
     head_on_positions,
@@ -102,7 +103,9 @@ class TreeLoop:
         self.cache = tree_cache(cache, slots=generation_config.max_length - 1 + VERIFY_BUCKETS[-1])
         self.tree_kwargs = routed_kernel(target)  # a drafting round's verify forward: eagle_hf's tree attention
         self.device = input_device(target)  # where the inputs go (looked up once: it walks the modules)
-        self.split_from = split_keys_from(self.tree_kwargs, self.cache, compiled, self.device)  # (None: never)
+        # (None: never; nor where an indexer selects keys among the committed slots: `eagle_hf.hf.indexed`)
+        self.split_from = None if has_indexed_layers(target) else split_keys_from(self.tree_kwargs, self.cache,
+                                                                                  compiled, self.device)
         self.windows = layer_windows(target)  # per layer type its window (None: every layer reads everything)
         self.scale_step = query_scale_step(target)  # slots between the query scale's steps (None: no steps)
         self.logits_processor, self.streamer = logits_processor, streamer

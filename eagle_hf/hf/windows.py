@@ -26,8 +26,9 @@ class Window(NamedTuple):
     chunked: bool = False
 
 
-#: the layer types a verify forward can mask (transformers' names)
-MASKABLE = ("full_attention", "sliding_attention", "chunked_attention")
+#: the layer types a verify forward can mask (transformers' names; indexed layers read the whole context, their
+#: indexer choosing among the keys the mask lets through: `eagle_hf.hf.indexed`)
+MASKABLE = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention")
 
 
 def layer_windows(target) -> dict[str, Window | None] | None:
@@ -40,7 +41,7 @@ def layer_windows(target) -> dict[str, Window | None] | None:
     if types:
         if all(t == "full_attention" for t in types):
             return None
-        reach = {"full_attention": None, "sliding_attention": window and Window(window),
+        reach = {"full_attention": None, "indexed_attention": None, "sliding_attention": window and Window(window),
                  "chunked_attention": chunk and Window(chunk, chunked=True)}
         return {t: reach.get(t) for t in sorted(set(types))}  # (other types: `windows_unsupported_reason`)
     return {"": Window(window)} if window is not None else None
