@@ -170,7 +170,9 @@ def test_listeners_see_who_proposed_each_draft():
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     seen = []
-    target.generate(REPEAT, max_new_tokens=30, do_sample=False, assistant_model=drafter,
+    # (a constant schedule: the adaptive one rests from timings, which a busy machine skews)
+    target.generate(REPEAT, max_new_tokens=30, do_sample=False, assistant_model=drafter, draft_mode="tree",
+                    draft_sources="eagle+copy", num_assistant_tokens_schedule="constant",
                     draft_listeners=[lambda d, n, last, sources: seen.append((d, sources)), lambda d, n, last: None])
     assert seen and all(len(d) == len(src) for d, src in seen)
     assert {x for _, src in seen for x in src} <= {"eagle", "copy", "eagle+copy"}

@@ -28,7 +28,7 @@ STATIC = dict(cache_implementation="static")
 def test_default_mode_runs_on_a_static_cache(caplog, monkeypatch):
     cuts = []
     fit = Speculator.fit
-    monkeypatch.setattr(Speculator, "fit", lambda self, n: (cuts.append((self.tree.size, n)), fit(self, n))[1])
+    monkeypatch.setattr(Speculator, "fit", lambda self, n: (cuts.append((self.this_round.tree.size, n)), fit(self, n))[1])
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     ref = target.generate(REPEAT, max_new_tokens=40, do_sample=False)
