@@ -158,7 +158,8 @@ def test_a_growing_cache_layer_writes_each_forward_in_place_and_holds_what_conca
     transformers' concatenation. One copy of the cache per eighth of growth, not one per forward."""
     from transformers.cache_utils import DynamicLayer
 
-    from eagle_hf.hf.cache import ROOM_SLOTS, GrowingLayer
+    from eagle_hf.hf.cache import GrowingLayer
+    from eagle_hf.speculation.ragged import MIN_ROOM
 
     g = torch.Generator().manual_seed(0)
     layer, ref = GrowingLayer(), DynamicLayer()
@@ -182,8 +183,8 @@ def test_a_growing_cache_layer_writes_each_forward_in_place_and_holds_what_conca
             ref.batch_select_indices(rows)
             batch = 1
     grown = layer.keys.shape[2] - 40
-    assert grown > 4 * ROOM_SLOTS  # it grew well past the first buffer's room
-    assert len(buffers) <= 2 + grown // ROOM_SLOTS, len(buffers)  # a copy per ROOM_SLOTS (or an eighth) of growth
+    assert grown > 4 * MIN_ROOM  # it grew well past the first buffer's room
+    assert len(buffers) <= 3 + grown // MIN_ROOM, len(buffers)  # a copy per MIN_ROOM (or an eighth) of growth
 
 
 def test_a_growing_layer_writes_only_into_its_own_buffers_and_keeps_to_its_limit():
@@ -215,7 +216,7 @@ def test_a_growing_layer_writes_only_into_its_own_buffers_and_keeps_to_its_limit
     assert type(cache.layers[0]) is GrowingLayer and cache.layers[0].keys._base is not None
     stop_growing_in_place(cache)
     assert type(cache.layers[0]) is DynamicLayer and cache.layer_class_to_replicate is DynamicLayer
-    assert "_grown" not in cache.layers[0].__dict__
+    assert "_buffers" not in cache.layers[0].__dict__
 
 
 def unmaskable_target():

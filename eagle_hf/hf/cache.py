@@ -8,7 +8,7 @@ import logging
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 
-from ..speculation.ragged import Ragged
+from ..speculation.ragged import KeptMask, Ragged, SlotBuffers
 from ..speculation.tree import DraftTree
 from .attention import kernel_name, kernel_unsupported_reason
 from .indexed import (
@@ -24,7 +24,8 @@ from .version import cache_kwarg
 logger = logging.getLogger(__name__)
 
 #: the verify forward's widths with a compiled forward (beyond the last: multiples of 64); a static cache keeps
-#: room for the widest after its last committed token
+#: room for the widest after its last committed token, a dynamic one at least as much after a reallocation
+#: (`eagle_hf.speculation.ragged.MIN_ROOM`)
 VERIFY_BUCKETS = (1, 4, 8, 16, 32, 64)
 
 
@@ -102,47 +103,56 @@ def tree_cache(cache, ragged: Ragged | None = None, slots: int | None = None) ->
     return TreeCache(cache, ragged)
 
 
-#: slots a grown buffer keeps free after the live ones: at least the widest verify forward, or an eighth of them
-ROOM_SLOTS = 64
-
-
 class GrowingLayer(DynamicLayer):
     """transformers' dynamic cache layer, grown in place. Its keys and values are views [B, H, L, D] of buffers
     with room after the L live slots; a forward writes its slots into that room and the views lengthen. transformers'
     `DynamicLayer` concatenates instead: a copy of the whole cache every forward, and on a GPU a slow strided one
     once a commit has cropped the cache to a view (3.3x the contiguous copy at 8k tokens on an H100: docs/gpu.md).
-    Here a forward writes only its own slots; a buffer out of room is reallocated with an eighth more (amortised
-    O(1) a slot), never past `slot_limit` slots when there is one (the call's longest sequence and a verify
-    forward). A layer writes in place only into buffers it allocated in this call (`_grown`): a cache passed in, or
-    keys that something else replaced (a batch row leaving, a compaction), get a buffer of their own at the next
-    write. `TreeCache.begin` turns the dynamic layers of the call's cache into these, `release` back."""
+    Here a forward writes only its own slots into buffers that grow in place (`SlotBuffers`: reallocated by the
+    growth rule of both caches, `eagle_hf.speculation.ragged.grown_capacity`), never past `slot_limit` slots when
+    there is one (the call's longest sequence and a verify forward). A layer writes in place only into buffers it
+    allocated in this call (`_buffers`): a cache passed in, or keys that something else replaced, get buffers of
+    their own at the next write; rows leave and holes are compacted in its buffers (`select_rows`, `regather`).
+    `TreeCache.begin` turns the dynamic layers of the call's cache into these, `release` back."""
 
     slot_limit: int | None = None
-    _grown: tuple[torch.Tensor, torch.Tensor] | None = None  # (keys, values) buffers [B, H, capacity, D]
+    _buffers: SlotBuffers | None = None  # keys and values [B, H, capacity, D]; the live slots: `keys`, `values`
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized or self.keys.numel() == 0:  # the first write (a prefill): a plain tensor
             return super().update(key_states, value_states, *args, **kwargs)
-        live = self.keys
-        b, h, length, d = live.shape
+        b, h, length, d = self.keys.shape
         n = key_states.shape[2]
-        if key_states.shape != (b, h, n, d) or key_states.dtype != live.dtype:  # (no silent broadcast or cast)
+        if key_states.shape != (b, h, n, d) or key_states.dtype != self.keys.dtype:  # (no silent broadcast or cast)
             return super().update(key_states, value_states, *args, **kwargs)  # what transformers does with it
-        end = length + n
-        keys, values = self._grown or (None, None)
-        if keys is None or live._base is not keys or self.values._base is not values or keys.shape[2] < end:
-            room = max(ROOM_SLOTS, end // 8)
-            if self.slot_limit is not None and end < self.slot_limit:  # (past it, holes of a ragged batch)
-                room = min(room, self.slot_limit - end)
-            keys = live.new_empty(b, h, end + room, d)  # [B, H, capacity, D]
-            values = self.values.new_empty(*self.values.shape[:2], end + room, self.values.shape[3])
-            keys.narrow(2, 0, length).copy_(live)
-            values.narrow(2, 0, length).copy_(self.values)
-            self._grown = (keys, values)
-        keys.narrow(2, length, n).copy_(key_states)  # (narrow: the cheapest view to make, on the host)
-        values.narrow(2, length, n).copy_(value_states)
-        self.keys, self.values = keys.narrow(2, 0, end), values.narrow(2, 0, end)
+        slots = self._owned()
+        if slots is None:  # someone else's tensors: copied into buffers of its own, with room for these slots
+            slots = self._buffers = SlotBuffers.holding((self.keys, self.values), n, self.slot_limit)
+        self.keys, self.values = slots.write(length, (key_states, value_states))
         return self.keys, self.values
+
+    def _owned(self) -> SlotBuffers | None:
+        """Its buffers, while its keys and values are their live slots (a commit crops them to a shorter view)."""
+        slots = self._buffers
+        return slots if slots is not None and slots.holds((self.keys, self.values)) else None
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep the given batch rows (an index tensor): in its buffers, room included, when they hold the keys."""
+        slots = self._owned()
+        if slots is None:
+            self.keys, self.values = (t.index_select(0, rows.to(t.device)) for t in (self.keys, self.values))
+            return
+        slots.select(rows)
+        self.keys, self.values = slots.live(self.keys.shape[2])
+
+    def regather(self, index: torch.Tensor) -> None:
+        """Row b keeps its slots ``index[b]`` ([B, L'] per row; the holes' compaction), in new buffers with room."""
+        slots = self._owned()
+        if slots is None:
+            self.keys, self.values = (t.gather(2, _slots(index, t)) for t in (self.keys, self.values))
+            return
+        slots.compact(index)
+        self.keys, self.values = slots.live(index.shape[1])
 
 
 def grow_in_place(cache, slot_limit: int | None = None) -> None:
@@ -172,7 +182,7 @@ def stop_growing_in_place(cache) -> None:
     for layer in cache.layers:
         if type(layer) is GrowingLayer:
             layer.__class__ = DynamicSlidingWindowLayer if layer.__dict__.pop("slides", False) else DynamicLayer
-            layer.__dict__.pop("_grown", None)
+            layer.__dict__.pop("_buffers", None)
             layer.__dict__.pop("slot_limit", None)
             if type(layer) is DynamicSlidingWindowLayer and layer.is_initialized:  # its window, as it keeps it
                 layer.cumulative_length = layer.keys.shape[-2]
@@ -214,20 +224,26 @@ def commit_accepted(cache, past_len: int, index: torch.Tensor | None, width: int
 def select_cache(cache, rows: torch.Tensor) -> None:
     """Keep the given batch rows (an index tensor) in every layer."""
     for layer in cache.layers:
-        layer.keys = layer.keys.index_select(0, rows.to(layer.keys.device))
-        layer.values = layer.values.index_select(0, rows.to(layer.values.device))
+        if isinstance(layer, GrowingLayer):
+            layer.select_rows(rows)
+        else:
+            layer.keys = layer.keys.index_select(0, rows.to(layer.keys.device))
+            layer.values = layer.values.index_select(0, rows.to(layer.values.device))
         select_index_rows(layer, rows)
 
 
 def regather_cache(cache, index: torch.Tensor) -> None:
     """Row b keeps its slots ``index[b]`` ([B, L'] per row), in every layer (the holes' compaction)."""
     for layer in cache.layers:
-        keys, values = layer.keys.gather(2, _slots(index, layer.keys)), layer.values.gather(2, _slots(index, layer.values))
-        if isinstance(layer, StaticLayer):  # the buffers stay: the first L' slots are rewritten
-            layer.keys[:, :, : index.shape[1]], layer.values[:, :, : index.shape[1]] = keys, values
-            layer.cumulative_length.fill_(index.shape[1])
+        if isinstance(layer, GrowingLayer):
+            layer.regather(index)
         else:
-            layer.keys, layer.values = keys, values
+            keys, values = layer.keys.gather(2, _slots(index, layer.keys)), layer.values.gather(2, _slots(index, layer.values))
+            if isinstance(layer, StaticLayer):  # the buffers stay: the first L' slots are rewritten
+                layer.keys[:, :, : index.shape[1]], layer.values[:, :, : index.shape[1]] = keys, values
+                layer.cumulative_length.fill_(index.shape[1])
+            else:
+                layer.keys, layer.values = keys, values
         regather_index_keys(layer, index)
 
 
@@ -275,8 +291,8 @@ class TreeCache:
         self.ragged = ragged or Ragged([], 0)
         # [B, 1, R, C] the verify forward's additive mask, kept between rounds: columns below `length` hold each
         # row's slot validity (0 or the dtype's min) for every query row, written as slots are committed; the
-        # tree block after them is rewritten each round. Capacity doubles: O(new slots x R) per round
-        self._mask: torch.Tensor | None = None
+        # tree block after them is rewritten each round: O(new slots x R) per round
+        self._mask = KeptMask()
 
     @property
     def length(self) -> int:
@@ -288,28 +304,13 @@ class TreeCache:
 
     def tree_mask(self, tree: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The verify forward's additive mask [B, 1, N, L + N] for trees `tree` [B, N, N] (bool, device): each
-        row's valid slots, then each node's ancestors and itself. A view of the kept mask: only the tree block is
-        written (O(N x N) per row), the committed slots' part was written as they were committed."""
-        rows, width, length = tree.shape[0], tree.shape[1], self.length
-        m = self._mask
-        if m is None or m.dtype != dtype or m.shape[0] != rows or m.shape[2] < width or m.shape[3] < length + width:
-            m = self._mask = self._fresh_mask(rows, width, length, dtype, tree.device)
-        block = m[:, 0, :width, length : length + width]  # [B, N, N]
-        block.zero_()
-        block.masked_fill_(~tree, torch.finfo(dtype).min)
-        return m[:, :, :width, : length + width]
+        row's valid slots, then each node's ancestors and itself. A view of the kept mask (`KeptMask`): only the
+        tree block is written (O(N x N) per row), the committed slots' part was written as they were committed."""
+        return self._mask.view(tree, self.length, self._valid(), dtype)
 
-    def _fresh_mask(self, rows: int, width: int, length: int, dtype: torch.dtype, device,
-                    columns: int | None = None) -> torch.Tensor:
-        """A kept mask with room to grow (rows of queries, and columns in multiples of 64: kernels that read
-        the mask want its rows aligned), its committed slots' part written from `ragged`."""
-        old = self._mask
-        queries = max(width, old.shape[2] if old is not None else 0)
-        columns = columns or -(-2 * (length + width) // 64) * 64
-        m = torch.zeros(rows, 1, queries, columns, dtype=dtype, device=device)
-        if self.ragged.holes:
-            m[:, 0, :, :length].masked_fill_(~self.ragged.valid[:, None, :], torch.finfo(dtype).min)
-        return m
+    def _valid(self) -> torch.Tensor | None:
+        """[B, L] which committed slots each row reads (None: all)."""
+        return self.ragged.valid if self.ragged.holes else None
 
     def begin(self, slot_limit: int | None = None) -> None:
         """The call starts: dynamic layers grow in place (`GrowingLayer`), to `slot_limit` slots at most."""
@@ -347,21 +348,13 @@ class TreeCache:
         if index is not None or written != width:
             self._keep(past_len, index, width)
         self.ragged.append(lengths, width, valid, device)
-        m = self._mask
-        if m is not None and past_len + width <= m.shape[3]:  # the new slots' columns, for every query row
-            columns = m[:, 0, :, past_len : past_len + width]  # [B, R, K]
-            columns.zero_()
-            if valid is not None:
-                columns.masked_fill_(~valid[:, None, :], torch.finfo(m.dtype).min)
-        else:
-            self._mask = None
+        self._mask.arrive(past_len, width, valid)  # the new slots' columns, for every query row
 
     def select_rows(self, rows: list[int], index: torch.Tensor) -> None:
         """Keep these batch rows (`index`: the same on the device); slots no row reads go at the next compaction."""
         self.ragged.select(rows, index)
         select_cache(self.cache, rows=index)
-        if self._mask is not None:
-            self._mask = self._mask.index_select(0, index)
+        self._mask.select(index)
 
     def compact(self) -> None:
         """Move each row's real slots to the front of a shorter cache, once every row has many holes."""
@@ -370,7 +363,7 @@ class TreeCache:
 
     def _compact(self) -> None:
         regather_cache(self.cache, self.ragged.compact())
-        self._mask = None  # (rebuilt at the next drafting round: amortised like the compaction)
+        self._mask.drop()
 
 
 class StaticTreeCache(TreeCache):
@@ -411,19 +404,17 @@ class StaticTreeCache(TreeCache):
         """[B, 1, N, capacity]: the kept mask's first N query rows (see `TreeCache.tree_mask`); the columns after
         the tree block stay hidden (the previous block's are cleared first)."""
         rows, width, length = tree.shape[0], tree.shape[1], self.length
-        m = self._mask
+        kept = self._mask
+        m = kept.mask
         if m is None or m.dtype != dtype or m.shape[0] != rows or m.shape[2] < width:
-            m = self._mask = self._fresh_mask(rows, -(-max(width, 64) // 64) * 64, length, dtype, tree.device,
-                                              columns=self.capacity)  # (64 query rows at least: the views
-            # of every tree width share one stride, which a compiled forward's guards check)
-            m[:, 0, :, length:] = torch.finfo(dtype).min
+            m = kept.fresh(rows, -(-max(width, 64) // 64) * 64, length, self._valid(), dtype, tree.device,
+                           columns=self.capacity)  # (64 query rows at least: the views of every tree width
+            # share one stride, which a compiled forward's guards check)
+            kept.hide(length, self.capacity)
             self._dirty = length
-        low = torch.finfo(dtype).min
         if self._dirty > length:
-            m[:, 0, :, length : self._dirty] = low
-        block = m[:, 0, :width, length : length + width]  # [B, N, N]
-        block.zero_()
-        block.masked_fill_(~tree, low)
+            kept.hide(length, self._dirty)
+        kept.write(length, tree)  # [B, N, N] the tree block
         self._dirty = length + width
         return m[:, :, :width]
 

@@ -8,6 +8,7 @@ rows live only for one round and are dropped before the next (eagle_spec.md §5.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from ..drafter.graphs import LevelGraphs
 from ..drafter.modeling import KV, DraftStep, EagleDrafter, KVWriter
-from .ragged import Ragged
+from .ragged import KeptMask, Ragged, SlotBuffers, new_buffers
 from .transfer import pack, to_device
 from .tree import DraftTree
 
@@ -32,22 +33,22 @@ CATCH_UP_CHUNK = 1024
 @dataclass
 class DraftState:
     """The drafter's cache of real rows for the rows of a batch, preallocated: keys and values
-    ``[B, kv_heads, capacity, d]``, of which the first `length` slots hold real rows; a round's tree rows are
-    written after them and dropped (overwritten) by the next round.
+    ``[B, kv_heads, capacity, d]`` (`slots`, grown in place: `eagle_hf.speculation.ragged.SlotBuffers`), of which
+    the first `length` slots hold real rows; a round's tree rows are written after them and dropped
+    (overwritten) by the next round.
 
     Row b reads the slots `ragged` says (a batch's rows read different numbers of rows per round, and a shorter
     row's extra slots are holes, see `eagle_hf.speculation.ragged`). Row b's next real row sits at position ``positions[b]``
     (> 0 at first when the target's cache already held a prefix the drafter never saw)."""
 
     positions: list[int] = field(default_factory=lambda: [0])
-    keys: torch.Tensor | None = None  # [B, kv_heads, capacity, d]
-    values: torch.Tensor | None = None
+    slots: SlotBuffers | None = None  # keys and values [B, kv_heads, capacity, d]
     ragged: Ragged | None = None
     steps: int = 0  # drafter forwards over draft levels so far (catch-ups not counted): what a round's levels cost
     # [B, 1, R, C] bool, the draft levels' attention mask kept between levels and rounds: columns below `length`
     # hold each row's slot validity for every query row (written as real rows arrive), the tree block after them
     # is rewritten per level: O(new slots), never O(context), per level
-    _mask: torch.Tensor | None = field(default=None, repr=False)
+    _mask: KeptMask = field(default_factory=KeptMask, repr=False)
     #: draft levels at fixed shapes (captured on CUDA; `eagle_hf.drafter.graphs`), None: eager
     graphs: LevelGraphs | None = field(default=None, repr=False)
 
@@ -65,9 +66,18 @@ class DraftState:
         return self.ragged.length
 
     @property
+    def keys(self) -> torch.Tensor | None:
+        """The keys' whole storage ``[B, kv_heads, capacity, d]`` (None before the first rows)."""
+        return None if self.slots is None else self.slots.buffers[0]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self.slots is None else self.slots.buffers[1]
+
+    @property
     def kv(self) -> KV | None:
         """The real rows' keys and values ``[B, kv_heads, length, d]`` (views)."""
-        return None if self.keys is None else KV(self.keys[:, :, : self.length], self.values[:, :, : self.length])
+        return None if self.slots is None else KV(*self.slots.live(self.length))
 
     @property
     def valid(self) -> torch.Tensor | None:
@@ -80,25 +90,15 @@ class DraftState:
         return self.positions[0]
 
     def reserve(self, drafter: EagleDrafter, extra: int, like: torch.Tensor) -> None:
-        """Room for `extra` slots after the real rows (doubling: amortised O(1) per slot)."""
-        need = self.length + extra
-        if self.keys is not None and need <= self.keys.shape[2]:
-            return
-        cfg = drafter.config
-        shape = (self.rows, cfg.num_key_value_heads, max(2 * need, 64), cfg.head_dim)
-        keys, values = self._storage(shape, like)
-        if self.keys is not None:
-            keys[:, :, : self.length] = self.keys[:, :, : self.length]
-            values[:, :, : self.length] = self.values[:, :, : self.length]
-        self.keys, self.values = keys, values
-
-    def _storage(self, shape: tuple, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of `shape` ``[B, kv_heads, C, d]``: new, or with fixed-shape levels the graphs' storage
-        (C a power of two: calls of nearby lengths share it and its graphs)."""
-        if self.graphs is None:
-            return like.new_empty(shape), like.new_empty(shape)
-        b, h, c, d = shape
-        return self.graphs.buffers((b, h, 1 << (c - 1).bit_length(), d), like, self)
+        """Room for `extra` slots after the real rows (`SlotBuffers.reserve`: amortised O(1) per slot); `like`:
+        the drafter's activations (their dtype and device)."""
+        if self.slots is None:
+            cfg = drafter.config
+            empty = like.new_empty(self.rows, cfg.num_key_value_heads, 0, cfg.head_dim)  # [B, kv_heads, 0, d]
+            allocate = new_buffers if self.graphs is None else _graphs_storage(self.graphs, weakref.ref(self))
+            self.slots = SlotBuffers.holding((empty, empty), extra, allocate=allocate)
+        else:
+            self.slots.reserve(self.length, extra)
 
     def level_forward(self, drafter: EagleDrafter, feed: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
                       at: int, mask: torch.Tensor | None) -> DraftStep:
@@ -141,7 +141,7 @@ class DraftState:
                 own = own & new_valid[:, None, :]
             own = own | torch.eye(n, dtype=torch.bool, device=device)  # a padding row sees itself: no empty softmax
             if n <= KEPT_MASK_ROWS:  # a round's catch-up: [B, 1, n, L + n], a view of the kept mask
-                mask = self._kept_mask(own)
+                mask = self._mask.view(own, self.length, self.valid, torch.bool)
             else:  # (a prompt's: not worth keeping n query rows)
                 past = self.valid if self.ragged.holes else own.new_ones(rows, self.length)  # [B, L]
                 mask = torch.cat([past[:, None, :].expand(rows, n, self.length), own], 2)[:, None]
@@ -149,7 +149,7 @@ class DraftState:
         self.reserve(drafter, n, fused)
         out = drafter.step(fused, next_tokens, host["positions"], past=self.writer(self.length), mask=mask,
                            compute_logits=False)
-        self._mask_columns(self.length, n, new_valid)
+        self._mask.arrive(self.length, n, new_valid)
         self.ragged.append(counts, n, new_valid, device)
         self.positions = [p + c for p, c in zip(self.positions, counts)]
         last = host["last"][:, None, None]  # [B, 1, 1] each row's last new row
@@ -171,7 +171,7 @@ class DraftState:
             next_tokens = F.pad(next_tokens, (0, width - n))
         self.reserve(drafter, width, fused)
         out = self.level_forward(drafter, fused, next_tokens, host["positions"], self.length, None)
-        self._mask_columns(self.length, n, None)
+        self._mask.arrive(self.length, n, None)
         self.ragged.append([n] * rows, n, None, next_tokens.device)
         self.positions = [p + n for p in self.positions]
         self.compact()
@@ -207,42 +207,15 @@ class DraftState:
             return None
         if ancestors is None:  # a chain over a cache with holes: every fed row is an ancestor
             ancestors = torch.ones(self.rows, k, fed_width + k, dtype=torch.bool, device=self.keys.device)
-        return self._kept_mask(ancestors)
-
-    def _kept_mask(self, tail: torch.Tensor) -> torch.Tensor:
-        """[B, 1, q, length + t] bool, a view of the kept mask: the real rows' validity, then `tail` [B, q, t]
-        (device; any dtype, nonzero = attend) for the q rows being fed after them."""
-        rows, q, t = tail.shape
-        length = self.length
-        m = self._mask
-        if m is None or m.shape[0] != rows or m.shape[2] < q or m.shape[3] < length + t:
-            queries = max(q, m.shape[2] if m is not None else 0)
-            m = self._mask = torch.ones(rows, 1, queries, -(-2 * (length + t) // 64) * 64, dtype=torch.bool,
-                                        device=tail.device)
-            if self.ragged.holes:
-                m[:, 0, :, :length] = self.valid[:, None, :]
-        m[:, 0, :q, length : length + t].copy_(tail)
-        return m[:, :, :q, : length + t]
-
-    def _mask_columns(self, at: int, n: int, valid: torch.Tensor | None) -> None:
-        """Real rows arrive in slots ``at .. at+n-1`` (`valid` [B, n] which are real; None: all): the kept mask's
-        columns for them."""
-        m = self._mask
-        if m is None or at + n > m.shape[3]:
-            self._mask = None
-            return
-        if valid is None:
-            m[:, 0, :, at : at + n] = True
-        else:
-            m[:, 0, :, at : at + n] = valid[:, None, :]
+        return self._mask.view(ancestors, self.length, self.valid, torch.bool)
 
     def select(self, rows: list[int]) -> None:
         """Keep these rows of the batch (finished rows leave); their holes go at the next compaction."""
-        if self.keys is not None:
+        if self.slots is not None:
             index = to_device(torch.tensor(rows), self.keys.device)
-            self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+            self.slots.select(index)
             self.ragged.select(rows, index)
-            self._mask = None if self._mask is None else self._mask.index_select(0, index)
+            self._mask.select(index)
         else:
             self.ragged.counts = [self.ragged.counts[b] for b in rows]
         self.positions = [self.positions[b] for b in rows]
@@ -252,18 +225,20 @@ class DraftState:
         if not self.ragged.worth_compacting():
             return
         index = self.ragged.compact()  # [B, W]
-        self._mask = None  # (rebuilt at the next level: amortised like the compaction)
-        b, h, _, d = self.keys.shape
-        gather = index[:, None, :, None].expand(b, h, index.shape[1], d)
-        keys, values = self.keys.gather(2, gather), self.values.gather(2, gather)
-        self.keys, self.values = None, None
-        self.reserve_from(keys, values)
+        self._mask.drop()
+        self.slots.compact(index)
 
-    def reserve_from(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Storage holding these rows (`length` of them) with room to grow."""
-        b, h, n, d = keys.shape
-        self.keys, self.values = self._storage((b, h, 2 * n + 64, d), keys)
-        self.keys[:, :, :n], self.values[:, :, :n] = keys, values
+
+def _graphs_storage(graphs: LevelGraphs, owner: weakref.ref) -> Callable:
+    """Allocates a drafter cache's keys and values (both ``[B, kv_heads, C, d]``) from the fixed-shape levels'
+    storage, C rounded up to a power of two: calls of nearby lengths share it and its graphs. (The cache is held
+    weakly: its buffers must not keep it alive, so a call's cache is freed when the call returns.)"""
+
+    def allocate(shapes: tuple, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, h, c, d = shapes[0]
+        return graphs.buffers((b, h, 1 << (c - 1).bit_length(), d), like, owner())
+
+    return allocate
 
 
 @dataclass
