@@ -41,7 +41,7 @@ def trace(set_name: str, out: str, limit: int) -> None:
             return depth
 
         def observe_logged(t):
-            log["timings"].append((t.seconds, t.verify, t.draft, t.catch_up, t.width, t.levels, t.backlog))
+            log["timings"].append((t.seconds, t.verify, t.draft, t.catch_up, t.width, t.levels, t.drafter_prefill))
             observe(t)
 
         c.choose, c.observe = choose_logged, observe_logged

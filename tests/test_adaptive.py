@@ -10,7 +10,7 @@ import eagle_hf
 from eagle_hf.hf import costs
 from eagle_hf.speculation.cost_model import CostModel
 from eagle_hf.speculation.rounds import RoundTiming
-from eagle_hf.speculation.schedule import ALONE, BESIDE, COPIES, DraftLengthController
+from eagle_hf.speculation.schedule import COPY, EAGLE, EAGLE_COPY, DraftLengthController
 
 MEASURED_CPU = CostModel(verify=[1.0] + [1.4] * 15, draft_step=0.023)  # SmolLM2 bf16 on this project's CPU
 CPU_LIKE = CostModel(verify=[1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.4, 1.5], draft_step=0.06)
@@ -24,15 +24,15 @@ def test_falls_back_when_drafts_are_rejected_and_returns_when_they_are_accepted(
         if k:
             c.update(k, 0)
     decisions = [c.choose() for _ in range(8)]
-    assert decisions.count(0) >= 6 and any(decisions), decisions  # mostly plain, with periodic probes
-    for _ in range(200):  # the drafter becomes good: the next probe succeeds and drafting resumes
+    assert decisions.count(0) >= 6 and any(decisions), decisions  # mostly plain, with periodic retries
+    for _ in range(200):  # the drafter becomes good: the next retry succeeds and drafting resumes
         k = c.choose()
         if k:
             c.update(k, k)
     assert c.choose() >= 5
 
 
-def test_failed_probes_back_off_and_a_good_probe_resets_the_wait():
+def test_failed_retries_back_off_and_a_good_retry_resets_the_wait():
     c = DraftLengthController(CPU_LIKE, max_draft=8, probe_every=4, max_probe_every=16)
     waits, plain = [], 0
     for _ in range(120):  # a drafter that is never right
@@ -43,15 +43,15 @@ def test_failed_probes_back_off_and_a_good_probe_resets_the_wait():
             plain = 0
         else:
             plain += 1
-    probes = [w for w in waits if w > 0]
-    relative = c.costs.relative_cost(1)  # a probe (depth 1 here) costs a bit more than a plain round: it waits longer
+    retries = [w for w in waits if w > 0]
+    relative = c.costs.relative_cost(1)  # a retry (depth 1 here) costs a bit more than a plain round: it waits longer
     assert 1 < relative < 1.2
-    assert probes[:4] == [math.ceil(w * relative) for w in (4, 8, 16, 16)], waits  # 4, then doubling, capped
+    assert retries[:4] == [math.ceil(w * relative) for w in (4, 8, 16, 16)], waits  # 4, then doubling, capped
     for _ in range(200):  # the drafter becomes right: drafting resumes and the wait is back to probe_every
         k = c.choose()
         if k:
             c.update(k, k)
-    assert c.choose() > 0 and c.probe.wait == 4
+    assert c.choose() > 0 and c.backoff.wait == 4
 
 
 def rounds_until_a_try(c: DraftLengthController) -> int:
@@ -65,7 +65,7 @@ def test_a_drafter_dropped_just_below_break_even_tries_again_within_a_few_rounds
     """A drop decided on a round or two is revisited at once where trying loses little: two processes whose costs
     differ by a few per cent land on either side of break-even, and a drop kept for a whole call made the same
     prompts 15% slower in one process than in the other (issue 35). A drafter far below break-even waits longer,
-    and longer after each failed try (at most the probe's wait)."""
+    and longer after each failed try (at most the retry's wait)."""
     waits = {}
     for name, acceptance in (("near", 0.08), ("poor", 0.0)):
         c = DraftLengthController(CPU_LIKE, max_draft=8)  # probe_every 16
@@ -84,8 +84,8 @@ def test_a_drafter_dropped_just_below_break_even_tries_again_within_a_few_rounds
     assert waits["poor"][1] >= 2 * waits["poor"][0] - 1, waits  # (a failed try: the share halves)
 
 
-def test_a_batch_probes_less_often_as_its_probes_pad_every_row():
-    """In a batch of 16 a depth-1 probe verifies 16 x 2 tokens: it costs more plain rounds, and comes rarer."""
+def test_a_batch_retries_less_often_as_its_retries_pad_every_row():
+    """In a batch of 16 a depth-1 retry verifies 16 x 2 tokens: it costs more plain rounds, and comes rarer."""
     one, batch = (DraftLengthController(CPU_LIKE, max_draft=8, rows=rows) for rows in (1, 16))
     assert batch.costs.relative_cost(1) > one.costs.relative_cost(1) + 0.3
     plain_rounds = []
@@ -104,7 +104,7 @@ def test_a_batch_probes_less_often_as_its_probes_pad_every_row():
 def test_measured_rounds_overrule_a_model_that_says_drafting_pays():
     """A batch of 2 rows: the model expects a gain (accurate drafts, cheap verification), but timed rounds say
     otherwise: drafting rounds emit 2 tokens a row in 0.3 s where plain rounds emit 1 in 0.1 s. The controller falls
-    back; rounds of copy branches alone, timed as losing too, leave the copies to their probes."""
+    back; rounds of copy branches alone, timed as losing too, leave the copies to their retries."""
     c = DraftLengthController(CostModel(verify=[1.0] * 33, draft_step=0.01, base_seconds=0.1), max_draft=4, rows=2)
     for _ in range(20):
         c.update(4, 4)
@@ -120,7 +120,7 @@ def test_measured_rounds_overrule_a_model_that_says_drafting_pays():
     for _ in range(2):
         c.observe(RoundTiming(seconds=0.3, width=9, copies=True, tokens=2.0))
     c.choose()  # (a round's plan reads its timed rounds)
-    assert c.copy_branches(0) == "probe" and c.copy_branches() == "draft"  # (a single row's: its own plan choice)
+    assert c.copy_branches(0) == "retry" and c.copy_branches() == "draft"  # (a single row's: its own plan choice)
 
 
 def test_a_batch_judges_its_drafting_rounds_on_their_total_time():
@@ -158,7 +158,7 @@ def test_a_batch_times_plain_rounds_before_trusting_drafting():
         else:
             c.observe(RoundTiming(seconds=0.2, width=k + 5, levels=k, depth=k, copies=k == 0, tokens=2.0))
     assert max(c.measured_gains().values()) < c.keep_gain and c.choose() == 0 and not c.rest
-    assert c.plan is None and c.copy_branches(0) == "probe"
+    assert c.plan is None and c.copy_branches(0) == "retry"
 
 
 def test_a_batch_drafts_at_the_depth_its_timed_rounds_say_pays():
@@ -177,7 +177,7 @@ def test_a_batch_drafts_at_the_depth_its_timed_rounds_say_pays():
 
 def test_a_batch_judges_a_resting_drafter_on_its_acceptance_now():
     """A stretch of rounds where nothing drafted is accepted rests the drafter; once its acceptance recovers
-    (its probes) it drafts again: the timed rounds' rate is not kept stale while the drafter rests, what they
+    (its retries) it drafts again: the timed rounds' rate is not kept stale while the drafter rests, what they
     teach is how far the model is off (here: 1.5 tokens a round where it expected about 1)."""
     c = _batch_told_drafting_loses()
     for _ in range(10):
@@ -205,16 +205,16 @@ def test_a_batch_lets_copy_branches_join_its_drafter_where_its_timed_rounds_say_
         c.choose()
         if c.rest:
             c.observe(RoundTiming(seconds=0.05))  # (a timed plain round)
-        elif c.plan != ALONE:
+        elif c.plan != EAGLE:
             tries.append((i, c.plan))
     # tries of two rounds, paced by their expected loss: copies beside the drafter (a try loses 2 x (1 - 1.0 / 1.25)
     # = 0.4 rounds) once 40 drafting rounds absorb it at 1%; copies alone (0.67 rounds) later
-    assert tries == [(41, BESIDE), (42, BESIDE)]
+    assert tries == [(41, EAGLE_COPY), (42, EAGLE_COPY)]
     for _ in range(5):
         c.observe(RoundTiming(seconds=0.08, width=12, depth=1, copies=True, tokens=3.0))
     while c.choose() == 0:
         c.observe(RoundTiming(seconds=0.05))
-    assert c.plan == BESIDE and c.copies
+    assert c.plan == EAGLE_COPY and c.copies
 
 
 def test_a_batch_drafts_copy_branches_alone_where_their_timed_rounds_beat_its_drafters():
@@ -236,15 +236,15 @@ def test_a_batch_drafts_copy_branches_alone_where_their_timed_rounds_beat_its_dr
         if c.rest:
             c.observe(RoundTiming(seconds=0.05))  # (a timed plain round)
         elif k == 0:
-            assert c.plan == COPIES and c.copy_branches(0) == "draft"  # copies alone draft
+            assert c.plan == COPY and c.copy_branches(0) == "draft"  # copies alone draft
         else:
             plans.append((i, c.plan))
-    assert plans == [(68, ALONE), (69, ALONE), (138, BESIDE), (139, BESIDE)]
+    assert plans == [(68, EAGLE), (69, EAGLE), (138, EAGLE_COPY), (139, EAGLE_COPY)]
     for _ in range(3):
         c.observe(RoundTiming(seconds=0.08, width=12, depth=1, copies=True, tokens=5.0))
     while c.rest or (k := c.choose()) == 0:
         c.observe(RoundTiming(seconds=0.05))
-    assert k == 1 and c.plan == BESIDE
+    assert k == 1 and c.plan == EAGLE_COPY
 
 
 def test_a_batch_times_its_plans_rounds_as_their_kind_whatever_its_rows_drafted():
@@ -270,10 +270,10 @@ def test_a_batch_tries_a_kind_at_one_depth():
     c.choose()
     c.observe(RoundTiming(seconds=0.1))
     first = c.choose()
-    assert first == 4 and c.plan == ALONE  # (the drafter's own rounds: never tried)
+    assert first == 4 and c.plan == EAGLE  # (the drafter's own rounds: never tried)
     for _ in range(20):
         c.update(4, 1)
-    assert c.best()[0] < first and c.choose() == first and c.plan == ALONE
+    assert c.best()[0] < first and c.choose() == first and c.plan == EAGLE
 
 
 def test_a_batch_without_copy_branches_drafts_its_drafter_alone():
@@ -286,26 +286,26 @@ def test_a_batch_without_copy_branches_drafts_its_drafter_alone():
     c.choose()
     c.observe(RoundTiming(seconds=0.1))
     plans = [(c.choose(), c.plan) for _ in range(40)]
-    assert {plan for k, plan in plans if k} == {ALONE}
+    assert {plan for k, plan in plans if k} == {EAGLE}
     assert all(k > 0 for k, plan in plans if plan is not None)  # (the rest: timed plain rounds)
 
 
-def test_a_batch_times_its_resting_drafters_probes_as_regular_rounds():
-    """A resting drafter's probe catches it up on the plain rounds' rows first: 0.5 s, 0.45 s of it catching up,
-    where a regular round's catch-up takes half a one-token forward (0.005 s) a row. The probe is timed as the
-    regular round it would have been (0.07 s), so that probes alone can tell a batch its drafter pays again."""
+def test_a_batch_times_its_resting_drafters_retries_as_regular_rounds():
+    """A resting drafter's retry catches it up on the plain rounds' rows first: 0.5 s, 0.45 s of it catching up,
+    where a regular round's catch-up takes half a one-token forward (0.005 s) a row. The retry is timed as the
+    regular round it would have been (0.07 s), so that retries alone can tell a batch its drafter pays again."""
     c = _batch_told_drafting_loses()
     c.costs.round_overhead = 0.5
     for _ in range(2):
         c.observe(RoundTiming(seconds=0.5, catch_up=0.45, width=9, depth=2, drafting_rows=4, tokens=1.5,
-                              backlog=True))
+                              drafter_prefill=True))
     assert c.measured_gains()[2, False] == pytest.approx(1.5 / 0.07 * 0.05)
     assert c.costs.cycle_overhead == 0.0  # (the loop's cost model learns from regular rounds only)
 
 
 def test_a_batch_drafts_until_its_drafters_rounds_were_timed():
     """A batch's verdict is measured: a drafter its model calls a loss drafts until two of its rounds were timed
-    (before, one untimed try and then probes 16, 32, 64 rounds apart left a batch of 4 questions plain for a
+    (before, one untimed try and then retries 16, 32, 64 rounds apart left a batch of 4 questions plain for a
     third of its call), and rests once they say it loses."""
     c = DraftLengthController(CostModel(verify=[1.0 + 0.4 * i for i in range(33)], draft_step=0.05,
                                         base_seconds=0.01), max_draft=4, rows=4)
@@ -313,7 +313,7 @@ def test_a_batch_drafts_until_its_drafters_rounds_were_timed():
         c.update(4, 0)
     assert c.best()[1] < 0.95
     c.observe(RoundTiming(seconds=0.05))
-    assert [c.choose() for _ in range(2)] == [1, 1] and c.plan == ALONE  # (its own rounds first: never tried)
+    assert [c.choose() for _ in range(2)] == [1, 1] and c.plan == EAGLE  # (its own rounds first: never tried)
     for _ in range(2):
         c.observe(RoundTiming(seconds=0.1, width=5, depth=1, tokens=1.0))
     assert c.choose() == 0 and c.copy_branches(0) == "draft"  # it rests (copy branches draft: not timed yet)

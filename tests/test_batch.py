@@ -118,9 +118,9 @@ def test_rows_finish_on_their_own_at_eos_and_leave_the_batch():
 
 
 @pytest.mark.parametrize("full_batch_cheaper", [True, False])
-def test_finished_rows_ride_along_where_the_full_batch_is_cheaper(monkeypatch, full_batch_cheaper):
+def test_finished_rows_stay_as_padding_where_the_full_batch_is_cheaper(monkeypatch, full_batch_cheaper):
     """float32 on this project's CPU: a forward of 7 rows costs more than one of 8. A finished row leaves the batch
-    only where the cost model knows the smaller batch as cheaper; otherwise it rides along as a passenger. Outputs are the
+    only where the cost model knows the smaller batch as cheaper; otherwise it stays as a padding row. Outputs are the
     same either way."""
     class Costs:  # what the cost model knows of plain rounds of each batch size
         def forward(self, n):
@@ -421,9 +421,9 @@ def test_the_batch_drafts_with_one_drafter_forward_per_level(monkeypatch):
 
 @pytest.mark.cpu_only  # on a GPU a round's timings reach the schedule one round late: these events interleave
 def test_rounds_that_catch_the_drafter_up_do_not_teach_the_controller_their_catch_up(monkeypatch):
-    """The first drafting round reads the prompts, a probe after plain rounds reads their rows: neither is a regular
+    """The first drafting round reads the prompts, a retry after plain rounds reads their rows: neither is a regular
     drafting round. Timing one as a plain round once made drafting look cheap next to plain decoding; left out of
-    the batch's timed drafting rounds, a resting drafter's probes taught it nothing. Such a round teaches the
+    the batch's timed drafting rounds, a resting drafter's retries taught it nothing. Such a round teaches the
     batch's timed rounds as the regular round it would have been (its catch-up's time replaced by a regular one's),
     never the loop's cost model, and counts against the loss budget as it was (what drafting costs)."""
     from eagle_hf.speculation.loss_budget import LossBudget
@@ -435,11 +435,11 @@ def test_rounds_that_catch_the_drafter_up_do_not_teach_the_controller_their_catc
 
     def logged_plan(self, active, planned=None, marks=None):
         trees = plan(self, active, planned, marks)
-        events.append("backlog" if any(r.sp.backlog for r in active) else "round")
+        events.append("drafter_prefill" if any(r.sp.drafter_prefill for r in active) else "round")
         return trees
 
     monkeypatch.setattr(tree_loop.TreeLoop, "plan", logged_plan)
-    plan_of_rounds = iter([2, 2, 0, 0, 2, 2, 0, 2] * 4)  # drafting, plain rounds, then a probe after them
+    plan_of_rounds = iter([2, 2, 0, 0, 2, 2, 0, 2] * 4)  # drafting, plain rounds, then a retry after them
     monkeypatch.setattr(DraftLengthController, "choose", lambda self: next(plan_of_rounds))
     watched = [(LossBudget, "observe_plain"), (LossBudget, "observe_cycle"), (LossBudget, "account"),
                (RoundCosts, "observe_cycle")]
@@ -451,15 +451,15 @@ def test_rounds_that_catch_the_drafter_up_do_not_teach_the_controller_their_catc
     ids, mask = left_padded([5, 9, 3, 7], seed=2)
     target.generate(input_ids=ids, attention_mask=mask, assistant_model=tiny_drafter(target), max_new_tokens=12,
                     do_sample=False, draft_sources="eagle", **MODES["tree adaptive"])  # (copy rounds rest the drafter)
-    assert events[0] == "backlog"
-    assert events.count("backlog") >= 3  # the prompts, then two probes after plain rounds
-    rounds = [i for i, e in enumerate(events) if e in ("backlog", "round")] + [len(events)]
-    taught = {tuple(events[a + 1 : b]) for a, b in itertools.pairwise(rounds) if events[a] == "backlog"}
+    assert events[0] == "drafter_prefill"
+    assert events.count("drafter_prefill") >= 3  # the prompts, then two retries after plain rounds
+    rounds = [i for i, e in enumerate(events) if e in ("drafter_prefill", "round")] + [len(events)]
+    taught = {tuple(events[a + 1 : b]) for a, b in itertools.pairwise(rounds) if events[a] == "drafter_prefill"}
     assert taught == {("LossBudget.observe_cycle", "LossBudget.account")}
     assert ("LossBudget.observe_cycle", "RoundCosts.observe_cycle", "LossBudget.account") in {
         tuple(events[a + 1 : b]) for a, b in itertools.pairwise(rounds) if events[a] == "round"}
     assert "LossBudget.observe_plain" in events
-    assert events.count("LossBudget.account") == events.count("backlog") + events.count("round")  # every round
+    assert events.count("LossBudget.account") == events.count("drafter_prefill") + events.count("round")  # every round
 
 
 def test_the_head_computes_logits_only_for_real_tree_nodes(monkeypatch):

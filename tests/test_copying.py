@@ -41,7 +41,7 @@ def test_index_update_and_lookup_cost_do_not_grow_with_the_context():
     before = len(index.ends)
     index.extend([7])
     assert len(index.ends) == before  # O(max_ngram) entries touched per token, no rescan
-    probe = index.ends[(7,)]
+    ends = index.ends[(7,)]
     seen = []
 
     class Spy(list):
@@ -52,14 +52,14 @@ def test_index_update_and_lookup_cost_do_not_grow_with_the_context():
 
     index.ends = {k: Spy(v) for k, v in index.ends.items()}
     index.matches(num_branches=8, length=4)
-    assert len(seen) <= 4 * (MAX_OCCURRENCES + 1) and len(probe) > 5000  # bounded scan at any length
+    assert len(seen) <= 4 * (MAX_OCCURRENCES + 1) and len(ends) > 5000  # bounded scan at any length
 
 
 def _source(cost=0.1):
     return CopySource(max_ngram=3, length=12, num_branches=1, marginal_cost=lambda n: cost, probe_every=4)
 
 
-def test_a_reliable_source_earns_long_branches_and_a_failing_one_is_dropped_then_probed():
+def test_a_reliable_source_earns_long_branches_and_a_failing_one_is_dropped_then_retried():
     src = _source()
     src.index.extend(list(range(20)) + [0, 1, 2])  # the suffix (0, 1, 2) continues with 3..14
     first = len(src.propose(room=50, verified=16)[0].tokens)
@@ -72,19 +72,19 @@ def test_a_reliable_source_earns_long_branches_and_a_failing_one_is_dropped_then
         if src.propose(room=50, verified=16):
             src.update([-1])  # the first copy token rejected
     rounds = [bool(src.propose(room=50, verified=16)) for _ in range(40)]
-    assert 0 < sum(rounds) < 10  # mostly dropped, probed now and then
+    assert 0 < sum(rounds) < 10  # mostly dropped, retried now and then
 
 
-def test_a_batch_decides_when_its_rows_probe():
-    """In a batch where drafting does not pay, a row's copy source probes in the rounds the batch probes (every row
+def test_a_batch_decides_when_its_rows_retry():
+    """In a batch where drafting does not pay, a row's copy source retries in the rounds the batch retries (every row
     pays for the widest row's tree), never on its own wait."""
     src = _source()
     src.index.extend(list(range(20)) + [0, 1, 2])
     for _ in range(40):  # a failing source: dropped
-        if src.propose(room=50, verified=1, probe_only=True):
+        if src.propose(room=50, verified=1, retry_only=True):
             src.update([-1])
-    assert not any(src.propose(room=50, verified=1, probe_only=True, probe=False) for _ in range(100))
-    assert [len(b.tokens) for b in src.propose(room=50, verified=1, probe_only=True, probe=True)] == [2]
+    assert not any(src.propose(room=50, verified=1, retry_only=True, retry=False) for _ in range(100))
+    assert [len(b.tokens) for b in src.propose(room=50, verified=1, retry_only=True, retry=True)] == [2]
 
 
 def test_a_branch_ends_at_an_eos_token():
@@ -312,9 +312,9 @@ def test_a_resting_drafter_drafts_beside_copies_where_its_margin_pays():
         c.acceptance.values = [0.45] * 5
         c._drafting = False
         assert c.best()[1] < c.min_gain
-        outcomes[name] = sp.choose_depth(room=50), len(sp.copy.branches), c.probe.skipped
+        outcomes[name] = sp.choose_depth(room=50), len(sp.copy.branches), c.backoff.skipped
     assert outcomes["missing"][0] > 0 and outcomes["missing"][1] > 0  # copies keep missing: the drafter joins them
-    assert outcomes["missing"][2] == 0  # (its estimates refreshed, as by a probe: the wait starts again)
+    assert outcomes["missing"][2] == 0  # (its estimates refreshed, as by a retry: the wait starts again)
     assert outcomes["streaming"][0] == 0 and outcomes["streaming"][1] > 0  # copies stream: it rests
 
 

@@ -247,7 +247,7 @@ def test_drafter_costs_are_timed_on_the_device_without_a_sync(monkeypatch):
     timings = []
 
     def observe(at):  # what the decoding loops do with a round's marks
-        timing = RoundTiming.from_marks(at, width=5, drafting_rows=1, levels=levels, backlog=backlog)
+        timing = RoundTiming.from_marks(at, width=5, drafting_rows=1, levels=levels, drafter_prefill=drafter_prefill)
         timings.append(timing)
         controller.observe(timing)  # (the schedule's one door: it teaches the cost model too)
 
@@ -257,15 +257,15 @@ def test_drafter_costs_are_timed_on_the_device_without_a_sync(monkeypatch):
         sp.this_round.kind = "draft"
         marks = {"start": timer.mark()}
         sp.draft(root, 4, 5, marks=marks)
-        backlog, levels = sp.backlog, sp.this_round.drafter_levels
+        drafter_prefill, levels = sp.drafter_prefill, sp.this_round.drafter_levels
         marks["end"] = timer.mark()
         timer.measure_marks(marks, observe)
         assert len(timings) == i  # not before the read-back
         timer.read_back()
         sp.end_round(0, 7)
     # a chain of 4: 1 catch-up step (its logits give the first draft), then 3 level forwards (the last draft needs
-    # none), 0.002 s each; the first round's catch-up read the prompt's rows (a backlog: not a regular round's cost)
-    assert timings[0].backlog and not timings[1].backlog and timings[1].levels == 3
+    # none), 0.002 s each; the first round's catch-up read the prompt's rows (a drafter_prefill: not a regular round's cost)
+    assert timings[0].drafter_prefill and not timings[1].drafter_prefill and timings[1].levels == 3
     assert timings[1].catch_up == pytest.approx(0.002) and timings[1].draft == pytest.approx(0.006)
     assert controller.costs.draft_step == pytest.approx(0.002 / 0.01, rel=1e-3)
     assert controller.costs.round_overhead == pytest.approx(0.002 / 0.01, rel=1e-3)

@@ -8,7 +8,7 @@ The loop is prefill / draft / verify / commit for a batch of rows: each row draf
 Ragged rows: row b's cache slots are valid or holes (`valid` [B, L]); a round appends the longest accepted path's
 length to every row, a shorter path leaves holes its row's mask hides, and positions are counted per row. Holes
 are compacted away once they are a quarter of the cache (amortised O(1) per token); a finished row leaves the
-batch, unless the batch with it is measured to be cheaper than without it: then it rides along as a *passenger*
+batch, unless the batch with it is measured to be cheaper than without it: then it stays as a *padding row*
 (its root token verified every round, its output ignored) until more rows finish. Batch size 1 never has holes.
 """
 
@@ -221,7 +221,7 @@ class TreeLoop:
             scaled = slots_before_step(self.scale_step, self.cache.length)
             fits = scaled if fits is None else min(fits, scaled)
         for row in active:
-            if row.done:  # a passenger: its root alone
+            if row.done:  # a padding row: its root alone
                 depths.append(0)
                 sizes.append(1)
                 continue
@@ -331,8 +331,8 @@ class TreeLoop:
 
     def outcome(self, row: Row, tree: DraftTree, path: list[int], token: int, raw=None, scores=None) -> Outcome:
         """A row's verified path as emitted tokens, cut at EOS, max_length and the stopping criteria (as plain
-        decoding stops). A passenger emits nothing."""
-        if row.done:  # a passenger: nothing to verify, its slot is never read again
+        decoding stops). A padding row emits nothing."""
+        if row.done:  # a padding row: nothing to verify, its slot is never read again
             return Outcome([], [0])
         proposed = [tree.host.tokens[n] for n in path[1:]] + [token]
         new = self.cut(row, proposed)
@@ -366,7 +366,7 @@ class TreeLoop:
             aux = aux[:, :width] if index is None else aux.gather(1, index[..., None].expand(-1, -1, aux.shape[-1]))
         whole = len(active) == 1  # one row keeping every kept node: its tensors need no slicing
         for b, (row, o) in enumerate(zip(active, outcomes)):
-            if row.done and not o.new:  # a passenger
+            if row.done and not o.new:  # a padding row
                 continue
             n = len(o.new)
             mine = new_tokens if whole and n == width else new_tokens[b : b + 1, :n]  # [1, n]
@@ -379,18 +379,18 @@ class TreeLoop:
 
     def retire(self, rows: list[Row]) -> list[Row]:
         """Finished rows leave the batch (and the cache), but as few as are needed for the cheapest forward that
-        keeps every unfinished row (`cheapest_size`): the others stay as passengers. Slots no remaining row reads are
+        keeps every unfinished row (`cheapest_size`): the others stay as padding rows. Slots no remaining row reads are
         dropped."""
         live = [i for i, r in enumerate(rows) if not r.done]
         if not live:
             return []
         size = self.cheapest_size(len(live), len(rows))
-        passengers = [i for i, r in enumerate(rows) if r.done][: size - len(live)]
-        for i in passengers:
-            rows[i].sp.ride_along()
+        padding = [i for i, r in enumerate(rows) if r.done][: size - len(live)]
+        for i in padding:
+            rows[i].sp.keep_as_padding()
         if size == len(rows):
             return rows
-        stay = sorted(live + passengers)
+        stay = sorted(live + padding)
         index = to_device(torch.tensor(stay), self.device)
         self.cache.select_rows(stay, index)
         rows[0].sp.state.select(stay)  # the drafter's cache, shared by the rows

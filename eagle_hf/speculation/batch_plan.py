@@ -1,6 +1,6 @@
-"""A batch's kind of drafting round: its drafter alone, its drafter with copy branches beside it, or copy branches
+"""A batch's kind of drafting round: its drafter alone, its drafter with copy branches in its tree, or copy branches
 alone, chosen each round from the batch's own timed rounds of each kind, the kinds it does not prefer tried now and
-then. The one-row schedule (`eagle_hf.speculation.schedule.DraftLengthController`) keeps the depth, the probes of a
+then. The one-row schedule (`eagle_hf.speculation.schedule.DraftLengthController`) keeps the depth, the retries of a
 dropped drafter and the loss budget; a batch's schedule asks this plan which kind its round is.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from .probe import PROBE_SHARE, Probe
+from .backoff import RETRY_SHARE, Backoff
 
 #: timed rounds of a kind (a depth, with or without copy branches) before a batch's measured rate of it counts
 MEASURED_ROUNDS = 2
@@ -20,15 +20,15 @@ KIND_MARGIN = 1.05
 
 
 class Plan(StrEnum):
-    """A batch's kind of drafting round: its drafter alone, its drafter with copy branches beside it, copy
-    branches alone (their timed rounds are `LossBudget` keys (depth, copies): (k, False), (k, True), (0, True))."""
+    """A batch's kind of drafting round, by its draft sources (as `draft_sources` names them): its drafter alone,
+    its drafter and copy branches in one tree, copy branches alone (their timed rounds are `LossBudget` keys (depth, copies): (k, False), (k, True), (0, True))."""
 
-    ALONE = "drafter alone"
-    BESIDE = "drafter and copies"
-    COPIES = "copies alone"
+    EAGLE = "eagle"
+    EAGLE_COPY = "eagle+copy"
+    COPY = "copy"
 
 
-ALONE, BESIDE, COPIES = Plan.ALONE, Plan.BESIDE, Plan.COPIES
+EAGLE, EAGLE_COPY, COPY = Plan.EAGLE, Plan.EAGLE_COPY, Plan.COPY
 
 
 @dataclass
@@ -54,7 +54,7 @@ class BatchPlan:
 
     def __init__(self, probe_every: int, max_probe_every: int, drafts: bool = True, copying: bool = True):
         self.drafts, self.copying = drafts, copying
-        self.probe = Probe(probe_every, max_probe_every)  # the tries of the kinds the batch does not prefer
+        self.backoff = Backoff(probe_every, max_probe_every)  # the tries of the kinds the batch does not prefer
         self.tries = KindTries()
         self.rounds = 0  # drafting rounds so far
         self.gains = {}  # kind -> its gain this round (None: not timed; `kind_gains`)
@@ -62,45 +62,45 @@ class BatchPlan:
         self.plan = None  # this round's kind (None: no drafting round; copy branches draft where their own timed
         # rounds pay)
         self.kind = None
-        self.preferred = self.drafter_plan = BESIDE  # the kinds the timed rounds prefer, of all and of those
+        self.preferred = self.drafter_plan = EAGLE_COPY  # the kinds the timed rounds prefer, of all and of those
         # where the drafter drafts
 
     @property
     def copies(self) -> bool:
         """Whether copy branches join the drafter this round (where the rows have them)."""
-        return self.plan != ALONE
+        return self.plan != EAGLE
 
     def choose(self, s, k: int, gain: float) -> tuple[int, float]:
-        """(k, gain) of this round's best draft, and its kind (`plan`): the drafter with copy branches beside it
+        """(k, gain) of this round's best draft, and its kind (`plan`): the drafter with copy branches in its tree
         (each row then drafts with the sources that pay for it), unless the drafter alone or copy branches alone
         beat it by `KIND_MARGIN` in their timed rounds; a kind is gained by its timed rounds where two were
         timed, at k or the deepest depth below for the drafter's, and the kinds not preferred are tried now and
         then (`try_kinds`). `s`: the schedule (`DraftLengthController`)."""
         self.copies_gain = copies = s.measured_gains().get((0, True))  # (read by `copy_branches`)
         if not self.copying:
-            self.plan = ALONE
+            self.plan = EAGLE
             return k, gain
         if not self.drafts:  # copy branches alone: their timed rounds have the last word on whether they draft
             return k, gain if copies is None else min(gain, copies)
         self.gains = gains = self.kind_gains(s, k, gain, copies)
 
         def score(kind):  # (ties to the earlier kind: the drafter with copies first)
-            return (gains[kind] or 0.0) / (1.0 if kind == BESIDE else KIND_MARGIN)
+            return (gains[kind] or 0.0) / (1.0 if kind == EAGLE_COPY else KIND_MARGIN)
 
-        self.drafter_plan = max((BESIDE, ALONE), key=score)
-        self.plan = self.preferred = max((self.drafter_plan, COPIES), key=score)
+        self.drafter_plan = max((EAGLE_COPY, EAGLE), key=score)
+        self.plan = self.preferred = max((self.drafter_plan, COPY), key=score)
         return k, gains[self.plan]
 
     @staticmethod
     def kind_gains(s, k: int, gain: float, copies: float | None) -> dict[str, float | None]:
         """The gain of each kind of drafting round at depth k (None: not timed): the drafter alone (`gain`, the
-        schedule's `best`), with copy branches beside it (the model's gain while none was timed) and copy
+        schedule's `best`), with copy branches in its tree (the model's gain while none was timed) and copy
         branches alone."""
         timed = s.budget.timed(MEASURED_ROUNDS)
-        alone = any(0 < d <= k and not c and sums.expected for (d, c), sums in timed.items())
-        beside = {d: sums for (d, c), sums in timed.items() if c and 0 < d <= k and sums.expected}
-        beside_gain = s.timed_gain(k, max(beside), beside[max(beside)]) if beside else None
-        return {ALONE: gain if alone else None, BESIDE: gain if beside_gain is None else beside_gain, COPIES: copies}
+        eagle = any(0 < d <= k and not c and sums.expected for (d, c), sums in timed.items())
+        both = {d: sums for (d, c), sums in timed.items() if c and 0 < d <= k and sums.expected}
+        both_gain = s.timed_gain(k, max(both), both[max(both)]) if both else None
+        return {EAGLE: gain if eagle else None, EAGLE_COPY: gain if both_gain is None else both_gain, COPY: copies}
 
     def try_kinds(self, k: int, paying: bool) -> int:
         """A drafting round at depth k: a kind the batch does not prefer is tried for `MEASURED_ROUNDS` rounds at
@@ -112,37 +112,37 @@ class BatchPlan:
             t.left -= 1
             self.plan = t.kind
             return t.depth
-        others = [kind for kind in (ALONE, COPIES, BESIDE) if kind != self.preferred]
+        others = [kind for kind in (EAGLE, COPY, EAGLE_COPY) if kind != self.preferred]
         fresh = [kind for kind in others if self.gains[kind] is None and kind not in t.last]
         due = [kind for kind in sorted(others, key=lambda kind: t.last.get(kind, -1)) if self.try_due(kind)]
         if fresh or (paying and due):
             if not fresh:
-                self.probe.restart()
-                self.probe.failed()
+                self.backoff.restart()
+                self.backoff.failed()
             self.plan = t.kind = (fresh or due)[0]
             t.left, t.last[self.plan], t.depth = MEASURED_ROUNDS - 1, self.rounds, k
         else:
-            self.probe.skip()
+            self.backoff.skip()
         return k
 
     def try_due(self, kind: str) -> bool:
         """Whether a try of a kind not preferred is due: after the try's wait (16 drafting rounds, doubling with
         each try), once the rounds since the last try absorb its expected loss against the preferred kind (by
-        their timed gains) at `PROBE_SHARE` of their time, as a dropped drafter's tries are paced, and at the
+        their timed gains) at `RETRY_SHARE` of their time, as a dropped drafter's tries are paced, and at the
         latest after the longest wait. A kind close to the preferred one is tried every wait; one far below it
         seldom (batched translation: the drafter's own rounds at 1.0x plain beside copies alone at 2.4x, each try
         a loss of more than a round)."""
-        p, gains = self.probe, self.gains
+        p, gains = self.backoff, self.gains
         best, gain = gains[self.preferred] or 0.0, gains[kind]
         loss = MEASURED_ROUNDS * (max(1.0 - gain / best, 0.0) if gain is not None and best > 0 else 0.0)
-        return p.due() and (p.absorbs(loss, PROBE_SHARE) or p.skipped >= p.most)
+        return p.due() and (p.absorbs(loss, RETRY_SHARE) or p.skipped >= p.most)
 
     def first_of_kind(self, timing) -> bool:
-        """Whether a wide round is among the first `MEASURED_ROUNDS` of its kind (`ALONE`, `BESIDE`, `COPIES`) in
+        """Whether a wide round is among the first `MEASURED_ROUNDS` of its kind (`EAGLE`, `EAGLE_COPY`, `COPY`) in
         this call: what a measured verdict on the kind needs, at most six rounds a call, so their loss is not held
         against the loss budget (else one losing try at the start of a call, a few plain rounds' time in, would
         spend it and rest every source for a dozen rounds)."""
         depth, copies = timing.kind or (timing.depth, timing.copies)
-        kind = (ALONE, BESIDE)[copies] if depth else COPIES
+        kind = (EAGLE, EAGLE_COPY)[copies] if depth else COPY
         self.tries.rounds_of[kind] = self.tries.rounds_of.get(kind, 0) + 1
         return self.tries.rounds_of[kind] <= MEASURED_ROUNDS

@@ -9,8 +9,8 @@ most recent occurrences (a bounded scan, independent of the context length).
 The `CopySource` turns matches into branches for the round's draft tree and decides their lengths from running
 acceptance: a copy token is drafted while the probability that it is reached and accepted exceeds the extra
 verify cost it adds (both in units of one-token target forwards, whose value is one token), so a long, reliable
-match earns a long branch and a source that keeps failing drafts nothing; it probes again after a wait that
-doubles with each failed probe.
+match earns a long branch and a source that keeps failing drafts nothing; it retries after a wait that
+doubles with each failed retry (exponential backoff).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from .probe import Probe
+from .backoff import Backoff
 
 #: occurrences scanned per suffix length (the most recent first): bounds a lookup's cost at any context length
 MAX_OCCURRENCES = 8
@@ -124,36 +124,36 @@ class CopySource:
         self.index = CopyIndex(max_ngram)
         self.acceptance = CopyAcceptance(max_ngram)
         self.length, self.num_branches, self.marginal_cost = length, num_branches, marginal_cost
-        self.probe = Probe(probe_every, max_probe_every)  # when a dropped source tries again
+        self.backoff = Backoff(probe_every, max_probe_every)  # when a dropped source tries again
         self.branches: list[Branch] = []  # this round's proposal
 
-    def propose(self, room: int, verified: int = 1, probe_only: bool = False, probe: bool | None = None) -> list[Branch]:
+    def propose(self, room: int, verified: int = 1, retry_only: bool = False, retry: bool | None = None) -> list[Branch]:
         """This round's branches (at most `room` tokens each) on top of a tree of `verified` tokens (1: sized by
         their own acceptance, as copy drafting alone sizes them, whoever else drafts this round); with
-        `probe_only` (drafting rounds were measured not to pay) only a probe. `probe`: whether this round may
-        probe, decided by the caller (a batch probes all its rows in the same rounds: every row pays for the
+        `retry_only` (drafting rounds were measured not to pay) only a retry. `retry`: whether this round may
+        retry, decided by the caller (a batch retries all its rows in the same rounds: every row pays for the
         widest row's tree); None: the source's own wait decides."""
         self.branches = []
         if room <= 0:
             return self.branches
         matches = self.index.matches(self.num_branches, min(self.length, room))
-        probing = False
+        retrying = False
         for tokens, match in matches:
             tokens = _through_stop(tokens, self.stop_tokens)
             n = 0
-            while not probe_only and n < len(tokens) and self.acceptance.reach(match, n) > self.marginal_cost(verified):
+            while not retry_only and n < len(tokens) and self.acceptance.reach(match, n) > self.marginal_cost(verified):
                 n, verified = n + 1, verified + 1
-            due = self.probe.due() if probe is None else probe
+            due = self.backoff.due() if retry is None else retry
             if n == 0 and not self.branches and due and self.marginal_cost(verified) < 1:
                 # refresh the estimates of a source that was dropped; never where even a sure hit costs more than
                 # it yields (a large batch: every row pays for one row's longer tree)
-                n, probing = min(2, len(tokens)), True
+                n, retrying = min(2, len(tokens)), True
             if n:
                 self.branches.append(Branch(tokens[:n], match))
         if matches and not self.branches:
-            self.probe.skip()
-        elif probing:
-            self.probe.restart()
+            self.backoff.skip()
+        elif retrying:
+            self.backoff.restart()
         return self.branches
 
     def expected_tokens(self) -> float:
@@ -193,7 +193,7 @@ class CopySource:
             self.acceptance.update(branch.match, len(branch.tokens), n)
             reached = max(reached, n)
         if self.branches:
-            self.probe.paid() if reached else self.probe.failed()
+            self.backoff.paid() if reached else self.backoff.failed()
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

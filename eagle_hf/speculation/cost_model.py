@@ -67,7 +67,7 @@ class CostModel:
         forwards unless the drafter caught up on plain rounds' rows (each drafting row's share of one)."""
         if timing.verify is not None:
             self.observe_forward(timing.rows * timing.width, timing.verify)
-        if timing.draft is not None and timing.levels and timing.drafting_rows and not timing.backlog:
+        if timing.draft is not None and timing.levels and timing.drafting_rows and not timing.drafter_prefill:
             self.observe_draft_step(timing.draft / timing.drafting_rows / timing.levels)
 
     def observe_draft_step(self, seconds: float) -> None:

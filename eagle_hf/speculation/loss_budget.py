@@ -10,7 +10,7 @@ branches) that emitted fewer tokens than plain rounds would have in its time add
 that emitted more takes it off), and the batch widens its rounds only while the loss stays within `share` of its
 time (the first rounds of each kind of drafting round in a call, what its measured verdict needs, are not held
 against it: `BatchPlan.first_of_kind`). Where drafting pays the loss is negative and nothing
-changes; where it does not, probes and copy branches together cost at most a few per cent.
+changes; where it does not, retries and copy branches together cost at most a few per cent.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ which fall as a batch's rows finish).
 
 from __future__ import annotations
 
-from .batch_plan import ALONE, COPIES, MEASURED_ROUNDS
+from .batch_plan import COPY, EAGLE, MEASURED_ROUNDS
 
 
 class OneRowPolicy:
@@ -31,7 +31,7 @@ class OneRowPolicy:
         return {}
 
     def copies_draft(self, s, depth: int) -> bool:
-        """Whether copy branches draft this round, where they do not rest (else they only probe): they do."""
+        """Whether copy branches draft this round, where they do not rest (else they only retry): they do."""
         return True
 
     def try_kinds(self, s, k: int) -> int:
@@ -60,7 +60,7 @@ class BatchPolicy:
     `plain_every` drafting rounds, and it chooses its kind of drafting round (`BatchPlan`)."""
 
     def timed(self, s) -> dict:
-        """The drafter's depths timed `MEASURED_ROUNDS` times without copy branches beside it; where none was,
+        """The drafter's depths timed `MEASURED_ROUNDS` times without copy branches in its tree; where none was,
         with them."""
         timed = {key: sums for key, sums in s.budget.timed(MEASURED_ROUNDS).items()
                  if 0 < key[0] <= s.max_draft and sums.expected}
@@ -85,7 +85,7 @@ class BatchPolicy:
         """Beside the drafter and in a plan of copies alone they draft; in a round where the drafter rests while
         nothing pays, while their timed rounds alone beat plain ones (before any was timed too)."""
         measured = s.kinds.copies_gain
-        return depth > 0 or s.plan == COPIES or measured is None or measured >= s.keep_gain
+        return depth > 0 or s.plan == COPY or measured is None or measured >= s.keep_gain
 
     def try_kinds(self, s, k: int) -> int:
         """This round's drafter depth: in a drafting round of a batch with both sources, a kind it does not prefer
@@ -97,7 +97,7 @@ class BatchPolicy:
     def kind(self, s, depth: int) -> tuple[int, bool] | None:
         """This round's kind as the batch's timed rounds key it, (the drafter's depth, whether copy branches join
         it), where its plan chose a drafting round."""
-        return None if s.plan is None else (depth, s.plan != ALONE)
+        return None if s.plan is None else (depth, s.plan != EAGLE)
 
     def plain_first(self, s) -> bool:
         """Whether no plain round was timed yet: a batch times one before anything else (its losses are counted

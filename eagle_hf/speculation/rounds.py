@@ -24,7 +24,7 @@ class Round(StrEnum):
     DRAFT = "draft"
     FALLBACK = "fallback"
     FINAL = "final"
-    PASSENGER = "passenger"
+    PADDING = "padding"
 
 
 @dataclass
@@ -105,8 +105,8 @@ class RoundTiming:
     `rows` verified `width` tokens each (1: a plain round); `drafting_rows` shared the drafter, whose draft
     levels took `levels` forwards after its catch-up (fewer than the depth where a tree was pruned), the deepest
     row's tree of `depth` (0: copy branches alone, or a plain round); `copies`: copy branches were verified;
-    `tokens`: what each live row emitted on average; `backlog`: the drafter caught up on plain rounds' rows
-    (not a regular round's cost); `batch`: the call decodes several rows; `kind`: the kind of drafting round a
+    `tokens`: what each live row emitted on average; `drafter_prefill`: the drafter's catch-up read rows of rounds it did
+    not draft in (the prompt, plain rounds: not a regular round's cost); `batch`: the call decodes several rows; `kind`: the kind of drafting round a
     batch planned (`DraftLengthController.kind`), whatever its rows then drafted."""
 
     seconds: float | None = None  # the whole round
@@ -120,7 +120,7 @@ class RoundTiming:
     depth: int = 0
     copies: bool = False
     tokens: float = 1.0
-    backlog: bool = False
+    drafter_prefill: bool = False
     batch: bool = False
     kind: tuple[int, bool] | None = None
 
@@ -149,7 +149,7 @@ def round_facts(speculators, width: int, batch: bool = False, kind: tuple[int, b
     return dict(rows=len(speculators), width=width, drafting_rows=len(drafting),
                 levels=max((sp.this_round.drafter_levels for sp in drafting), default=0),
                 depth=max((sp.eagle_depth for sp in drafting), default=0),
-                copies=any(sp.copying for sp in speculators), backlog=any(sp.backlog for sp in drafting),
+                copies=any(sp.copying for sp in speculators), drafter_prefill=any(sp.drafter_prefill for sp in drafting),
                 batch=batch, kind=kind)
 
 

@@ -7,10 +7,10 @@ Four parts, each in its own module, meet here:
   depth k yields;
 * `RoundCosts` (`round_costs`): what a round of depth k costs, in one-token target forwards (the cost model's
   forwards plus the overheads the loop times);
-* `Probe` (`probe`): the longest a dropped drafter waits before it tries again (a wait that doubles after each
+* `Backoff` (`backoff`): the longest a dropped drafter waits before it tries again (a wait that doubles after each
   failed try);
 * `LossBudget` (`loss_budget`): a batch's verdict from its own timed rounds;
-* `BatchPlan` (`batch_plan`): a batch's kind of drafting round (its drafter alone, with copy branches beside it,
+* `BatchPlan` (`batch_plan`): a batch's kind of drafting round (its drafter alone, with copy branches in its tree,
   or copy branches alone), from its timed rounds of each kind.
 
 What a batch decides otherwise than a single row (its timed rounds, its plain rounds, its kinds) is its policy's
@@ -18,8 +18,8 @@ What a batch decides otherwise than a single row (its timed rounds, its plain ro
 
 The schedule drafts ``argmax_k E(k) / cost(k)`` (against a plain round's one token for its cost) while that beats
 plain decoding, with hysteresis (start above `min_gain`, keep until below `keep_gain`, after a warm-up). When it does
-not, a dropped drafter tries again once the rounds it sat out absorb a try's expected loss at `PROBE_SHARE` of
-their time (just below break-even: within a round or two; a poor drafter waits, at most the probe's wait), so a
+not, a dropped drafter tries again once the rounds it sat out absorb a try's expected loss at `RETRY_SHARE` of
+their time (just below break-even: within a round or two; a poor drafter waits, at most the retry's wait), so a
 drafter that never helps costs about that share, and a drop decided on a few rounds is soon revisited; a drafter
 never tried drafts once first. A round's timings enter through one door (`observe`), its acceptance through another
 (`update`). Given the same measurements it makes the same decisions.
@@ -31,23 +31,23 @@ import logging
 from enum import StrEnum
 
 from .acceptance import AcceptanceEstimate
-from .batch_plan import ALONE, BESIDE, COPIES, MEASURED_ROUNDS, BatchPlan, Plan
+from .backoff import RETRY_SHARE, Backoff
+from .batch_plan import COPY, EAGLE, EAGLE_COPY, MEASURED_ROUNDS, BatchPlan, Plan
 from .cost_model import CostModel
 from .loss_budget import LossBudget
 from .policy import BATCH, ONE_ROW, BatchPolicy, OneRowPolicy
-from .probe import PROBE_SHARE, Probe
 from .round_costs import RoundCosts
 
 logger = logging.getLogger(__name__)
-__all__ = ["ALONE", "BESIDE", "COPIES", "MEASURED_ROUNDS", "CopyAction", "DraftLengthController", "Plan",
+__all__ = ["COPY", "EAGLE", "EAGLE_COPY", "MEASURED_ROUNDS", "CopyAction", "DraftLengthController", "Plan",
            "choose_tree_size"]
 
 
 class CopyAction(StrEnum):
-    """What copy branches do in a round: draft, only probe (in the probe rounds), or rest."""
+    """What copy branches do in a round: draft, only retry (in the retry rounds), or rest."""
 
     DRAFT = "draft"
-    PROBE = "probe"
+    RETRY = "retry"
     REST = "rest"
 
 
@@ -57,7 +57,7 @@ class DraftLengthController:
     `tree`: (top_k, total_tokens) to cost trees of depth k instead of chains of k; `rows`: rows verified together;
     `acceptance`: the starting estimate, per depth or as an `AcceptanceEstimate` (the process's last call's,
     `AcceptanceEstimate.carried`; default: a flat prior); `drafts`: whether a drafter drafts
-    (False: copy branches alone, which a batch's schedule times, rests and probes all the same); `copying`: whether
+    (False: copy branches alone, which a batch's schedule times, rests and retries all the same); `copying`: whether
     copy branches draft (False: the drafter alone, a batch's only kind of drafting round)."""
 
     def __init__(self, cost: CostModel, max_draft: int = 8, probe_every: int = 16, max_probe_every: int = 64,
@@ -70,7 +70,7 @@ class DraftLengthController:
         self.acceptance = (acceptance if isinstance(acceptance, AcceptanceEstimate)
                            else AcceptanceEstimate(max_draft, values=list(acceptance or [])))
         self.costs = RoundCosts(cost, tree=tree, rows=rows)
-        self.probe = Probe(probe_every, max_probe_every)
+        self.backoff = Backoff(probe_every, max_probe_every)
         self.kinds = BatchPlan(probe_every, max_probe_every, drafts, copying)  # a batch's kind of drafting round
         self.budget = LossBudget(share=loss_budget, plain_every=plain_every)
         self.rest = False  # this round of a batch is plain for every source (copy branches rest too): it times a
@@ -127,7 +127,7 @@ class DraftLengthController:
     def timed_gain(self, k: int, d: int, timed) -> float:
         """A batch's gain at depth k from its rounds timed at depth d <= k (`LossBudget.timed`), against its timed
         plain rounds. Tokens: the model's E(k), scaled by what d's rounds yielded over what the model expected of
-        them (copy branches beside the drafter, an acceptance model off for this text); the acceptance the model
+        them (copy branches with the drafter, an acceptance model off for this text); the acceptance the model
         tracks round by round stays its own, so a stretch of poor rounds is not kept once the drafter rests.
         Seconds: d's timed rounds, scaled along the model from d to k (a plain round of many rows, or a wide
         one, is not what one row's forwards say)."""
@@ -149,21 +149,21 @@ class DraftLengthController:
         """What copy branches do this round: a `CopyAction`. A
         single row's (`depth` None) draft: its own plan choice follows (`Speculator.choose_depth`). A batch's
         (`depth`: its drafter's this round) rest with every source (`rest`) and where its drafter drafts alone;
-        they draft beside its drafter and where they draft alone (`plan`); in a round where its drafter rests
+        they draft with its drafter and where they draft alone (`plan`); in a round where its drafter rests
         while nothing pays, they draft while their timed rounds alone beat plain ones (before any was timed too),
-        else only probe."""
+        else only retry."""
         if depth is None:
             return CopyAction.DRAFT
         if self.rest or (depth > 0 and not self.copies):
             return CopyAction.REST
-        return CopyAction.DRAFT if self.policy.copies_draft(self, depth) else CopyAction.PROBE
+        return CopyAction.DRAFT if self.policy.copies_draft(self, depth) else CopyAction.RETRY
 
     def choose(self) -> int:
         """This round's drafter depth (0: a plain round, or copy branches alone; `rest`: every source rests), and
         in a batch its kind of drafting round (`plan`)."""
         k = self._choose()
         k = self.policy.try_kinds(self, k)
-        depth = 0 if self.plan == COPIES else k
+        depth = 0 if self.plan == COPY else k
         self.kinds.kind = self.policy.kind(self, depth)
         return depth
 
@@ -178,42 +178,42 @@ class DraftLengthController:
             if self.policy.plain_due(self):
                 return self._rest()  # a batch's plain round now and then
             self._drafting = self._tried = True
-            self.probe.paid()
-            self.probe.restart()
+            self.backoff.paid()
+            self.backoff.restart()
             self.budget.since_plain += 1
             return k
         self._drafting = False
-        if self.plan == COPIES:  # (nothing pays: the drafter tries alone or beside copies, as it prefers)
+        if self.plan == COPY:  # (nothing pays: the drafter tries alone or with copies, as it prefers)
             self.kinds.plan = self.kinds.drafter_plan
         if not self._tried or self.policy.untimed(self):  # a drafter never tried is tried at once: its costs
             # and acceptance are priors yet (in a batch, until its rounds were timed: a batch's verdict is measured)
             self._tried = True
-            self.probe.restart()
+            self.backoff.restart()
             return k
-        if self._probe_due(k, gain):  # probe: draft once to refresh the estimates
-            self.probe.restart()
-            self.probe.failed()  # (until a round pays again)
+        if self._retry_due(k, gain):  # retry: draft once to refresh the estimates
+            self.backoff.restart()
+            self.backoff.failed()  # (until a round pays again)
             return k
-        self.probe.skip()
+        self.backoff.skip()
         self.budget.since_plain, self.kinds.plan = 0, None
         return 0
 
-    def _probe_due(self, k: int, gain: float) -> bool:
+    def _retry_due(self, k: int, gain: float) -> bool:
         """Whether a dropped drafter tries again this round (at depth k, expected to yield `gain` of a plain
-        round's rate): once the rounds it sat out absorb the try's expected loss at `PROBE_SHARE` of their time
-        (halved with each failed try), and at the latest after the probe's wait, longer the more a try costs (in
+        round's rate): once the rounds it sat out absorb the try's expected loss at `RETRY_SHARE` of their time
+        (halved with each failed try), and at the latest after the retry's wait, longer the more a try costs (in
         a big batch it pads every row's round). A drafter just below break-even loses little by trying and tries
         again within a round or two:
         a drop decided on a few rounds' acceptance and costs measured a few per cent apart (as two processes
         measure them) is not kept for a whole call; a poor drafter waits."""
         cost = self.costs.relative_cost(k)  # a try, in plain rounds
         loss = cost * max(1.0 - gain, 0.0)  # plain rounds a try is expected to lose
-        return self.probe.absorbs(loss, PROBE_SHARE) or self.probe.due(cost)
+        return self.backoff.absorbs(loss, RETRY_SHARE) or self.backoff.due(cost)
 
-    def joined(self) -> None:
-        """The drafter drafts this round beside copy branches, though a round of its own would not pay (its
-        margin beside them does: `Speculator.choose_depth`): its estimates are refreshed as a probe's are."""
-        self.probe.restart()
+    def drafts_with_copies(self) -> None:
+        """The drafter drafts this round with copy branches, though a round of its own would not pay (its
+        marginal cost with them does: `Speculator.choose_depth`): its estimates are refreshed as a retry's are."""
+        self.backoff.restart()
 
     def _rest(self) -> int:
         self.rest, self.budget.since_plain, self.kinds.plan = True, 0, None
@@ -225,23 +225,23 @@ class DraftLengthController:
         teach the loop's own costs (a drafter catching up on plain rounds' rows is neither a regular drafting
         round nor a plain one), a batch's timed drafting rounds (by the kind its plan chose, whatever its rows
         then drafted; a round that caught up counts as the regular round it would have been: its catch-up's time
-        replaced by a regular one's, so that a resting drafter's probes are timed) and its loss budget (every round as it was: catching up is part of what drafting
+        replaced by a regular one's, so that a resting drafter's retries are timed) and its loss budget (every round as it was: catching up is part of what drafting
         costs)."""
         t, c = timing, self.costs
         c.cost.observe(t)
-        if t.catch_up is not None and t.drafting_rows and not t.backlog:
+        if t.catch_up is not None and t.drafting_rows and not t.drafter_prefill:
             c.observe_drafter(t.catch_up / t.drafting_rows)
         if t.seconds is None:
             return
         kind = t.kind or (t.depth, t.copies)
         if t.width > 1 or t.kind:
             seconds = t.seconds
-            if t.backlog and t.catch_up is not None:
+            if t.drafter_prefill and t.catch_up is not None:
                 seconds += c.round_overhead * c.cost.base_seconds * t.drafting_rows - t.catch_up
-            if not t.backlog or t.catch_up is not None:
+            if not t.drafter_prefill or t.catch_up is not None:
                 expected = self.acceptance.expected_tokens(kind[0]) if kind[0] else 0.0  # (what the model expected)
                 self.budget.observe_cycle(seconds, t.tokens, kind, expected)
-            if not t.backlog and t.width > 1:
+            if not t.drafter_prefill and t.width > 1:
                 c.observe_cycle(t.seconds, t.width, t.levels)
         if not t.wide:
             self.budget.observe_plain(t.seconds)

@@ -71,9 +71,9 @@ class CurrentRound:
 class Speculator:
     """The drafter's side of one `generate()` call. Its round (`this_round`, a `CurrentRound`) is of a kind of
     `Round` (prefill, a draft-and-verify cycle, a plain step the schedule chose or one without room for drafts, a
-    finished batch row kept as a passenger: its root alone, never drafting again). Only this class writes its round
+    finished batch row kept as a padding row: its root alone, never drafting again). Only this class writes its round
     and its row in the drafter's cache (`cache_row`, a `CacheRow`); the loops say what happened (`prefill`,
-    `ride_along`, `move_to`) and read the round's kind and drafter depth (`round`, `eagle_depth`)."""
+    `keep_as_padding`, `move_to`) and read the round's kind and drafter depth (`round`, `eagle_depth`)."""
 
     def __init__(
         self,
@@ -138,23 +138,23 @@ class Speculator:
             self.copy.branches = []  # (none left from an earlier round)
         if self.copy is not None and copies != CopyAction.REST:
             paying = copies == CopyAction.DRAFT
-            # a batch where drafting does not pay probes its rows' copies together, in the controller's probe
-            # rounds: one row's probe widens every row's round
-            probe = None if paying or planned is None else planned > 0
+            # a batch where drafting does not pay retries its rows' copies together, in the controller's retry
+            # rounds: one row's retry widens every row's round
+            retry = None if paying or planned is None else planned > 0
             # sized by their own acceptance, as copy drafting alone sizes them
-            branches = self.copy.propose(room, probe_only=not paying, probe=probe)
+            branches = self.copy.propose(room, retry_only=not paying, retry=retry)
             # the controller rests the drafter where a round of its own would not pay; where copies draft anyway
-            # it costs only its margin beside them (its levels, its catch-up, a few more verified tokens)
-            beside = bool(depth == 0 and branches and planned is None and self.controller is not None
+            # it costs only its marginal cost with them (its levels, its catch-up, a few more verified tokens)
+            with_copies_only = bool(depth == 0 and branches and planned is None and self.controller is not None
                           and self.settings.uses_eagle)
-            if beside:
+            if with_copies_only:
                 depth = min(self.controller.best()[0], room)
-            if depth > 0 and branches and probe is None:  # (a batch's probe round probes the drafter too)
+            if depth > 0 and branches and retry is None:  # (a batch's retry round retries the drafter too)
                 drafter, copies = self._sources_that_pay(depth)
-                if beside:  # it joins the copies or rests (alone it does not pay)
+                if with_copies_only:  # it joins the copies or rests (alone it does not pay)
                     depth = depth if drafter and copies else 0
                     if depth:
-                        self.controller.joined()
+                        self.controller.drafts_with_copies()
                 else:
                     depth = depth if drafter else 0
                     if not copies:
@@ -184,8 +184,9 @@ class Speculator:
         return self.this_round.kind == Round.DRAFT and self.copy is not None and bool(self.copy.branches)
 
     @property
-    def backlog(self) -> bool:
-        """Whether this round's drafter caught up on plain steps' rows (not a regular round's cost)."""
+    def drafter_prefill(self) -> bool:
+        """Whether this round's catch-up is a prefill of the drafter: it reads rows of rounds it did not draft in
+        (the prompt, plain steps), not a regular round's accepted tokens (nor its cost)."""
         return self.this_round.eagle_depth > 0 and not self.cache_row.after_cycle
 
     def graft_copy(self, tree: DraftTree) -> DraftTree:
@@ -203,9 +204,9 @@ class Speculator:
         """The target reads the prompt this round: nothing to draft."""
         self.this_round.kind = Round.PREFILL
 
-    def ride_along(self) -> None:
+    def keep_as_padding(self) -> None:
         """This row has finished but stays in the batch (a cheaper forward): its root alone from now on."""
-        self.this_round.kind = Round.PASSENGER
+        self.this_round.kind = Round.PADDING
 
     def move_to(self, slot: int) -> None:
         """Rows left the batch: this row is now `slot` in the shared drafter cache."""
@@ -261,7 +262,7 @@ class Speculator:
         """(drafter, copies): who drafts this round, of the drafter's tree of `depth` and the proposed copy
         branches: the plan with the most tokens per cost, of the copies alone, the drafter alone and both
         (tokens and costs in one-token target forwards, from running acceptances and measured costs). The
-        drafter's drafts add tokens beside the copies where every copy's first token is rejected; it costs its
+        drafter's drafts add tokens to the copies' tokens where every copy's first token is rejected; it costs its
         levels, its catch-up and the wider verify. Where copies stream the drafter waits; where copies keep
         missing the drafter drafts alone."""
         if self.controller is None:
