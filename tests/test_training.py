@@ -464,9 +464,10 @@ def test_sharegpt_original_answers_follow_the_prompt_order(tmp_path):
 
 
 def test_the_target_start_keeps_every_unrolled_step_at_the_targets_scale():
-    """A fresh drafter starts from the target's head and final norm. Where the norm scales channels unevenly
+    """A fresh drafter starts from the target's head. Where the target's final norm scales channels unevenly
     (Gemma 3: 0.19 to 301), the state an EAGLE-3.1 drafter feeds back must not be scaled again at each step: the
-    warm-started drafter's steps 0 and 1 give the same logits, and step 0's are the target's head over `fc`."""
+    warm-started drafter's steps 0 and 1 give the same logits, the target's head over `fc`'s output at the median
+    RMS of the target's final states."""
     from conftest import HIDDEN
 
     from eagle_hf.training.trainer import initialise_from_target
@@ -480,13 +481,16 @@ def test_the_target_start_keeps_every_unrolled_step_at_the_targets_scale():
     samples = [{"input_ids": torch.zeros(40, dtype=torch.long), "aux": torch.randn(40, 3 * HIDDEN, generator=g),
                 "final": torch.randn(40, HIDDEN, generator=g) * scale} for _ in range(4)]
     vocab = DraftVocab(d2t=torch.zeros(32, dtype=torch.long), t2d=torch.ones(VOCAB, dtype=torch.bool), coverage=1.0)
-    initialise_from_target(drafter, samples, vocab, head, scale)
+    initialise_from_target(drafter, samples, vocab, head)
+    finals = torch.cat([s["final"][1:39] for s in samples])  # the states `fc` was fitted to
+    median_rms = finals.pow(2).mean(-1).sqrt().median()
+    torch.testing.assert_close(drafter.norm.weight, torch.full((HIDDEN,), median_rms.item()))
     tokens, positions = torch.tensor([[5, 6, 7]]), torch.arange(3)[None]
-    first = drafter.step(drafter.fuse(samples[0]["aux"][None, :3]), tokens, positions)
+    fused = drafter.fuse(samples[0]["aux"][None, :3])  # [1, 3, H]
+    first = drafter.step(fused, tokens, positions)
     second = drafter.step(first.hidden, tokens, positions + 1)
-    fused = drafter.fuse(samples[0]["aux"][None, :3])
-    expected = (fused * torch.rsqrt(fused.pow(2).mean(-1, keepdim=True) + drafter.config.rms_norm_eps)) @ (head * scale).T
-    torch.testing.assert_close(first.logits, expected, rtol=1e-4, atol=1e-4)
+    unit = fused * torch.rsqrt(fused.pow(2).mean(-1, keepdim=True) + drafter.config.rms_norm_eps)
+    torch.testing.assert_close(first.logits, median_rms * unit @ head.T, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(second.logits, first.logits, rtol=1e-4, atol=1e-4)
 
 

@@ -19,19 +19,6 @@ COMPILED_WARMUP_CALLS = 3
 _SHAPE_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Counter of input shapes
 
 
-def final_norm_scale(target) -> torch.Tensor:
-    """The effective per-channel scale of the target's final norm ([H], float32): Gemma-style norms multiply
-    by ``1 + weight``, Llama-style ones by ``weight``; a target without a final norm scales by 1."""
-    base = target.get_decoder() if hasattr(target, "get_decoder") else target.model
-    norm = getattr(base, "norm", None)
-    if norm is None or not hasattr(norm, "weight"):
-        return torch.ones(target.config.get_text_config().hidden_size)
-    w = norm.weight.detach().float()
-    if type(norm).__name__.startswith("Gemma"):
-        w = 1.0 + w
-    return w
-
-
 def compiled_graphs() -> int:
     """How many graphs torch.compile has compiled in this process (read on the host: no device work)."""
     from torch._dynamo.utils import counters

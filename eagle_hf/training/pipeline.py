@@ -18,7 +18,6 @@ import torch
 
 from ..drafter.capture import default_aux_layer_ids, num_decoder_layers, resolve_aux_layer_ids
 from ..drafter.modeling import EagleDrafter
-from ..hf.models import final_norm_scale
 from .data import META_FILE, build_dataset, load_shards
 from .prompts import load_prompts
 from .sources import AnswerSource, DataFolder, capture_sources, check_folder_fits, describe_folder, parse_answer_specs
@@ -237,7 +236,7 @@ def _make_data(target, tokenizer, out, run, plan: DataPlan, aux_ids, prompts_sou
 
 def prepare_drafter_for_training(target, folders, run: RunConfig, aux_ids, init: EagleDrafter | None = None):
     """Load every folder's samples, then the drafter: the init drafter (its vocabulary) or a fresh one, warm-started
-    from the target (lm_head rows, final norm, ridge-fitted fc)."""
+    from the target (lm_head rows, a uniform final norm, ridge-fitted fc)."""
     if isinstance(folders, (str, Path)):
         folders = [DataFolder(Path(folders))]
     samples, sources, greedy = [], [], []
@@ -277,7 +276,7 @@ def prepare_drafter_for_training(target, folders, run: RunConfig, aux_ids, init:
     head = target.get_output_embeddings().weight[vocab.target_ids].detach().float()
     if init is None:
         torch.manual_seed(run.seed)
-        initialise_from_target(drafter, samples, vocab, head, final_norm_scale(target))
+        initialise_from_target(drafter, samples, vocab, head)
     drafter.config.draft_vocab_coverage = vocab.coverage
     info = {"sources": sources, "greedy": greedy, "folders": [str(f.path) for f in folders],
             "answer_tokens": int(sum(int(s["loss_mask"].sum()) for s in samples)), "conversations": len(samples)}

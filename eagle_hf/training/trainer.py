@@ -428,18 +428,18 @@ def save_state(path: Path, drafter, opt, step: int) -> None:
 
 
 @torch.no_grad()
-def initialise_from_target(drafter: EagleDrafter, samples, vocab: DraftVocab, head_weight, final_norm_weight, max_rows: int = 20000):
-    """Warm start (training_notes.md): the target's lm_head rows with its final norm's scale folded in, a unit
-    final norm, the layer's output projections at zero, and `fc` fitted by least squares so that the drafter starts
-    out predicting the next position.
+def initialise_from_target(drafter: EagleDrafter, samples, vocab: DraftVocab, head_weight, max_rows: int = 20000):
+    """Warm start (training_notes.md): the target's lm_head rows, a final norm of one uniform scale, the layer's
+    output projections at zero, and `fc` fitted by least squares so that the drafter starts out predicting the
+    next position's final hidden state (what the target's lm_head reads), up to its scale.
 
-    The scale goes into `lm_head` rather than the drafter's norm because an EAGLE-3.1 drafter feeds its post-norm
-    state back as the next step's residual: a copied norm would apply the target's scale once more at every
-    unrolled step (Gemma 3's final norm scales channels by 0.19 to 301, so logits grew with depth). With a unit
-    norm, the warm-started drafter's fed-back state is a fixed point of its norm and every step starts out alike."""
-    scale = final_norm_weight.float().to(head_weight.device)  # [H]
-    drafter.lm_head.weight.copy_((head_weight.float() * scale).to(drafter.lm_head.weight.dtype))  # [Vd, H]
-    drafter.norm.weight.fill_(1.0)
+    The target's per-channel final-norm scale is not copied. An EAGLE-3.1 drafter feeds its post-norm state back
+    as the next step's residual, so a per-channel scale would be applied again at every unrolled step; a uniform
+    scale (the median RMS of the target's final states) is not, since RMSNorm ignores it: the warm-started
+    drafter's fed-back state is a fixed point of its norm. And the fit is made in the space lm_head reads, where
+    an error costs the same on every channel: Gemma 3's final norm scales channels by 0.19 to 301, and a drafter
+    fitted before that scale had its logits move by hundreds of nats for a small step of the optimiser."""
+    drafter.lm_head.weight.copy_(head_weight.to(drafter.lm_head.weight.dtype))
     drafter.midlayer.self_attn.o_proj.weight.zero_()
     drafter.midlayer.mlp.down_proj.weight.zero_()
     xs, ys = [], []
@@ -453,10 +453,11 @@ def initialise_from_target(drafter: EagleDrafter, samples, vocab: DraftVocab, he
         rows += n - 2
         if rows >= max_rows:
             break
-    x = torch.cat(xs)[:max_rows]
-    w = final_norm_weight.float().cpu()
-    w = torch.where(w.abs() < 1e-3, torch.full_like(w, 1e-3), w)  # norm weights may be negative
-    y = torch.cat(ys)[:max_rows] / w
+    x = torch.cat(xs)[:max_rows]  # [N, A*H_t]
+    y = torch.cat(ys)[:max_rows]  # [N, H_t] the target's final states, as its lm_head reads them
+    rms = y.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)  # [N, 1]
+    y = y / rms  # unit RMS: the drafter's norm removes any scale of its input anyway
+    drafter.norm.weight.fill_(rms.median().item())
     if drafter.fc_norm is not None:
         chunks = x.chunk(len(drafter.fc_norm), dim=-1)
         x = torch.cat([c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + drafter.config.rms_norm_eps) for c in chunks], -1)
