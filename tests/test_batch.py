@@ -431,14 +431,14 @@ def test_rounds_that_catch_the_drafter_up_do_not_teach_the_controller_their_catc
     from eagle_hf.speculation.schedule import DraftLengthController
 
     events = []
-    plan = tree_loop.TreeLoop.plan
+    draft = tree_loop.TreeLoop.draft
 
-    def logged_plan(self, active, planned=None, marks=None):
-        trees = plan(self, active, planned, marks)
+    def logged_draft(self, active, batch, marks=None):
+        out = draft(self, active, batch, marks)
         events.append("drafter_prefill" if any(r.sp.drafter_prefill for r in active) else "round")
-        return trees
+        return out
 
-    monkeypatch.setattr(tree_loop.TreeLoop, "plan", logged_plan)
+    monkeypatch.setattr(tree_loop.TreeLoop, "draft", logged_draft)
     plan_of_rounds = iter([2, 2, 0, 0, 2, 2, 0, 2] * 4)  # drafting, plain rounds, then a retry after them
     monkeypatch.setattr(DraftLengthController, "choose", lambda self: next(plan_of_rounds))
     watched = [(LossBudget, "observe_plain"), (LossBudget, "observe_cycle"), (LossBudget, "account"),

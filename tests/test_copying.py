@@ -11,6 +11,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 import eagle_hf
 from eagle_hf.speculation.copying import MAX_OCCURRENCES, CopyIndex, CopySource
+from eagle_hf.speculation.round_plan import plan_round
 from eagle_hf.speculation.settings import DraftSettings, DraftSettingsError
 from eagle_hf.speculation.stats import merge_stats
 from eagle_hf.speculation.tree import COPY, EAGLE, DraftTree
@@ -276,13 +277,18 @@ def _speculator(sources: str, copy_first: float, drafter_acceptance: float):
     return sp
 
 
+def _depth(sp, room: int) -> int:
+    """The drafter's depth in this row's plan of a round (`plan_round`), which the row then executes."""
+    return plan_round([sp], [room]).depths[0]
+
+
 def test_copy_branches_are_sized_alike_beside_the_drafter_or_alone():
     """A round where only copies draft is a copy-alone round: the same branches, not cut to leave the drafter's
     tree room (issue 35)."""
     rounds = {}
     for sources in ("eagle+copy", "copy"):
         sp = _speculator(sources, copy_first=0.6, drafter_acceptance=0.6)
-        sp.choose_depth(room=50)
+        _depth(sp, room=50)
         rounds[sources] = [b.tokens for b in sp.copy.branches]
     assert rounds["eagle+copy"] == rounds["copy"] and len(rounds["copy"]) == 2
     assert len(rounds["copy"][0]) > 4
@@ -291,12 +297,12 @@ def test_copy_branches_are_sized_alike_beside_the_drafter_or_alone():
 def test_each_round_drafts_with_the_sources_that_pay():
     """Of the copies alone, the drafter alone and both, the plan with the most tokens per cost (issue 35)."""
     streaming = _speculator("eagle+copy", copy_first=0.9, drafter_acceptance=0.5)
-    assert streaming.choose_depth(room=50) == 0 and streaming.round == "draft"  # copies alone this round
+    assert _depth(streaming, room=50) == 0 and streaming.round == "draft"  # copies alone this round
     assert streaming.copy.branches
     failing = _speculator("eagle+copy", copy_first=0.1, drafter_acceptance=0.8)
-    assert failing.choose_depth(room=50) > 0 and not failing.copy.branches  # the drafter alone: copies rest
+    assert _depth(failing, room=50) > 0 and not failing.copy.branches  # the drafter alone: copies rest
     both = _speculator("eagle+copy", copy_first=0.15, drafter_acceptance=0.6)  # short copies, a shallow tree
-    assert both.choose_depth(room=50) > 0 and both.copy.branches
+    assert _depth(both, room=50) > 0 and both.copy.branches
 
 
 def test_a_resting_drafter_drafts_beside_copies_where_its_margin_pays():
@@ -312,7 +318,7 @@ def test_a_resting_drafter_drafts_beside_copies_where_its_margin_pays():
         c.acceptance.values = [0.45] * 5
         c._drafting = False
         assert c.best()[1] < c.min_gain
-        outcomes[name] = sp.choose_depth(room=50), len(sp.copy.branches), c.backoff.skipped
+        outcomes[name] = _depth(sp, room=50), len(sp.copy.branches), c.backoff.skipped
     assert outcomes["missing"][0] > 0 and outcomes["missing"][1] > 0  # copies keep missing: the drafter joins them
     assert outcomes["missing"][2] == 0  # (its estimates refreshed, as by a retry: the wait starts again)
     assert outcomes["streaming"][0] == 0 and outcomes["streaming"][1] > 0  # copies stream: it rests

@@ -18,6 +18,7 @@ from eagle_hf import DraftSettings, EagleCompatibilityError
 from eagle_hf.hf.version import CACHE_KEY, output_cache
 from eagle_hf.speculation.cost_model import CostModel
 from eagle_hf.speculation.drafting import DraftState, draft_tree
+from eagle_hf.speculation.round_plan import plan_round
 from eagle_hf.speculation.rounds import RoundTiming
 from eagle_hf.speculation.schedule import DraftLengthController
 from eagle_hf.speculation.speculator import Speculator
@@ -253,7 +254,7 @@ def test_drafter_costs_are_timed_on_the_device_without_a_sync(monkeypatch):
 
     for i in range(40):  # regular cycles: commit one real row, draft 4, all rejected
         sp.commit(aux, torch.tensor([[5]], device=aux.device), position=sp.state.next_position)
-        sp.choose_depth(room=8)
+        plan_round([sp], [8])
         sp.this_round.kind = "draft"
         marks = {"start": timer.mark()}
         sp.draft(root, 4, 5, marks=marks)

@@ -7,6 +7,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..drafter.capture import gather_aux, hidden_state_request
 from ..speculation.drafting import Choice
+from ..speculation.round_plan import plan_round
 from ..speculation.rounds import Round, RoundTiming, report_round, round_facts
 from ..speculation.speculator import Speculator
 from ..speculation.transfer import to_device
@@ -81,7 +82,8 @@ class EagleCandidateGenerator(CandidateGenerator):
             aux = gather_aux(model_outputs.hidden_states, self.aux_ids, device)  # [1, t, A*H_t]
             n_new = aux.shape[1] if sp.round == Round.PREFILL else n_last_matches + 1
             sp.commit(aux[:, :n_new], input_ids[:, -n_new:].to(device), position=input_ids.shape[1] - 1 - n_new)
-            depth = sp.choose_depth(room=self.max_length - input_ids.shape[1] - 1)
+            room = self.max_length - input_ids.shape[1] - 1
+            depth = plan_round([sp], [room]).depths[0]
             if depth == 0:  # plain decoding this round; the drafter catches up when drafting resumes
                 return self._verified(input_ids, 1), None
             tree = sp.draft(int(input_ids[0, -1]), depth, depth + 1, self._chooser(input_ids.to(device)), self._marks)

@@ -25,6 +25,7 @@ from ..devices import input_device
 from ..drafter import graphs as drafter_graphs
 from ..drafter.capture import gather_aux, hidden_state_request
 from ..speculation.ragged import Ragged
+from ..speculation.round_plan import RoundPlan, plan_round
 from ..speculation.rounds import RoundTiming, report_round, round_facts
 from ..speculation.speculator import Speculator, draft_round
 from ..speculation.transfer import pack, to_device
@@ -157,13 +158,10 @@ class TreeLoop:
         while live := sum(not r.done for r in active):
             marks = {"start": self.timer.mark()}  # the round's named marks (`RoundTiming`)
             captures = drafter_graphs.CAPTURES
-            if self.controller is not None:
-                self.controller.costs.rows = len(active)
-            planned = self.controller.choose() if self.controller is not None and len(rows) > 1 else None
-            trees = self.plan(active, planned, marks)
+            plan, trees = self.draft(active, len(rows) > 1, marks)
             drafting = [r.sp for r in active if r.sp.eagle_depth > 0]
             facts = round_facts([r.sp for r in active], max(t.size for t in trees), batch=len(rows) > 1,
-                                kind=None if planned is None else self.controller.kind)
+                                kind=plan.kind)
             before = sum(r.length for r in active)  # the rows' tokens before the round
             self.verify_and_commit(active, trees, marks)
             marks["end"] = self.timer.mark()
@@ -209,29 +207,24 @@ class TreeLoop:
             self.keep_outputs(row, scores, raw[b : b + 1], out.hidden_states, b, None)
             self.append(row, self.cut(row, [token]))
 
-    def plan(self, active: list[Row], planned: int | None = None, marks: dict | None = None) -> list[DraftTree]:
-        """Each row's tree this round: its drafter's and copy source's, or the root alone for a plain step (or a
-        fully pruned tree). The rows draft together: one drafter forward per level. `planned`: the drafter depth
-        the shared controller chose for the batch's round."""
-        depths, sizes = [], []
+    def draft(self, active: list[Row], batch: bool, marks: dict | None = None) -> tuple[RoundPlan, list[DraftTree]]:
+        """The round's plan (`plan_round`: who drafts for each row, how deep and how wide) and each row's tree: its
+        drafter's and copy source's, or the root alone for a plain step (or a fully pruned tree). The rows draft
+        together: one drafter forward per level. `batch`: the call decodes several rows (its schedule plans for
+        all of them)."""
         # a static cache's free slots, up to the widest verify it keeps room for (copy branches are not sized by
         # the drafter's budget); None: a dynamic cache grows
         fits = self.cache.room(VERIFY_BUCKETS[-1])
         if self.scale_step is not None:  # (Llama 4: short of the query scale's next step)
             scaled = slots_before_step(self.scale_step, self.cache.length)
             fits = scaled if fits is None else min(fits, scaled)
-        for row in active:
-            if row.done:  # a padding row: its root alone
-                depths.append(0)
-                sizes.append(1)
-                continue
-            room = self.max_length - row.length - 1
-            depths.append(row.sp.choose_depth(room, planned))
-            sizes.append(min(self.total_tokens, room + 1, fits or room + 1))
-        trees = draft_round([r.sp for r in active], [r.token for r in active], depths, sizes, marks=marks)
+        rooms = [None if row.done else self.max_length - row.length - 1 for row in active]  # (done: a padding row)
+        speculators = [r.sp for r in active]
+        plan = plan_round(speculators, rooms, self.total_tokens, fits, batch=batch)
+        trees = draft_round(speculators, [r.token for r in active], plan.depths, plan.sizes, marks=marks)
         if fits is not None and any(t.size > fits for t in trees):
             trees = [row.sp.fit(fits) if t.size > fits else t for row, t in zip(active, trees)]
-        return trees
+        return plan, trees
 
     def verify_and_commit(self, active: list[Row], trees: list[DraftTree], marks: dict) -> None:
         """One target forward over every row's tree; each row accepts a path (the round's one read-back), keeps

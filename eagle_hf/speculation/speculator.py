@@ -1,7 +1,7 @@
 """One speculation round, as named steps, for chain mode and tree mode alike.
 
-    commit (real rows for the drafter) -> choose_depth (the drafter's depth, the copy branches)
-        -> draft (catch up, grow the tree, graft the copy branches)
+    commit (real rows for the drafter) -> begin_round (this row's part of the round's plan, `plan_round`: the
+        drafter's depth, the copy branches) -> draft (catch up, grow the tree, graft the copy branches)
         -> [the target verifies: transformers' assisted loop for chains, `eagle_hf.hf.tree_loop` for trees]
         -> end_round (one `RoundRecord` for the stats, the adaptive controller, the copy source, the listeners;
            the round's timings follow as one `RoundTiming`)
@@ -24,8 +24,9 @@ import torch
 
 from .copying import CopySource
 from .drafting import Chooser, DraftState, draft_trees
+from .round_plan import RowPlan
 from .rounds import Round, RoundRecord
-from .schedule import CopyAction, DraftLengthController
+from .schedule import DraftLengthController
 from .settings import MAX_DEPTH, DraftSettings
 from .stats import SpecDecodeStats
 from .timing import Timer
@@ -72,7 +73,8 @@ class Speculator:
     """The drafter's side of one `generate()` call. Its round (`this_round`, a `CurrentRound`) is of a kind of
     `Round` (prefill, a draft-and-verify cycle, a plain step the schedule chose or one without room for drafts, a
     finished batch row kept as a padding row: its root alone, never drafting again). Only this class writes its round
-    and its row in the drafter's cache (`cache_row`, a `CacheRow`); the loops say what happened (`prefill`,
+    and its row in the drafter's cache (`cache_row`, a `CacheRow`); it executes its part of the round's plan
+    (`begin_round`, from `eagle_hf.speculation.round_plan.plan_round`); the loops say what happened (`prefill`,
     `keep_as_padding`, `move_to`) and read the round's kind and drafter depth (`round`, `eagle_depth`)."""
 
     def __init__(
@@ -117,50 +119,13 @@ class Speculator:
         if self.copy is not None:
             self.copy.index.extend(tokens)
 
-    def choose_depth(self, room: int, planned: int | None = None) -> int:
-        """This round's drafter depth (returned; 0: the drafter rests) and copy branches; the round is a plain
-        step when neither drafts. `room`: drafts that still fit before the length limit; `planned`: the depth
-        the controller chose for a whole batch this round (once per round, not once per row)."""
+    def begin_round(self, plan: RowPlan) -> None:
+        """Execute this row's part of the round's plan (`eagle_hf.speculation.round_plan.plan_round`): the round's
+        kind, and the copy branches the copy source grafts and learns from this round."""
         r = self.this_round
-        r.eagle_depth = r.drafter_levels = 0  # (until the drafter drafts: `draft_round`)
-        wanted = self.depth
-        if not self.settings.uses_eagle:
-            wanted = 0
-        elif planned is not None:
-            wanted = planned
-        elif self.controller is not None:
-            wanted = self.controller.choose()
-        depth = max(min(wanted, room), 0)
-        branches = []
-        copies = CopyAction.DRAFT if self.controller is None else self.controller.copy_branches(
-            None if planned is None else depth)  # (a batch's plan: `DraftLengthController.copy_branches`)
+        r.kind, r.eagle_depth, r.drafter_levels = plan.kind, 0, 0  # (the drafter's, once it drafts: `draft_round`)
         if self.copy is not None:
-            self.copy.branches = []  # (none left from an earlier round)
-        if self.copy is not None and copies != CopyAction.REST:
-            paying = copies == CopyAction.DRAFT
-            # a batch where drafting does not pay retries its rows' copies together, in the controller's retry
-            # rounds: one row's retry widens every row's round
-            retry = None if paying or planned is None else planned > 0
-            # sized by their own acceptance, as copy drafting alone sizes them
-            branches = self.copy.propose(room, retry_only=not paying, retry=retry)
-            # the controller rests the drafter where a round of its own would not pay; where copies draft anyway
-            # it costs only its marginal cost with them (its levels, its catch-up, a few more verified tokens)
-            with_copies_only = bool(depth == 0 and branches and planned is None and self.controller is not None
-                          and self.settings.uses_eagle)
-            if with_copies_only:
-                depth = min(self.controller.best()[0], room)
-            if depth > 0 and branches and retry is None:  # (a batch's retry round retries the drafter too)
-                drafter, copies = self._sources_that_pay(depth)
-                if with_copies_only:  # it joins the copies or rests (alone it does not pay)
-                    depth = depth if drafter and copies else 0
-                    if depth:
-                        self.controller.drafts_with_copies()
-                else:
-                    depth = depth if drafter else 0
-                    if not copies:
-                        self.copy.branches = branches = []  # (nothing to learn from this round: they rest)
-        r.kind = Round.DRAFT if depth > 0 or branches else (Round.FALLBACK if wanted <= 0 else Round.FINAL)
-        return depth
+            self.copy.branches = plan.branches
 
     def draft(self, root_token: int, depth: int, total_tokens: int, choose: Chooser | None = None,
               marks: dict | None = None) -> DraftTree:
@@ -257,27 +222,6 @@ class Speculator:
             self.controller.update(drafted, mine, None if seeded else record.tree.confidences())
         if self.settings.schedule.startswith("heuristic"):
             self.depth = min(self.depth + 2, MAX_DEPTH) if mine == drafted else max(1, self.depth - 1)
-
-    def _sources_that_pay(self, depth: int) -> tuple[bool, bool]:
-        """(drafter, copies): who drafts this round, of the drafter's tree of `depth` and the proposed copy
-        branches: the plan with the most tokens per cost, of the copies alone, the drafter alone and both
-        (tokens and costs in one-token target forwards, from running acceptances and measured costs). The
-        drafter's drafts add tokens to the copies' tokens where every copy's first token is rejected; it costs its
-        levels, its catch-up and the wider verify. Where copies stream the drafter waits; where copies keep
-        missing the drafter drafts alone."""
-        if self.controller is None:
-            return True, True
-        c, copy, acceptance = self.controller.costs, self.copy, self.controller.acceptance
-        nodes = 1 + sum(len(b.tokens) for b in copy.branches)  # the copy round's verified tokens, root included
-        eagle = c.verified(depth) - 1  # the drafter's nodes
-        round_cost = c.cycle_overhead + c.loop_overhead  # what every drafting round pays
-        drafter_cost = depth * c.draft_step + c.round_overhead
-        copies = 1.0 + copy.expected_tokens(), c.verify_cost(nodes) + round_cost
-        drafter = acceptance.expected_tokens(depth), c.verify_cost(1 + eagle) + drafter_cost + round_cost
-        both = (copies[0] + copy.missed() * (drafter[0] - 1.0),
-                c.verify_cost(nodes + eagle) + drafter_cost + round_cost)
-        plans = {(False, True): copies, (True, False): drafter, (True, True): both}
-        return max(plans, key=lambda p: plans[p][0] / plans[p][1])
 
 
 def marginal_cost(controller: DraftLengthController | None, verified: int) -> float:

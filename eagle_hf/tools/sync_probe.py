@@ -241,18 +241,18 @@ def _count_syncs(probe: SyncProbe):
 
 @contextlib.contextmanager
 def _round_markers(probe: SyncProbe):
-    """Marks where rounds start: eagle_hf's loop planning its drafts, transformers' loop asking for candidates."""
+    """Marks where rounds start: eagle_hf's loop planning and drafting, transformers' loop asking for candidates."""
     from ..hf.candidate import EagleCandidateGenerator
     from ..hf.tree_loop import TreeLoop
 
-    plan, get_candidates = TreeLoop.plan, EagleCandidateGenerator.get_candidates
+    draft, get_candidates = TreeLoop.draft, EagleCandidateGenerator.get_candidates
 
     def planned(self, active, *args, **kwargs):
         marker = Round()
         probe.rounds.append(marker)
-        trees = plan(self, active, *args, **kwargs)
+        plan, trees = draft(self, active, *args, **kwargs)
         marker.width = max(t.size for t in trees)
-        return trees
+        return plan, trees
 
     def candidates(self, input_ids, *args, **kwargs):
         marker = Round()
@@ -261,11 +261,11 @@ def _round_markers(probe: SyncProbe):
         marker.width = ids.shape[1] - input_ids.shape[1] + 1 if marker is not probe.rounds[1] else 0
         return ids, q
 
-    TreeLoop.plan, EagleCandidateGenerator.get_candidates = planned, candidates
+    TreeLoop.draft, EagleCandidateGenerator.get_candidates = planned, candidates
     try:
         yield
     finally:
-        TreeLoop.plan, EagleCandidateGenerator.get_candidates = plan, get_candidates
+        TreeLoop.draft, EagleCandidateGenerator.get_candidates = draft, get_candidates
 
 
 class _ByteCounter(TorchDispatchMode):
