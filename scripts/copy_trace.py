@@ -39,10 +39,10 @@ def trace(out: str, bench_args: list[str]) -> dict:
 
     def proposing(self, room, *args, **kwargs):
         matches = self.index.matches(self.num_branches, min(self.length, room))
-        branches = propose(self, room, *args, **kwargs)
+        proposal = propose(self, room, *args, **kwargs)
         rounds.append({"source": id(self), "matches": [n for _, n in matches],
-                       "branches": [len(b.tokens) for b in branches]})
-        return branches
+                       "branches": [len(b.tokens) for b in proposal.branches]})
+        return proposal
 
     def updating(self, taken):
         if rounds and rounds[-1]["source"] == id(self):

@@ -10,7 +10,7 @@ from conftest import tiny_drafter, tiny_target
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 import eagle_hf
-from eagle_hf.speculation.copying import MAX_OCCURRENCES, CopyIndex, CopySource
+from eagle_hf.speculation.copying import MAX_OCCURRENCES, CopyIndex, CopySource, Wait
 from eagle_hf.speculation.round_plan import plan_round
 from eagle_hf.speculation.settings import DraftSettings, DraftSettingsError
 from eagle_hf.speculation.stats import merge_stats
@@ -60,20 +60,40 @@ def _source(cost=0.1):
     return CopySource(max_ngram=3, length=12, num_branches=1, marginal_cost=lambda n: cost, probe_every=4)
 
 
+def _round(src, **kw):
+    """A round's branches from `src`, its proposal executed as a round's plan executes it."""
+    proposal = src.propose(**kw)
+    src.begin_round(proposal.branches, proposal.wait)
+    return src.branches
+
+
 def test_a_reliable_source_earns_long_branches_and_a_failing_one_is_dropped_then_retried():
     src = _source()
     src.index.extend(list(range(20)) + [0, 1, 2])  # the suffix (0, 1, 2) continues with 3..14
-    first = len(src.propose(room=50, verified=16)[0].tokens)
+    first = len(_round(src, room=50, verified=16)[0].tokens)
     for _ in range(20):
-        src.propose(room=50, verified=16)
+        _round(src, room=50, verified=16)
         src.update(src.branches[0].tokens)  # every copy token accepted
-    assert len(src.propose(room=50, verified=16)[0].tokens) == 12 > first
-    assert len(src.propose(room=5, verified=16)[0].tokens) == 5  # never past the room left
+    assert len(_round(src, room=50, verified=16)[0].tokens) == 12 > first
+    assert len(_round(src, room=5, verified=16)[0].tokens) == 5  # never past the room left
     for _ in range(40):  # now it keeps failing
-        if src.propose(room=50, verified=16):
+        if _round(src, room=50, verified=16):
             src.update([-1])  # the first copy token rejected
-    rounds = [bool(src.propose(room=50, verified=16)) for _ in range(40)]
+    rounds = [bool(_round(src, room=50, verified=16)) for _ in range(40)]
     assert 0 < sum(rounds) < 10  # mostly dropped, retried now and then
+
+
+def test_a_proposal_changes_nothing_until_the_plan_executes_it():
+    """`propose` only proposes: the source's branches and its wait change when the round's plan is executed."""
+    src = _source()
+    src.index.extend(list(range(20)) + [0, 1, 2])
+    for _ in range(40):  # a failing source: dropped
+        if _round(src, room=50, verified=16):
+            src.update([-1])
+    before = (src.backoff.skipped, src.backoff.wait, list(src.branches))
+    proposals = [src.propose(room=50, verified=16) for _ in range(10)]
+    assert (src.backoff.skipped, src.backoff.wait, src.branches) == before
+    assert all(p == proposals[0] for p in proposals) and proposals[0].wait == Wait.SKIP
 
 
 def test_a_batch_decides_when_its_rows_retry():
@@ -82,10 +102,10 @@ def test_a_batch_decides_when_its_rows_retry():
     src = _source()
     src.index.extend(list(range(20)) + [0, 1, 2])
     for _ in range(40):  # a failing source: dropped
-        if src.propose(room=50, verified=1, retry_only=True):
+        if _round(src, room=50, verified=1, retry_only=True):
             src.update([-1])
-    assert not any(src.propose(room=50, verified=1, retry_only=True, retry=False) for _ in range(100))
-    assert [len(b.tokens) for b in src.propose(room=50, verified=1, retry_only=True, retry=True)] == [2]
+    assert not any(_round(src, room=50, verified=1, retry_only=True, retry=False) for _ in range(100))
+    assert [len(b.tokens) for b in _round(src, room=50, verified=1, retry_only=True, retry=True)] == [2]
 
 
 def test_a_branch_ends_at_an_eos_token():
@@ -93,7 +113,7 @@ def test_a_branch_ends_at_an_eos_token():
     the next turn's header."""
     src = CopySource(max_ngram=3, length=12, num_branches=1, marginal_cost=lambda n: 0.0, stop_tokens={99})
     src.index.extend([5, 6, 7, 8, 99, 1, 2, 3, 5, 6])  # (5, 6) continues with 7, 8, then EOS, then the next turn
-    assert src.propose(room=50, verified=1)[0].tokens == [7, 8, 99]
+    assert src.propose(room=50, verified=1).branches[0].tokens == [7, 8, 99]
 
 
 def test_graft_shares_prefixes_and_marks_sources():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from .backoff import Backoff
 
@@ -111,6 +112,21 @@ class Branch:
     match: int  # length of the matched suffix
 
 
+class Wait(StrEnum):
+    """What a proposal does to the copy source's wait when the round's plan is executed."""
+
+    SKIP = "skip"  # the context matched, but no branch pays: the source sits the round out
+    RESTART = "restart"  # a retry: the count starts again
+
+
+@dataclass
+class Proposal:
+    """The copy source's proposal for a round: its `branches` and what executing it does to its wait."""
+
+    branches: list[Branch]
+    wait: Wait | None = None
+
+
 class CopySource:
     """Proposes this round's copy branches, sized by expected gain, and learns from their outcomes.
 
@@ -125,50 +141,56 @@ class CopySource:
         self.acceptance = CopyAcceptance(max_ngram)
         self.length, self.num_branches, self.marginal_cost = length, num_branches, marginal_cost
         self.backoff = Backoff(probe_every, max_probe_every)  # when a dropped source tries again
-        self.branches: list[Branch] = []  # this round's proposal
+        self.branches: list[Branch] = []  # this round's branches (the plan's, `begin_round`)
 
-    def propose(self, room: int, verified: int = 1, retry_only: bool = False, retry: bool | None = None) -> list[Branch]:
+    def propose(self, room: int, verified: int = 1, retry_only: bool = False, retry: bool | None = None) -> Proposal:
         """This round's branches (at most `room` tokens each) on top of a tree of `verified` tokens (1: sized by
         their own acceptance, as copy drafting alone sizes them, whoever else drafts this round); with
         `retry_only` (drafting rounds were measured not to pay) only a retry. `retry`: whether this round may
         retry, decided by the caller (a batch retries all its rows in the same rounds: every row pays for the
-        widest row's tree); None: the source's own wait decides."""
-        self.branches = []
+        widest row's tree); None: the source's own wait decides. Nothing changes until the round's plan is
+        executed (`begin_round`)."""
         if room <= 0:
-            return self.branches
+            return Proposal([])
         matches = self.index.matches(self.num_branches, min(self.length, room))
-        retrying = False
+        branches, retrying = [], False
         for tokens, match in matches:
             tokens = _through_stop(tokens, self.stop_tokens)
             n = 0
             while not retry_only and n < len(tokens) and self.acceptance.reach(match, n) > self.marginal_cost(verified):
                 n, verified = n + 1, verified + 1
             due = self.backoff.due() if retry is None else retry
-            if n == 0 and not self.branches and due and self.marginal_cost(verified) < 1:
+            if n == 0 and not branches and due and self.marginal_cost(verified) < 1:
                 # refresh the estimates of a source that was dropped; never where even a sure hit costs more than
                 # it yields (a large batch: every row pays for one row's longer tree)
                 n, retrying = min(2, len(tokens)), True
             if n:
-                self.branches.append(Branch(tokens[:n], match))
-        if matches and not self.branches:
-            self.backoff.skip()
-        elif retrying:
-            self.backoff.restart()
-        return self.branches
+                branches.append(Branch(tokens[:n], match))
+        wait = Wait.SKIP if matches and not branches else (Wait.RESTART if retrying else None)
+        return Proposal(branches, wait)
 
-    def expected_tokens(self) -> float:
-        """Drafts this round's branches are expected to get accepted: each token's chance to be reached and
-        accepted, a prefix shared with an earlier branch counted once (the branches are alternatives)."""
+    def begin_round(self, branches: list[Branch], wait: Wait | None = None) -> None:
+        """Execute the round's plan for the copy source: the `branches` it drafts (and learns from), and what its
+        proposal did to its wait (`Proposal.wait`: it sat the round out, or it retries)."""
+        self.branches = branches
+        if wait == Wait.SKIP:
+            self.backoff.skip()
+        elif wait == Wait.RESTART:
+            self.backoff.restart()
+
+    def expected_tokens(self, branches: Sequence[Branch]) -> float:
+        """Drafts `branches` are expected to get accepted: each token's chance to be reached and accepted, a prefix
+        shared with an earlier branch counted once (the branches are alternatives)."""
         total, earlier = 0.0, []
-        for b in self.branches:
+        for b in branches:
             shared = max((_common_prefix(b.tokens, e) for e in earlier), default=0)
             total += sum(self.acceptance.reach(b.match, i) for i in range(shared, len(b.tokens)))
             earlier.append(b.tokens)
         return total
 
-    def missed(self) -> float:
+    def missed(self, branches: Sequence[Branch]) -> float:
         """P(no branch's first token is accepted), the branches' first tokens taken as exclusive guesses."""
-        firsts = {b.tokens[0]: self.acceptance.first[b.match - 1] for b in self.branches}
+        firsts = {b.tokens[0]: self.acceptance.first[b.match - 1] for b in branches}
         return max(1.0 - sum(firsts.values()), 0.0)
 
     def keep_within(self, tree) -> None:

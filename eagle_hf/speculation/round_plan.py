@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .copying import Branch
+from .copying import Branch, Wait
 from .rounds import Round
 from .schedule import CopyAction
 
@@ -23,12 +23,14 @@ from .schedule import CopyAction
 class RowPlan:
     """One row's part of a round's plan: its `kind` (a drafting round, a plain step the schedule chose, one without
     room for drafts, a padding row); the drafter's `depth` (0: it rests); the tree's `size` (total tokens, cut to
-    the row's room); the copy `branches` grafted at the root."""
+    the row's room); the copy `branches` grafted at the root, and what the copy source's proposal does to its wait
+    (`copy_wait`: it sat the round out, or retries)."""
 
     kind: Round
     depth: int = 0
     size: int = 1
     branches: list[Branch] = field(default_factory=list)
+    copy_wait: Wait | None = None  # what the copy source's proposal does to its wait (`CopySource.begin_round`)
 
     @property
     def sources(self) -> str:
@@ -91,18 +93,17 @@ def plan_row(sp, room: int, planned: int | None = None) -> RowPlan:
     elif controller is not None:
         wanted = controller.choose()
     depth = max(min(wanted, room), 0)
-    branches = []
+    branches, wait = [], None
     copies = CopyAction.DRAFT if controller is None else controller.copy_branches(
         None if planned is None else depth)  # (a batch's plan: `DraftLengthController.copy_branches`)
-    if copy is not None:
-        copy.branches = []  # (none left from an earlier round)
     if copy is not None and copies != CopyAction.REST:
         paying = copies == CopyAction.DRAFT
         # a batch where drafting does not pay retries its rows' copies together, in the controller's retry
         # rounds: one row's retry widens every row's round
         retry = None if paying or planned is None else planned > 0
         # sized by their own acceptance, as copy drafting alone sizes them
-        branches = copy.propose(room, retry_only=not paying, retry=retry)
+        proposal = copy.propose(room, retry_only=not paying, retry=retry)
+        branches, wait = proposal.branches, proposal.wait
         # the controller rests the drafter where a round of its own would not pay; where copies draft anyway
         # it costs only its marginal cost with them (its levels, its catch-up, a few more verified tokens)
         with_copies_only = bool(depth == 0 and branches and planned is None and controller is not None
@@ -110,7 +111,7 @@ def plan_row(sp, room: int, planned: int | None = None) -> RowPlan:
         if with_copies_only:
             depth = min(controller.best()[0], room)
         if depth > 0 and branches and retry is None:  # (a batch's retry round retries the drafter too)
-            drafter, copying = sources_that_pay(controller, copy, depth)
+            drafter, copying = sources_that_pay(controller, copy, branches, depth)
             if with_copies_only:  # it joins the copies or rests (alone it does not pay)
                 depth = depth if drafter and copying else 0
                 if depth:
@@ -120,12 +121,12 @@ def plan_row(sp, room: int, planned: int | None = None) -> RowPlan:
                 if not copying:
                     branches = []  # (nothing to learn from this round: they rest)
     kind = Round.DRAFT if depth > 0 or branches else (Round.FALLBACK if wanted <= 0 else Round.FINAL)
-    return RowPlan(kind, depth, branches=list(branches))
+    return RowPlan(kind, depth, branches=list(branches), copy_wait=wait)
 
 
-def sources_that_pay(controller, copy, depth: int) -> tuple[bool, bool]:
-    """(drafter, copies): who drafts this round, of the drafter's tree of `depth` and the proposed copy branches
-    (`copy.branches`): the plan with the most tokens per cost, of the copies alone, the drafter alone and both
+def sources_that_pay(controller, copy, branches: list[Branch], depth: int) -> tuple[bool, bool]:
+    """(drafter, copies): who drafts this round, of the drafter's tree of `depth` and the copy source's proposed
+    `branches`: the plan with the most tokens per cost, of the copies alone, the drafter alone and both
     (tokens and costs in one-token target forwards, from running acceptances and measured costs). The drafter's
     drafts add tokens to the copies' tokens where every copy's first token is rejected; it costs its levels, its
     catch-up and the wider verify. Where copies stream the drafter waits; where copies keep missing the drafter
@@ -133,13 +134,13 @@ def sources_that_pay(controller, copy, depth: int) -> tuple[bool, bool]:
     if controller is None:
         return True, True
     c, acceptance = controller.costs, controller.acceptance
-    nodes = 1 + sum(len(b.tokens) for b in copy.branches)  # the copy round's verified tokens, root included
+    nodes = 1 + sum(len(b.tokens) for b in branches)  # the copy round's verified tokens, root included
     eagle = c.verified(depth) - 1  # the drafter's nodes
     round_cost = c.cycle_overhead + c.loop_overhead  # what every drafting round pays
     drafter_cost = depth * c.draft_step + c.round_overhead
-    copies = 1.0 + copy.expected_tokens(), c.verify_cost(nodes) + round_cost
+    copies = 1.0 + copy.expected_tokens(branches), c.verify_cost(nodes) + round_cost
     drafter = acceptance.expected_tokens(depth), c.verify_cost(1 + eagle) + drafter_cost + round_cost
-    both = (copies[0] + copy.missed() * (drafter[0] - 1.0),
+    both = (copies[0] + copy.missed(branches) * (drafter[0] - 1.0),
             c.verify_cost(nodes + eagle) + drafter_cost + round_cost)
     plans = {(False, True): copies, (True, False): drafter, (True, True): both}
     return max(plans, key=lambda p: plans[p][0] / plans[p][1])

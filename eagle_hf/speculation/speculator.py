@@ -125,7 +125,7 @@ class Speculator:
         r = self.this_round
         r.kind, r.eagle_depth, r.drafter_levels = plan.kind, 0, 0  # (the drafter's, once it drafts: `draft_round`)
         if self.copy is not None:
-            self.copy.branches = plan.branches
+            self.copy.begin_round(plan.branches, plan.copy_wait)
 
     def draft(self, root_token: int, depth: int, total_tokens: int, choose: Chooser | None = None,
               marks: dict | None = None) -> DraftTree:
