@@ -61,3 +61,32 @@ def test_speculation_has_no_batch_branches():
     found = [f"{p.name}:{n}" for p in sorted(SPECULATION.glob("*.py"))
              for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\bself\.batch\b", line)]
     assert not found, found
+
+
+def _calls(method: str, on: str | None = None) -> set[str]:
+    """The modules of eagle_hf (by path under eagle_hf/) that call ``<something>.<method>(...)`` (``<on>.<method>``
+    where `on` is given)."""
+    out = set()
+    for path in sorted((ROOT / "eagle_hf").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == method
+                    and (on is None or isinstance(node.func.value, ast.Name) and node.func.value.id == on)):
+                out.add(path.relative_to(ROOT / "eagle_hf").as_posix())
+    return out
+
+
+def _constructed(name: str) -> set[str]:
+    return {path.relative_to(ROOT / "eagle_hf").as_posix() for path in sorted((ROOT / "eagle_hf").rglob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name}
+
+
+def test_only_the_round_plan_decides_and_only_the_round_record_reports():
+    """The round's seams: the schedule's choice and the copy source's proposal are asked for by the round plan
+    alone; a round's outcome is one `RoundRecord`, made by the speculator's `end_round`, which both loops call;
+    a round's timings reach the schedule through `report_round` alone."""
+    assert _calls("choose", on="controller") == {"speculation/round_plan.py"}
+    assert _calls("propose") == {"speculation/round_plan.py"}
+    assert _constructed("RoundRecord") == {"speculation/speculator.py"}
+    assert _calls("end_round") == {"hf/tree_loop.py", "hf/candidate.py"}
+    assert _calls("observe") <= {"speculation/rounds.py", "speculation/schedule.py"}
