@@ -325,6 +325,22 @@ def test_each_round_drafts_with_the_sources_that_pay():
     assert _depth(both, room=50) > 0 and both.copy.branches
 
 
+def test_a_dropped_copy_source_retries_beside_a_drafter_that_pays():
+    """A single row whose drafter pays: a copy source whose branches do not pay sits out its wait, then its retry
+    drafts beside the drafter (its estimates refreshed), and a failed retry doubles its wait."""
+    sp = _speculator("eagle+copy", copy_first=0.01, drafter_acceptance=0.8)
+    wait = sp.copy.backoff.wait
+    rounds = []
+    for _ in range(3 * wait + 2):
+        depth = _depth(sp, room=50)
+        rounds.append(bool(sp.copy.branches))
+        assert depth > 0  # the drafter drafts every round
+        if sp.copy.branches:
+            sp.copy.update([-1])  # the retry's first token rejected
+    assert rounds.index(True) == wait  # sat out its wait, then retried
+    assert sum(rounds) == 2 and rounds[wait + 1 :].index(True) == 2 * wait  # the next wait twice as long
+
+
 def test_a_resting_drafter_drafts_beside_copies_where_its_margin_pays():
     """The controller rests a drafter whose rounds of its own would not pay; where copies draft anyway it costs
     only its margin beside them (its levels, its catch-up, a few more verified tokens), and joins the round when

@@ -9,7 +9,8 @@
   (sparse) attention's indexer keys under a tree;
 - `stopping`: EOS ids and plain generate()'s stopping point replayed;
 - `costs`: verify and drafter costs measured on the device, and the adaptive controller of a call;
-- `models`: what is read from transformers' model classes (final-norm scale, RoPE menu);
+- `models`: what is read from transformers' model classes and utilities (compiled graphs and their warm-up, the
+  logits head on real nodes, Llama 4's query-scale step);
 - `version`: the supported transformers versions and their name for the KV cache; `hub`: the Hub-hostable `custom_generate/` folder.
 
 Tested against transformers 5.23 and 5.24 (``SUPPORTED_TRANSFORMERS``; `version` speaks either's name for the

@@ -319,7 +319,7 @@ class _Growth:
     parents' drafter outputs sits in the last level's output (`parent_slot`), and the candidates fed to the drafter
     so far (`fed`, -1 for padding slots; in the drafter cache's order after the real rows)."""
 
-    depth: int  # levels to grow (0: the row rides along with an empty frontier)
+    depth: int  # levels to grow (0: the row drafts nothing this round, its frontier empty)
     chooser: Chooser | None = None
     cands: Candidates = field(default_factory=lambda: Candidates())
     frontier: list[int] = field(default_factory=list)
@@ -363,7 +363,7 @@ def draft_trees(
 ) -> list[DraftTree]:
     """Grow a draft tree after the last real drafter row of each of `rows` (default: every row of `state`), with one
     drafter forward and one device-to-host read per level for all of them. logits: [B, Vd] and hidden: [B, 1, H],
-    every state row's last real row's (a row not in `rows` rides along with an empty frontier). roots, depths,
+    every state row's last real row's (a row not in `rows` keeps an empty frontier). roots, depths,
     total_tokens, choosers: per row of `rows`.
 
     Level by level, the `top_k` best frontier nodes (by cumulative log-probability) get `top_k` children each

@@ -1,6 +1,6 @@
 """A round's plan: for every row, who drafts, how deep and how wide, decided in one call before anything runs.
 
-    plan_round(rows, rooms) -> RoundPlan
+    plan_round(speculators, rooms) -> RoundPlan
         a batch's schedule chooses once for its rows (the drafter's depth, its kind of drafting round);
         then each row: the copy source proposes its branches (sized by their own expected gain), the drafter's
         depth is cut to the row's room, and the sources that pay for the row draft
@@ -24,30 +24,25 @@ class RowPlan:
     """One row's part of a round's plan: its `kind` (a drafting round, a plain step the schedule chose, one without
     room for drafts, a padding row); the drafter's `depth` (0: it rests); the tree's `size` (total tokens, cut to
     the row's room); the copy `branches` grafted at the root, and what the copy source's proposal does to its wait
-    (`copy_wait`: it sat the round out, or retries)."""
+    (`copy_wait`: it sat the round out, or retries); whether the drafter's round counts as a retry of it
+    (`refresh_drafter`)."""
 
     kind: Round
     depth: int = 0
     size: int = 1
     branches: list[Branch] = field(default_factory=list)
     copy_wait: Wait | None = None  # what the copy source's proposal does to its wait (`CopySource.begin_round`)
-
-    @property
-    def sources(self) -> str:
-        """Who drafts for the row, as `draft_sources` names them ("eagle", "copy", "eagle+copy"; "": nobody)."""
-        if self.kind != Round.DRAFT:
-            return ""
-        return "+".join(name for name, on in (("eagle", self.depth > 0), ("copy", bool(self.branches))) if on)
+    refresh_drafter: bool = False  # the drafter joins copies though a round of its own would not pay: its
+    # estimates are refreshed as a retry's are (`DraftLengthController.drafts_with_copies`)
 
 
 @dataclass
 class RoundPlan:
-    """A round's plan for its rows (in the batch's row order). `depth`: the drafter's depth a batch's schedule chose
-    once for its rows (None: a single row, whose schedule chose its own); `kind`: the batch's kind of drafting round
-    as its timed rounds key it (`DraftLengthController.kind`; None: none planned)."""
+    """A round's plan for its rows (in the batch's row order). `kind`: a batch's drafting round as its timed rounds
+    key it, (the drafter's depth, whether copy branches join) (`DraftLengthController.kind`; None: a single row's
+    round, or none planned)."""
 
     rows: list[RowPlan]
-    depth: int | None = None
     kind: tuple[int, bool] | None = None
 
     @property
@@ -63,8 +58,10 @@ def plan_round(speculators: Sequence, rooms: Sequence[int | None], total_tokens:
                fits: int | None = None, batch: bool = False) -> RoundPlan:
     """This round's plan for the rows (`Speculator`s, verified together), which then execute it. `rooms`: each
     row's drafts that still fit before its length limit (None: a padding row, its root alone); `total_tokens`: the
-    tree budget (default: the settings'); `fits`: the free slots of a static cache (None: a dynamic cache grows); `batch`: the call decodes
-    several rows, whose shared schedule chooses once for all of them (even once they finish down to one)."""
+    tree budget (default: the settings'); `fits`: the slots a tree may take (a static cache's free slots, or short of
+    Llama 4's query-scale step; None: no limit); `batch`: the call decodes several rows, whose shared schedule
+    chooses once for all of them, even once they finish down to one (its policy is then one row's:
+    `DraftLengthController.policy`)."""
     controller = speculators[0].controller
     total_tokens = speculators[0].settings.total_tokens if total_tokens is None else total_tokens
     if controller is not None:
@@ -74,10 +71,10 @@ def plan_round(speculators: Sequence, rooms: Sequence[int | None], total_tokens:
     for sp, room in zip(speculators, rooms):
         row = RowPlan(Round.PADDING) if room is None else plan_row(sp, room, planned)
         if room is not None:
-            row.size = min(total_tokens, room + 1, fits or room + 1)
+            row.size = min(total_tokens, room + 1, room + 1 if fits is None else fits)
         sp.begin_round(row)
         rows.append(row)
-    return RoundPlan(rows, planned, None if planned is None else controller.kind)
+    return RoundPlan(rows, None if planned is None else controller.kind)
 
 
 def plan_row(sp, room: int, planned: int | None = None) -> RowPlan:
@@ -93,7 +90,7 @@ def plan_row(sp, room: int, planned: int | None = None) -> RowPlan:
     elif controller is not None:
         wanted = controller.choose()
     depth = max(min(wanted, room), 0)
-    branches, wait = [], None
+    branches, wait, refresh = [], None, False
     copies = CopyAction.DRAFT if controller is None else controller.copy_branches(
         None if planned is None else depth)  # (a batch's plan: `DraftLengthController.copy_branches`)
     if copy is not None and copies != CopyAction.REST:
@@ -114,14 +111,13 @@ def plan_row(sp, room: int, planned: int | None = None) -> RowPlan:
             drafter, copying = sources_that_pay(controller, copy, branches, depth)
             if with_copies_only:  # it joins the copies or rests (alone it does not pay)
                 depth = depth if drafter and copying else 0
-                if depth:
-                    controller.drafts_with_copies()
+                refresh = depth > 0
             else:
                 depth = depth if drafter else 0
-                if not copying:
-                    branches = []  # (nothing to learn from this round: they rest)
+                if not copying and wait != Wait.RESTART:
+                    branches = []  # (they rest; a retry drafts, to refresh their estimates)
     kind = Round.DRAFT if depth > 0 or branches else (Round.FALLBACK if wanted <= 0 else Round.FINAL)
-    return RowPlan(kind, depth, branches=list(branches), copy_wait=wait)
+    return RowPlan(kind, depth, branches=list(branches), copy_wait=wait, refresh_drafter=refresh)
 
 
 def sources_that_pay(controller, copy, branches: list[Branch], depth: int) -> tuple[bool, bool]:

@@ -126,6 +126,8 @@ class Speculator:
         r.kind, r.eagle_depth, r.drafter_levels = plan.kind, 0, 0  # (the drafter's, once it drafts: `draft_round`)
         if self.copy is not None:
             self.copy.begin_round(plan.branches, plan.copy_wait)
+        if plan.refresh_drafter:
+            self.controller.drafts_with_copies()
 
     def draft(self, root_token: int, depth: int, total_tokens: int, choose: Chooser | None = None,
               marks: dict | None = None) -> DraftTree:
