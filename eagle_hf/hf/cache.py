@@ -157,7 +157,8 @@ class GrowingLayer(DynamicLayer):
 
 def grow_in_place(cache, slot_limit: int | None = None) -> None:
     """The call's dynamic cache layers grow in place (`GrowingLayer`), layers the prefill adds too, until
-    `stop_growing_in_place`."""
+    `stop_growing_in_place`. Indexed layers (DeepSeek V3.2's, `eagle_hf.hf.indexed`) keep transformers' own
+    growth by concatenation: correct, but a copy of the layer's cache per round, dearer at long context."""
     for layer in cache.layers:
         if type(layer) is DynamicSlidingWindowLayer:  # (it keeps every key too: the verify forward's mask
             layer.slides = True  # applies its window, `eagle_hf.hf.windows`)
