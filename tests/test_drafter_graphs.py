@@ -119,8 +119,8 @@ def _drafter_over_prompts(rows: int, seed: int = 3):
 @pytest.mark.parametrize("threshold,prune", [(0.0, True), (0.3, True), (0.6, True), (0.6, False), (0.9, False)])
 def test_trees_grown_on_the_device_are_the_trees_grown_level_by_level(top_k, threshold, prune):
     """One read a tree (the device decides each level) against one read a level (the host decides), both at fixed
-    shapes: the same trees, node for node, bit for bit; rows of different depths, and a row that rides along."""
-    from eagle_hf.speculation.drafting import draft_trees, top_k_chooser
+    shapes: the same trees, node for node, bit for bit; rows of different depths, and a row that drafts nothing."""
+    from eagle_hf.speculation.drafting import draft_trees, top_k_choice
 
     drafter, aux, ids = _drafter_over_prompts(3)
     trees, levels = {}, {}
@@ -128,7 +128,7 @@ def test_trees_grown_on_the_device_are_the_trees_grown_level_by_level(top_k, thr
         state = DraftState(positions=[0, 0, 0], graphs=LevelGraphs.for_drafter(drafter))
         with torch.no_grad():
             logits, hidden = state.extend(drafter, aux, ids[:, 1:])
-            choosers = None if where == "device" else [top_k_chooser(drafter, top_k)] * 2
+            choosers = None if where == "device" else [lambda logits, paths: top_k_choice(drafter, logits, top_k)] * 2
             trees[where] = draft_trees(drafter, state, [int(ids[0, -1]), int(ids[2, -1])], logits, hidden, [5, 3],
                                        top_k, [12, 9], threshold, choosers, prune, rows=[0, 2])
         levels[where] = state.steps

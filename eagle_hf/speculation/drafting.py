@@ -262,11 +262,6 @@ def top_k_choice(drafter: EagleDrafter, logits: torch.Tensor, top_k: int) -> Cho
     return Choice(drafter.draft_to_target(top.indices), top.values)
 
 
-def top_k_chooser(drafter: EagleDrafter, top_k: int) -> Chooser:
-    """`top_k_choice` as a per-row chooser."""
-    return lambda logits, paths: top_k_choice(drafter, logits, top_k)
-
-
 def read_choices(choices: list[Choice]) -> list[tuple[list[list[int]], list[list[float]]]]:
     """Per choice: its tokens and log-probabilities as host lists, all read in one device-to-host copy."""
     flat = torch.cat([t for c in choices for t in (c.tokens.reshape(-1).double(), c.logp.reshape(-1).double())])
