@@ -17,7 +17,6 @@ from transformers import DynamicCache
 
 import eagle_hf
 from eagle_hf.hf.attention import routed_kernel
-from eagle_hf.hf.cache import tree_attention_mask
 from eagle_hf.hf.version import cache_kwarg
 
 
@@ -38,7 +37,8 @@ def main():
         target(torch.randint(1, 1000, (1, context), generator=g), **cache_kwarg(cache), use_cache=True)
         n = args.width
         tree = torch.ones(1, n, n, dtype=torch.bool).tril()  # a chain: each node sees the ones before it
-        mask = tree_attention_mask(tree, None, context, target.dtype)
+        mask = torch.zeros(1, 1, n, context + n, dtype=target.dtype)  # [1, 1, N, L + N]: the context all visible
+        mask[..., context:].masked_fill_(~tree, torch.finfo(target.dtype).min)
         ids = torch.randint(1, 1000, (1, n), generator=g)
         positions = torch.arange(context, context + n)[None]
         times = {"transformers sdpa (K/V repeated)": [], "eagle_hf tree attention": []}

@@ -505,9 +505,10 @@ def test_the_kept_verify_mask_equals_one_built_from_scratch(monkeypatch):
     """The tree cache keeps the verify mask between rounds (only the new slots' columns and the tree block are
     written, never the whole context): through rounds of commits with holes, a row leaving and a compaction, it
     equals the mask built from the rows' validity every round."""
+    from conftest import tree_attention_mask
     from transformers import DynamicCache
 
-    from eagle_hf.hf.cache import TreeCache, tree_attention_mask
+    from eagle_hf.hf.cache import TreeCache
     from eagle_hf.hf.version import cache_kwarg
     from eagle_hf.speculation.ragged import Ragged
 

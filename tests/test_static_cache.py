@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_drafter, tiny_target
+from conftest import tiny_drafter, tiny_target, tree_attention_mask
 from test_batch import LENGTHS, MODES, NEW, batch_oracle, left_padded, truths_of
 from test_copying import REPEAT
 from transformers import CompileConfig, DynamicCache, StaticCache
@@ -14,7 +14,7 @@ from transformers.cache_utils import DynamicLayer
 import eagle_hf
 from eagle_hf.hf import cache as tree_cache
 from eagle_hf.hf import tree_loop
-from eagle_hf.hf.cache import VERIFY_BUCKETS, StaticTreeCache, cache_unsupported_reason, tree_attention_mask
+from eagle_hf.hf.cache import VERIFY_BUCKETS, StaticTreeCache, cache_unsupported_reason
 from eagle_hf.hf.costs import cost_model
 from eagle_hf.hf.routing import STATIC_CACHE_ROOM
 from eagle_hf.hf.version import cache_kwarg, output_cache

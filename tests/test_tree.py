@@ -4,10 +4,10 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import patch_drafts, tiny_drafter, tiny_target
+from conftest import patch_drafts, tiny_drafter, tiny_target, tree_attention_mask
 
 import eagle_hf
-from eagle_hf.hf.cache import stacked_ancestor_masks, tree_attention_mask
+from eagle_hf.hf.cache import stacked_ancestor_masks
 from eagle_hf.hf.version import cache_kwarg, output_cache
 from eagle_hf.speculation.tree import DraftTree
 from eagle_hf.speculation.verification import accept_greedy, accept_sampling, verify, verify_greedy

@@ -258,21 +258,6 @@ def stacked_ancestor_masks(trees: list[DraftTree], width: int | None = None) -> 
     return out
 
 
-def tree_attention_mask(tree: torch.Tensor, valid: torch.Tensor | None, past_len: int,
-                        dtype: torch.dtype) -> torch.Tensor:
-    """Additive float mask [B, 1, N, L + N] for one verify forward of B trees padded to N nodes: each row's valid
-    cache slots (`valid` [B, L]; None: all `past_len` of them), plus each node's ancestors and itself (`tree`
-    [B, N, N] bool on the device; padding nodes see only themselves). Built from scratch: what `TreeCache`
-    keeps between rounds equals it (tests compare them)."""
-    rows, width = tree.shape[0], tree.shape[1]
-    mask = torch.zeros(rows, 1, width, past_len + width, dtype=dtype, device=tree.device)
-    low = torch.finfo(dtype).min
-    mask[:, 0, :, past_len:].masked_fill_(~tree, low)
-    if valid is not None:
-        mask[:, 0, :, :past_len].masked_fill_(~valid[:, None, :], low)
-    return mask
-
-
 class TreeCache:
     """The tree-cache protocol: what the tree loop does with the target's cache, for every row of a batch.
 
