@@ -133,6 +133,9 @@ def test_the_compiled_stage_measures_chains_trees_and_the_curve_on_the_cycle_tar
     new = common.SMALL.new_tokens
     assert rows[("chain 5", 0.0)]["tau"] == pytest.approx((new - 1) / 4)  # the prefill's token, then 4 rounds
     assert rows[("chain 5", 0.5)]["tau"] < rows[("chain 5", 0.0)]["tau"]
+    # the steady state: the slope over two new-token counts (launches: the profiler's, on CUDA only)
+    assert rows[("chain 5", 0.0)]["steady_ms_per_round"] > 0 and rows[("plain", 0.0)]["steady_ms_per_round"] > 0
+    assert rows[("chain 5", 0.0)]["launches_per_round"] is None
     assert {(r["k"], r["levels"]) for r in stage["data"]["drafter level alone"]} == {
         (1, "eager"), (1, "fixed shapes"), (4, "eager"), (4, "fixed shapes")}
 

@@ -12,6 +12,7 @@ from transformers import CompileConfig, DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer
 
 import eagle_hf
+from eagle_hf import programs
 from eagle_hf.hf import cache as tree_cache
 from eagle_hf.hf import tree_loop
 from eagle_hf.hf.cache import VERIFY_BUCKETS, StaticTreeCache, cache_unsupported_reason
@@ -133,7 +134,7 @@ def test_a_compiled_forward_verifies_trees_in_a_few_shapes():
     call = dict(max_new_tokens=30, do_sample=False, compile_config=config, **STATIC)
     ref = target.generate(REPEAT, **call)
     assert torch.equal(ref, target.generate(REPEAT, max_new_tokens=30, do_sample=False))
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    graphs, programs_made = torch._dynamo.utils.counters["stats"]["unique_graphs"], programs.GRAPHS
     widths = []
     forward = tree_loop.TreeLoop.verify_width
     with pytest.MonkeyPatch.context() as mp:
@@ -148,5 +149,9 @@ def test_a_compiled_forward_verifies_trees_in_a_few_shapes():
     assert compiled_costs.observed and not cost_model(target, drafter).observed
     assert max(compiled_costs.as_dict()["seconds"].values()) < 0.5
     # one graph per width, specialised as a plain step's is (automatic dynamic shapes would have run every width
-    # after the second through one dynamic-shape graph: 2 graphs here with EAGLE_HF_VERIFY_WIDTHS=dynamic)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == len(set(widths))
+    # after the second through one dynamic-shape graph: 2 graphs here with EAGLE_HF_VERIFY_WIDTHS=dynamic), and
+    # one per program the loop compiled (`eagle_hf.programs`: the drafter's catch-up per width, its levels, the
+    # cache commit per width), each whole
+    made = programs.GRAPHS - programs_made
+    assert made > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == len(set(widths)) + made

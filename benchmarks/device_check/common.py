@@ -433,8 +433,9 @@ def oracle_drafter(drafter, succ: torch.Tensor, corrupt: float = 0.0, seed: int 
     def oracle_extend(state, draft_model, aux, next_tokens, counts=None):  # the catch-up's logits: the first level
         positions = list(state.positions)
         logits, hidden = extend(state, draft_model, aux, next_tokens, counts)
-        if draft_model is not drafter:
-            return logits, hidden
+        if draft_model is not drafter or (state.graphs is not None and state.keys is not None
+                                          and logits is state.programs(draft_model).logits):
+            return logits, hidden  # (the catch-up program's logits come from `oracle_step`: already the oracle's)
         n = next_tokens.shape[1]
         counts = counts or [n] * len(positions)
         last = to_device(torch.tensor([[max(c, 1) - 1] for c in counts]), next_tokens.device)  # [B, 1]

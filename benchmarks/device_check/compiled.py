@@ -103,6 +103,9 @@ def stage_compiled(ctx: Context, budget: Budget) -> StageResult:
     if recompiled:
         res.find(f"{len(recompiled)} modes compiled graphs in their timed runs: " +
                  ", ".join(f"{r['mode']} ({r['graphs_after_warmup']})" for r in recompiled[:6]))
+    res.find("steady_ms_per_round: the slope of the call's time over its rounds between two new-token counts (the "
+             "full count and half of it), per_call_ms the rest (prefill, catch-up of the prompt, set-up); "
+             "launches_per_round: kernel and CUDA graph launches a round, from the profiler (one call, CUDA)")
     res.find("speedup = compiled plain's median / the mode's median, same cell; eager_plain_ms_per_token: plain "
              "generate() with the default cache, same prompt; drafter_ms_per_round: the drafter's clock (catch-up, "
              "levels, choices), of which catch_up_ms_per_round its catch-up; verify_ms_per_round: the target's "
@@ -146,7 +149,7 @@ def drafter_level_ms(ctx, drafter, context: int, k: int, calls: int = 50, fixed:
 
 
 def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes, static, budget) -> list[dict]:
-    from eagle_hf.drafter import graphs as drafter_graphs
+    from eagle_hf import programs
     from eagle_hf.hf.models import compiled_graphs
 
     s = ctx.shapes
@@ -158,8 +161,10 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
     follows = bool(torch.equal(ref[:, -s.new_tokens:], expected))
     if not follows:
         res.find(f"context {ctx_len} x batch {rows}: compiled plain output leaves the cycle (the oracle needs it)")
-    plain = {"eager": [], "compiled": []}
+    plain = {"eager": [], "compiled": [], "compiled, short": []}
+    short = max(s.new_tokens // 2, 1)  # a second new-token count: the slope between the two is the steady state
     times, info, carried = {c: [] for c in cases}, {}, {}
+    short_times, short_rounds = {c: [] for c in cases}, {}
     for case in cases:  # warm-up: every graph a mode needs, compiled now
         mode, rate = case
         start = time.perf_counter()
@@ -178,22 +183,36 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
             break
         for which, kwargs in (("eager", {}), ("compiled", static)):
             plain[which].append(timed(ctx, generate, target, ids, mask, s.new_tokens, **kwargs)[1])
+        plain["compiled, short"].append(timed(ctx, generate, target, ids, mask, short, **static)[1])
         for case in [c for c in cases if c in info]:
             mode, rate = case
-            graphs, captures = compiled_graphs(), drafter_graphs.CAPTURES
+            graphs, captures = compiled_graphs(), programs.CAPTURES
             with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), own_acceptance(drafter, carried, case), \
                     draft_levels(modes[mode]) as kwargs:
                 out, t = timed(ctx, generate, target, ids, mask, s.new_tokens, drafter, **kwargs, **static)
             times[case].append(t)
             st = last_stats()
+            with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), own_acceptance(drafter, carried, case), \
+                    draft_levels(modes[mode]) as kwargs:
+                short_times[case].append(timed(ctx, generate, target, ids, mask, short, drafter, **kwargs,
+                                               **static)[1])
+            short_rounds[case] = loop_rounds(last_stats()) + 1
             info[case].update(tau=st.mean_acceptance_length, rounds=loop_rounds(st) + 1, drafter=st.drafter_time,
                               catch_up=st.catch_up_time, verify=st.verify_time,
                               follows=bool(torch.equal(out, ref)), after=info[case]["after"] + compiled_graphs() - graphs,
-                              captures=info[case].get("captures", 0) + drafter_graphs.CAPTURES - captures)
+                              captures=info[case].get("captures", 0) + programs.CAPTURES - captures)
+    for case in [c for c in cases if times[c]]:  # launches a round, from the profiler (CUDA)
+        mode, rate = case
+        with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), own_acceptance(drafter, carried, case), \
+                draft_levels(modes[mode]) as kwargs:
+            launches = device_launches(ctx, generate, target, ids, mask, s.new_tokens, drafter, **kwargs, **static)
+        info[case]["launches"] = None if launches is None else launches / info[case]["rounds"]
     med = {k: statistics.median(v) if v else float("nan") for k, v in plain.items()}
+    steady_plain = 1e3 * (med["compiled"] - med["compiled, short"]) / max(s.new_tokens - short, 1)
     base = dict(context=ctx_len, batch=rows, compiled=bool(static.get("disable_compile") is False))
     out = [dict(base, mode="plain", withheld_rate=0.0, runs=len(plain["compiled"]), median_s=med["compiled"],
                 speedup=1.0, tau=1.0, ms_per_round=1e3 * med["compiled"] / s.new_tokens,
+                steady_ms_per_round=steady_plain,
                 eager_plain_ms_per_token=1e3 * med["eager"] / s.new_tokens,
                 compiled_over_eager=med["eager"] / med["compiled"], follows_cycle=follows)]
     for case in cases:
@@ -203,8 +222,13 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
             out.append(dict(base, mode=mode, withheld_rate=rate, runs=0))
             continue
         m = statistics.median(t)
+        extra = i["rounds"] - short_rounds.get(case, i["rounds"])  # the rounds the longer calls ran more
+        steady = 1e3 * (m - statistics.median(short_times[case])) / extra if extra > 0 else None
         out.append(dict(base, mode=mode, withheld_rate=rate, runs=len(t), median_s=m, speedup=med["compiled"] / m,
                         tau=i["tau"], rounds=i["rounds"], ms_per_round=1e3 * m / i["rounds"],
+                        steady_ms_per_round=steady,
+                        per_call_ms=None if steady is None else 1e3 * m - steady * i["rounds"],
+                        launches_per_round=i.get("launches"),
                         drafter_ms_per_round=1e3 * i["drafter"] / i["rounds"],
                         catch_up_ms_per_round=1e3 * i["catch_up"] / i["rounds"],
                         verify_ms_per_round=1e3 * i["verify"] / i["rounds"],
@@ -213,6 +237,22 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
                         drafter_captures_after_warmup=i.get("captures", 0),
                         warmup_recompiles=" | ".join(i["recompiles"][:3]) or None))
     return out
+
+
+def device_launches(ctx, fn, *args, **kwargs) -> int | None:
+    """Kernel and CUDA graph launches of one call of fn(*args, **kwargs), counted by the profiler (None off
+    CUDA)."""
+    if not ctx.cuda:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    ctx.sync()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn(*args, **kwargs)
+        ctx.sync()
+    names = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+             "cuGraphLaunch")
+    return sum(e.count for e in prof.key_averages() if e.key in names)
 
 
 @contextlib.contextmanager

@@ -22,30 +22,31 @@ from dataclasses import dataclass
 
 import torch
 
+from ..programs import Program
 from .modeling import KV, DraftStep, EagleDrafter
 
 logger = logging.getLogger(__name__)
 
 #: environment variable: "off" runs draft levels eagerly; "on" at fixed shapes wherever the drafter runs (captured
-#: on CUDA); unset or "auto": captured where the target's forward is compiled (a static cache on CUDA)
+#: on CUDA); unset or "auto": at fixed shapes where the target's forward is compiled (a static cache on CUDA, or
+#: compile forced elsewhere), captured or compiled as the target's forward is
 GRAPHS_ENV = "EAGLE_HF_DRAFTER_GRAPHS"
 #: graphs kept per drafter (least recently used dropped first)
 MAX_GRAPHS = 16
 
 _PER_DRAFTER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: graphs captured in this process (a round that captured one teaches no cost: its time is the capture's)
-CAPTURES = 0
 
 
 def wanted(drafter: EagleDrafter, compiled: bool) -> bool:
-    """Whether a call's draft levels run at fixed shapes (`GRAPHS_ENV`; by default where the target's forward
-    is compiled and the drafter is on CUDA)."""
+    """Whether a call drafts at fixed shapes, in programs (`GRAPHS_ENV`; by default where the target's forward is
+    compiled: the programs then go through the same machinery, CUDA graphs on CUDA, torch.compile elsewhere,
+    `eagle_hf.programs.how_to_run`)."""
     setting = os.environ.get(GRAPHS_ENV, "auto").lower()
     if setting in ("off", "0", "false", "none"):
         return False
     if setting in ("on", "1", "true"):
         return True
-    return compiled and drafter.fc.weight.device.type == "cuda"
+    return compiled
 
 
 @dataclass
@@ -80,7 +81,11 @@ class FixedLevel:
         self.steps = keys.new_ones(k, dtype=torch.long).cumsum(0) - 1  # [k] 0 .. k-1
         self.slots = keys.new_zeros(k, dtype=torch.long)  # [k] where the k new rows are written
         self.mask = keys.new_zeros(rows, 1, k, keys.shape[2], dtype=torch.bool)  # [B, 1, k, C]
-        self.graph, self.out = None, None
+        self.program = Program(self._forward, "graph" if keys.device.type == "cuda" else "eager", "drafter's level")
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The device tensors it keeps."""
+        return [self.keys, self.values, self.feed, self.ids, self.positions, self.steps, self.slots, self.mask]
 
     def _forward(self) -> DraftStep:
         return self._drafter().step(self.feed, self.ids, self.positions,
@@ -101,33 +106,7 @@ class FixedLevel:
             self.mask[..., at : at + k] = self.mask.new_ones(k, k).tril()
         else:
             self.mask[..., : at + k] = mask
-        if self.graph is None and self.keys.device.type == "cuda":
-            try:
-                self._capture()
-            except RuntimeError as err:  # (never the call's failure: the same forward runs eagerly)
-                logger.warning("The drafter's level could not be captured as a CUDA graph (%s); it runs eagerly",
-                               str(err).splitlines()[0][:200])
-                self.graph = False
-        if not self.graph:
-            return self._forward()
-        self.graph.replay()
-        return self.out
-
-    def _capture(self) -> None:
-        """Two warm-up passes on a side stream (they write the level's own rows: harmless), then the capture."""
-        stream = torch.cuda.Stream(self.keys.device)
-        stream.wait_stream(torch.cuda.current_stream(self.keys.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward()
-        torch.cuda.current_stream(self.keys.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # (a private memory pool: levels replay in any order; other threads' CUDA calls stay legal meanwhile)
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self.out = self._forward()
-        self.graph = graph
-        global CAPTURES
-        CAPTURES += 1
+        return self.program()
 
 
 def weights_of(drafter: EagleDrafter) -> tuple:
@@ -180,9 +159,21 @@ class LevelGraphs:
             return []
         out = [t for keys, values, _ in graphs.storage.values() for t in (keys, values)]
         for level in graphs.levels.values():
-            out += [level.keys, level.values, level.feed, level.ids, level.positions, level.steps, level.slots,
-                    level.mask]
+            out += level.tensors()
         return out
+
+    def programs(self, keys: torch.Tensor, values: torch.Tensor, how: str):
+        """The draft programs over this storage (`eagle_hf.speculation.draft_programs.DraftPrograms`)."""
+        from ..speculation.draft_programs import DraftPrograms
+
+        key = ("programs", keys.data_ptr(), tuple(keys.shape), how, torch.is_inference_mode_enabled())
+        programs = self.levels.get(key)
+        if programs is None:
+            programs = self.levels[key] = DraftPrograms(self._drafter(), keys, values, how)
+            while len(self.levels) > MAX_GRAPHS:
+                self.levels.popitem(last=False)
+        self.levels.move_to_end(key)
+        return programs
 
     def level(self, keys: torch.Tensor, values: torch.Tensor, rows: int, k: int) -> FixedLevel:
         key = (rows, k, keys.data_ptr(), tuple(keys.shape), torch.is_inference_mode_enabled())

@@ -8,7 +8,9 @@ import logging
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 
+from ..programs import Program
 from ..speculation.ragged import KeptMask, Ragged, SlotBuffers
+from ..speculation.transfer import to_device
 from ..speculation.tree import DraftTree
 from .attention import kernel_name, kernel_unsupported_reason
 from .indexed import (
@@ -366,6 +368,8 @@ class StaticTreeCache(TreeCache):
         self._start = int(cache.get_seq_length())  # (once, before the prefill: a static cache passed in may hold a
         # prefix; transformers keeps the position as a tensor)
         self._dirty = 0  # the kept mask's tree-block columns end here at most (cleared before the next block)
+        self.how = "eager"  # how its commits run (`eagle_hf.programs.how_to_run`; the loop sets it)
+        self._commits: dict[tuple, CommitProgram] = {}
 
     @property
     def capacity(self) -> int:
@@ -405,10 +409,56 @@ class StaticTreeCache(TreeCache):
         return m[:, :, :width]
 
     def _keep(self, past_len: int, index: torch.Tensor | None, width: int) -> None:
-        """The accepted nodes moved in place; the write position set after them (on the device, in place)."""
-        for layer in self.cache.layers:
-            if index is not None:
-                _move_accepted(layer, past_len, index, width)
-            layer.cumulative_length.fill_(past_len + width)
-            end_index_keys(layer, past_len + width)
+        """The accepted nodes moved in place and the write position set after them, in every layer at once (one
+        `CommitProgram` launch); layers with an indexer's keys (`eagle_hf.hf.indexed`) one by one."""
+        if any(type(layer) in STATIC_INDEXED for layer in self.cache.layers):
+            for layer in self.cache.layers:
+                if index is not None:
+                    _move_accepted(layer, past_len, index, width)
+                layer.cumulative_length.fill_(past_len + width)
+                end_index_keys(layer, past_len + width)
+            return
+        rows, bucket = self.cache.layers[0].keys.shape[0], 1 << (width - 1).bit_length()
+        buffers = tuple(t.data_ptr() for layer in self.cache.layers for t in (layer.keys, layer.values))
+        key = (rows, bucket, buffers, torch.is_inference_mode_enabled())
+        program = self._commits.get(key)
+        if program is None:
+            self._commits.clear()  # (the buffers moved: rows left the batch)
+            program = self._commits[key] = CommitProgram(self.cache.layers, rows, bucket, self.how)
+        program(past_len, index, width)
 
+
+
+class CommitProgram:
+    """A verify's commit into a static cache as one program (`eagle_hf.programs`): in every layer, row b's kept
+    nodes ``index[b]`` (relative to the committed length `past`) move to the slots after it, and every layer's
+    write position (`cumulative_length`) is set after the K kept ones, one launch for all layers. Fixed shapes
+    (rows B, W slots, a power of two at least K): `ints` = (past, K, whether nodes move), the kept nodes'
+    places [B, W] (the first K; the rest stay where they are)."""
+
+    def __init__(self, layers: list, rows: int, width: int, how: str):
+        device = layers[0].keys.device
+        self.layers, self.width = list(layers), width
+        self.ints = torch.zeros(3, dtype=torch.long, device=device)  # past, K, whether nodes move
+        self.index = torch.zeros(rows, width, dtype=torch.long, device=device)  # [B, W]
+        self.steps = torch.arange(width, device=device)  # [W]
+        self.program = Program(self._body, how, "cache commit")
+
+    def _body(self) -> None:
+        past, kept, moves = self.ints[0], self.ints[1], self.ints[2]
+        rows = self.index.shape[0]
+        place = torch.where((self.steps < kept) & (moves > 0), self.index, self.steps)  # [B, W] (the rest: stay)
+        source, target = place + past, self.steps + past  # [B, W], [W]
+        for layer in self.layers:
+            for buffer in (layer.keys, layer.values):
+                h, d = buffer.shape[1], buffer.shape[3]
+                moved = buffer.gather(2, source[:, None, :, None].expand(rows, h, self.width, d))  # [B, H, W, D]
+                buffer.index_copy_(2, target, moved)
+            layer.cumulative_length.copy_(past + kept)
+
+    def __call__(self, past: int, index: torch.Tensor | None, kept: int) -> None:
+        """index: [B, K] on the device (None: the first K nodes stay where they are)."""
+        if index is not None:
+            self.index[:, : index.shape[1]].copy_(index)
+        self.ints.copy_(to_device(torch.tensor([past, kept, int(index is not None)]), self.ints.device))
+        self.program()

@@ -16,6 +16,7 @@ from ..drafter.graphs import LevelGraphs
 from ..drafter.graphs import wanted as graphs_wanted
 from ..drafter.modeling import EagleDrafter
 from ..errors import EagleCompatibilityError
+from ..programs import how_to_run
 from ..speculation.drafting import DraftState
 from ..speculation.settings import DraftSettings
 from ..speculation.speculator import DraftListener, Speculator
@@ -214,7 +215,8 @@ def speculators_for(target, rows: int = 1, stop_tokens=(), compiled: bool = Fals
     stats = [call.stats] if rows == 1 else [SpecDecodeStats() for _ in range(rows)]
     graphs = (LevelGraphs.for_drafter(call.drafter)
               if call.drafter is not None and call.settings.uses_eagle and graphs_wanted(call.drafter, compiled) else None)
-    state = DraftState(positions=[0] * rows, graphs=graphs)  # the drafter's cache: one for the batch
+    how = how_to_run(call.drafter.fc.weight.device, compiled) if graphs is not None else "eager"
+    state = DraftState(positions=[0] * rows, graphs=graphs, how=how)  # the drafter's cache: one for the batch
     timer = Timer(input_device(target))  # one for the batch: the loop's read-backs resolve its marks
     call.timers.append(timer)
     return call, [Speculator(call.drafter, call.settings, s, call.controller, call.listeners, timer=timer,

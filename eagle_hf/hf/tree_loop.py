@@ -21,13 +21,14 @@ import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .. import programs
 from ..devices import input_device
-from ..drafter import graphs as drafter_graphs
 from ..drafter.capture import gather_aux, hidden_state_request
+from ..programs import how_to_run
 from ..speculation.ragged import Ragged
 from ..speculation.round_plan import RoundPlan, plan_round
 from ..speculation.rounds import RoundTiming, report_round, round_facts
-from ..speculation.speculator import Speculator, draft_round
+from ..speculation.speculator import PendingTrees, Speculator, draft_round
 from ..speculation.transfer import pack, to_device
 from ..speculation.tree import DraftTree
 from ..speculation.verification import accept_drawn, draw, process_logits, sampling_draws, verify_greedy
@@ -102,6 +103,7 @@ class TreeLoop:
         self.compiled = compiled
         # the tree-cache protocol over the call's cache (dynamic or static: room for the longest row and a verify)
         self.cache = tree_cache(cache, slots=generation_config.max_length - 1 + VERIFY_BUCKETS[-1])
+        self.cache.how = how_to_run(input_device(target), compiled is not None)  # its commits' programs
         self.tree_kwargs = routed_kernel(target)  # a drafting round's verify forward: eagle_hf's tree attention
         self.device = input_device(target)  # where the inputs go (looked up once: it walks the modules)
         # (None: never; nor where an indexer selects keys among the committed slots: `eagle_hf.hf.indexed`)
@@ -157,17 +159,17 @@ class TreeLoop:
         active = self.retire(rows) if any(r.done for r in rows) else rows
         while live := sum(not r.done for r in active):
             marks = {"start": self.timer.mark()}  # the round's named marks (`RoundTiming`)
-            captures = drafter_graphs.CAPTURES
+            captures = programs.CAPTURES
             plan, trees = self.draft(active, len(rows) > 1, marks)
             drafting = [r.sp for r in active if r.sp.eagle_depth > 0]
-            facts = round_facts([r.sp for r in active], max(t.size for t in trees), batch=len(rows) > 1,
-                                kind=plan.kind)
+            width = trees.width if isinstance(trees, PendingTrees) else max(t.size for t in trees)
+            facts = round_facts([r.sp for r in active], width, batch=len(rows) > 1, kind=plan.kind)
             before = sum(r.length for r in active)  # the rows' tokens before the round
             self.verify_and_commit(active, trees, marks)
             marks["end"] = self.timer.mark()
             facts["tokens"] = (sum(r.length for r in active) - before) / live
             # (a round that compiled a shape, or captured a drafter graph, teaches no cost)
-            if not self.compiling and drafter_graphs.CAPTURES == captures:
+            if not self.compiling and programs.CAPTURES == captures:
                 self.timer.measure_marks(marks, lambda at, f=facts, d=drafting, a=[r.sp for r in active]:
                                          report_round(RoundTiming.from_marks(at, **f), a, d, self.cost))
             if sum(not r.done for r in active) < live:
@@ -221,15 +223,24 @@ class TreeLoop:
         rooms = [None if row.done else self.max_length - row.length - 1 for row in active]  # (done: a padding row)
         speculators = [r.sp for r in active]
         plan = plan_round(speculators, rooms, self.total_tokens, fits, batch=batch)
-        trees = draft_round(speculators, [r.token for r in active], plan.depths, plan.sizes, marks=marks)
+        layout = None
+        if self.greedy_batch and speculators[0].state.graphs is not None and max(plan.sizes) > 1:
+            # (greedy, nothing kept but the tokens, fixed-shape drafting: the trees may stay on the device)
+            layout = (self.verify_width(max(plan.sizes)), [r.position for r in active])
+        trees = draft_round(speculators, [r.token for r in active], plan.depths, plan.sizes, marks=marks,
+                            layout=layout)
+        if isinstance(trees, PendingTrees):
+            return plan, trees
         if fits is not None and any(t.size > fits for t in trees):
             trees = [row.sp.fit(fits) if t.size > fits else t for row, t in zip(active, trees)]
         return plan, trees
 
-    def verify_and_commit(self, active: list[Row], trees: list[DraftTree], marks: dict) -> None:
+    def verify_and_commit(self, active: list[Row], trees: list[DraftTree] | PendingTrees, marks: dict) -> None:
         """One target forward over every row's tree; each row accepts a path (the round's one read-back), keeps
         its nodes' KV in place and commits its rows to the drafter."""
         past_len = self.cache.length
+        if isinstance(trees, PendingTrees):
+            return self.verify_laid_out(active, trees, marks, past_len)
         width = self.verify_width(max(t.size for t in trees))  # N: the trees are padded to the largest (or more)
         host = pack(self.device, **self.verify_layout(active, trees, width))
         mask = self.verify_mask(host.get("tree"), len(trees), width, host["positions"])
@@ -250,6 +261,31 @@ class TreeLoop:
         outcomes, next_tokens = self.accept(active, trees, out.logits, host)  # next_tokens: [B, N] or None
         self.timer.read_back()
         self.commit(active, trees, outcomes, next_tokens, out.hidden_states, past_len, width)
+
+    def verify_laid_out(self, active: list[Row], pending: PendingTrees, marks: dict, past_len: int) -> None:
+        """`verify_and_commit` for trees laid out on the device (`PendingTrees`): the verify reads the layout as it
+        is, and the trees are read with the target's choices, in the round's one read."""
+        layout, width, rows = pending.layout, pending.width, len(active)
+        mask = self.verify_mask(layout.ancestors, rows, width, pending.positions)
+        marks["verify"] = self.timer.mark()
+        graphs = compiled_graphs() if self.compiled is not None else 0
+        tree = dict(self.tree_kwargs)
+        if self.split_from is not None and past_len >= self.split_from and not self.cache.ragged.holes:
+            tree[TREE_PREFIX] = past_len  # every node sees the committed slots: split them (long contexts)
+        out = self.forward(layout.tokens, attention_mask=mask, position_ids=pending.positions, all_rows=True, **tree)
+        marks["verified"] = self.timer.mark()
+        if self.compiled is not None:
+            self.compiling = (warming_up(self.target, (rows, width, getattr(self.cache, "capacity", None)))
+                              or compiled_graphs() != graphs)
+        chosen = out.logits.float().argmax(-1)  # [B, W] the target's token after each node
+        values = torch.cat([layout.host.flatten(), chosen.flatten().double()]).tolist()  # the round's one read
+        at = layout.host.numel()
+        trees = pending.settle(values[:at])
+        outcomes = [self.outcome(row, t, *verify_greedy(t, [int(v) for v in values[at + b * width : at + b * width
+                                                                                    + t.size]]))
+                    for b, (row, t) in enumerate(zip(active, trees))]
+        self.timer.read_back()
+        self.commit(active, trees, outcomes, chosen, out.hidden_states, past_len, width)
 
     def verify_width(self, largest: int) -> int:
         """The verify forward's width for trees of at most `largest` nodes: that, or with a compiled forward the

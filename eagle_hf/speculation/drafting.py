@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from ..drafter.graphs import LevelGraphs
 from ..drafter.modeling import KV, DraftStep, EagleDrafter, KVWriter
+from .draft_programs import Choice, DraftPrograms, flatten_kept, grow_levels, kept_layout, top_k_choice
 from .ragged import KeptMask, Ragged, SlotBuffers, new_buffers
 from .transfer import pack, to_device
 from .tree import DraftTree
@@ -51,6 +51,8 @@ class DraftState:
     _mask: KeptMask = field(default_factory=KeptMask, repr=False)
     #: draft levels at fixed shapes (captured on CUDA; `eagle_hf.drafter.graphs`), None: eager
     graphs: LevelGraphs | None = field(default=None, repr=False)
+    #: how the fixed-shape programs run (`eagle_hf.programs.how_to_run`): "graph", "compile" or "eager"
+    how: str = "eager"
 
     def __post_init__(self):
         if self.ragged is None:
@@ -159,23 +161,22 @@ class DraftState:
         return drafter.lm_head(normed[:, 0]), hidden
 
     def _extend_fixed(self, drafter: EagleDrafter, aux: torch.Tensor, next_tokens: torch.Tensor):
-        """`extend` for a round's catch-up at fixed shapes (`graphs`): every row reads its n rows (no holes), padded
-        to the next power of two; the padding rows are written after the real ones and overwritten by the next
-        pass, which never reads them (the real rows come first and the cache's length grows by n only)."""
+        """`extend` for a round's catch-up at fixed shapes (`graphs`): every row reads its n rows (no holes), in one
+        program (`DraftPrograms.catch_up`: n padded to the next power of two, the padding rows written after the
+        real ones and overwritten by the next pass, which never reads them)."""
         rows, n = next_tokens.shape
-        width = 1 << (n - 1).bit_length()
-        host = pack(next_tokens.device, positions=[[p + i for i in range(width)] for p in self.positions])
-        fused = drafter.fuse(aux)  # [B, n, H]
-        if width > n:
-            fused = F.pad(fused, (0, 0, 0, width - n))  # [B, width, H]
-            next_tokens = F.pad(next_tokens, (0, width - n))
-        self.reserve(drafter, width, fused)
-        out = self.level_forward(drafter, fused, next_tokens, host["positions"], self.length, None)
+        self.reserve(drafter, 1 << (n - 1).bit_length(), drafter.fc.weight)
+        logits, hidden = self.programs(drafter).catch_up(aux, next_tokens, self.positions, self.length)
         self._mask.arrive(self.length, n, None)
         self.ragged.append([n] * rows, n, None, next_tokens.device)
         self.positions = [p + n for p in self.positions]
         self.compact()
-        return out.logits[:, n - 1], out.hidden[:, n - 1 : n]  # [B, Vd], [B, 1, H]
+        return logits, hidden  # [B, Vd], [B, 1, H]
+
+    def programs(self, drafter: EagleDrafter) -> DraftPrograms:
+        """The draft programs over the cache's current storage (kept with the drafter's levels: a later call of
+        the same shape reuses them)."""
+        return self.graphs.programs(self.keys, self.values, self.how)
 
     def _extend_in_chunks(self, drafter: EagleDrafter, aux: torch.Tensor, next_tokens: torch.Tensor,
                           counts: list[int]):
@@ -241,25 +242,9 @@ def _graphs_storage(graphs: LevelGraphs, owner: weakref.ref) -> Callable:
     return allocate
 
 
-@dataclass
-class Choice:
-    """Children chosen for k expanded nodes, c each (device tensors: `read_choices` reads a level's at once)."""
-
-    tokens: torch.Tensor  # [k, c] target-vocabulary ids
-    logp: torch.Tensor  # [k, c] log-probability of each child under the distribution it was chosen from
-    q_logits: torch.Tensor | None = None  # [k, c, V] the processed logits a *sampled* child was drawn from
-
-
 #: chooses the children of k nodes from their draft logits [k, Vd]; `paths` are the nodes' draft tokens below
 #: the root (for logits processors that read the prefix)
 Chooser = Callable[[torch.Tensor, list[list[int]]], Choice]
-
-
-def top_k_choice(drafter: EagleDrafter, logits: torch.Tensor, top_k: int) -> Choice:
-    """The deterministic choice of EAGLE-2 trees (and greedy chains): the top_k drafts by probability, for logits
-    of any leading shape ``[..., Vd]`` (a batch's frontiers at once)."""
-    top = torch.topk(torch.log_softmax(logits.float(), dim=-1), top_k, dim=-1)  # [..., top_k]
-    return Choice(drafter.draft_to_target(top.indices), top.values)
 
 
 def read_choices(choices: list[Choice]) -> list[tuple[list[list[int]], list[list[float]]]]:
@@ -355,7 +340,8 @@ def draft_trees(
     choosers: list[Chooser | None] | None = None,
     prune: bool = True,
     rows: list[int] | None = None,
-) -> list[DraftTree]:
+    layout: tuple | None = None,
+):
     """Grow a draft tree after the last real drafter row of each of `rows` (default: every row of `state`), with one
     drafter forward and one device-to-host read per level for all of them. logits: [B, Vd] and hidden: [B, 1, H],
     every state row's last real row's (a row not in `rows` keeps an empty frontier). roots, depths,
@@ -368,6 +354,11 @@ def draft_trees(
     `threshold` on the drafter's probability: with `prune`, drafts whose *cumulative* probability is below it are
     dropped (not expanded, not verified); without, a draft whose own probability is below it is kept but not
     expanded (transformers' ``assistant_confidence_threshold`` for chains).
+
+    `layout` = (verify width W, and per state row: its root token, its verify position, its most nodes): where the
+    levels run as one program over a cache without holes, the trees are laid out for the verify on the device and
+    not read: returns (`TreeLayout`, verify positions [B, W]) instead (the host reads the trees with the verify's
+    result: `settle_trees`).
     """
     rows = list(range(state.rows)) if rows is None else rows
     at = {b: i for i, b in enumerate(rows)}  # state row -> index in `rows`
@@ -378,6 +369,12 @@ def draft_trees(
     drafting = [b for b, g in enumerate(growth) if g.depth > 0]
     if state.graphs is not None and all(g.chooser is None for g in growth):  # no level needs the host's decision
         state.reserve(drafter, (max(depths, default=1) - 1) * top_k, hidden)
+        if layout is not None and not state.ragged.holes:  # the trees laid out for the verify on the device
+            levels = max(g.depth for g in growth)
+            state.steps += max(levels - 1, 0)
+            return state.programs(drafter).grow(logits, hidden, top_k, levels, min_logp, prune,
+                                                [p - 1 for p in state.positions], [g.depth for g in growth],
+                                                state.length, layout)
         _grow_on_device(drafter, state, growth, logits, hidden, top_k, min_logp, prune)
         return [_select(growth[b].cands, root, total, min_logp if prune else -math.inf)
                 for b, root, total in zip(rows, roots, total_tokens)]
@@ -406,63 +403,58 @@ def draft_trees(
 
 def _grow_on_device(drafter, state: DraftState, growth: list[_Growth], logits: torch.Tensor, hidden: torch.Tensor,
                     k: int, min_logp: float, prune: bool) -> None:
-    """`draft_trees`' levels with the host's decisions taken on the device, read once at the end (for the default
-    chooser: the drafter's top k). Each level keeps k frontier nodes a row, fixed shapes: a node the host would
-    prune (its row's depth reached, or below `min_logp`) stays in place as a node nobody descends from, its
-    children scored -inf; the next frontier is the k best children by cumulative log-probability (float64, a
-    stable sort: the host's order); each node's ancestors are its parent's plus itself. The levels run to the
-    deepest row's depth (the host stops when every frontier is empty). The read-back then grows each row's
-    `Candidates` on the host as `draft_trees` would, on the same numbers: the same trees, one read instead of one
-    a level."""
-    rows, device = state.rows, hidden.device
-    width = hidden.shape[-1]
-    flags = hidden.new_zeros(rows, k, dtype=torch.bool)  # (factories from a device tensor: on its device)
-    first = top_k_choice(drafter, logits[:, None], k)  # [B, 1, k]
-    tokens, own = first.tokens[:, 0], first.logp[:, 0].double()  # [B, k] the first level's nodes, the root's order
-    score, slot = own, flags.long()  # slot: the parent's output row
-    host = pack(device, base=[p - 1 for p in state.positions], depth=[g.depth for g in growth])
-    base, depth = host["base"][:, None], host["depth"][:, None]  # [B, 1]
-    eye = flags.new_zeros(k, k).fill_diagonal_(True).expand(rows, k, k)
-    ancestors = flags.new_zeros(rows, k, 0)  # [B, k, fed] among the fed tree rows
-    alive = ~flags  # not below a pruned node
-    parent_out, fed, real_len = hidden, 0, state.length
-    kept = [(first.tokens[:, 0], first.logp[:, 0])]  # per level: children [B, k(, k)]; then which became nodes
+    """`draft_trees`' levels with the host's decisions taken on the device (`grow_levels`: for the default
+    chooser, the drafter's top k), read once at the end. The levels run to the deepest row's depth (the host stops
+    when every frontier is empty). The read-back then grows each row's `Candidates` on the host as `draft_trees`
+    would, on the same numbers: the same trees, one read instead of one a level. Over a cache without holes the
+    levels are one program (`DraftPrograms.grow`); with holes, one fixed-shape forward a level under the kept
+    masks."""
+    rows = state.rows
     levels = max((g.depth for g in growth), default=0)
-    for level in range(1, levels):
-        metric = score if prune else own
-        grows = alive & (level < depth) & (metric >= min_logp)  # [B, k] the host's `_Growth.prune`
-        tail = torch.cat([ancestors & grows[..., None], eye], 2)  # [B, k, fed + k]: its ancestors and itself
-        feed = parent_out.gather(1, slot[..., None].expand(rows, k, width))  # [B, k, H]
-        out = state.level_forward(drafter, feed, tokens, (base + level).expand(rows, k), real_len + fed,
-                                  state.level_mask(tail, k, fed))
-        state.steps += 1
-        children = top_k_choice(drafter, out.logits, k)  # [B, k, k]
-        scores = torch.where(grows[..., None], score[..., None] + children.logp.double(), -math.inf).flatten(1)
-        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]  # [B, k] into k*k
-        slot = order // k
-        tokens = children.tokens.flatten(1).gather(1, order)
-        own = children.logp.double().flatten(1).gather(1, order)
-        score = scores.gather(1, order)
-        alive = score > -math.inf
-        ancestors = tail.gather(1, slot[..., None].expand(rows, k, fed + k))  # the parent's, itself included
-        parent_out, fed = out.hidden, fed + k
-        kept.append((children.tokens, children.logp, grows, order))
-    _grow_from(growth, kept, k, min_logp, prune)
+    roots, depths = [p - 1 for p in state.positions], [g.depth for g in growth]
+    if not state.ragged.holes:
+        flat = state.programs(drafter).grow(logits, hidden, k, levels, min_logp, prune, roots, depths, state.length)
+    else:
+        host = pack(hidden.device, base=roots, depth=depths)
+        base, real_len = host["base"][:, None], state.length  # [B, 1]
+
+        def forward(feed, tokens, level, tail, fed):
+            return state.level_forward(drafter, feed, tokens, (base + level).expand(rows, k), real_len + fed,
+                                       state.level_mask(tail, k, fed))
+
+        flat = flatten_kept(grow_levels(drafter, forward, logits, hidden, k, levels, host["depth"][:, None],
+                                        min_logp, prune))
+    state.steps += max(levels - 1, 0)
+    _grow_from(growth, flat, kept_layout(rows, k, levels), k, min_logp, prune)
 
 
-def _grow_from(growth: list[_Growth], kept: list[tuple], k: int, min_logp: float, prune: bool) -> None:
-    """Each row's candidates from `_grow_on_device`'s levels (`kept`), read in one device-to-host copy."""
-    flat = torch.cat([t.reshape(-1).double() for level in kept for t in level])
+def settle_trees(layout, values: list[float], roots: list[int]) -> list[DraftTree]:
+    """Each row's tree from its `TreeLayout` (``layout.host``, read as `values`, W nodes a row): its first `size`
+    nodes below the root (tokens, parents, scores); roots: the rows' root tokens."""
+    rows, per = layout.host.shape
+    n = (per - 1) // 3
+    trees = []
+    for b in range(rows):
+        row = values[b * per : (b + 1) * per]
+        size = int(row[3 * n])
+        trees.append(DraftTree(torch.tensor([roots[b]] + [int(t) for t in row[:size]]),
+                               torch.tensor([-1] + [int(p) for p in row[n : n + size]]),
+                               torch.tensor([0.0] + row[2 * n : 2 * n + size])))
+    return trees
+
+
+def _grow_from(growth: list[_Growth], flat: torch.Tensor, layout: list[list[int]], k: int, min_logp: float,
+               prune: bool) -> None:
+    """Each row's candidates from `grow_levels`' result (`flat`, of `layout`), read in one device-to-host copy."""
     values, at = flat.tolist(), 0
 
-    def take(t: torch.Tensor):
+    def take(n: int):
         nonlocal at
-        n = t.numel()
         part = values[at : at + n]
         at += n
         return part
 
-    read = [[take(t) for t in level] for level in kept]
+    read = [[take(n) for n in level] for level in layout]
     tokens0, logp0 = read[0]
     for b, g in enumerate(growth):
         if g.depth > 0:

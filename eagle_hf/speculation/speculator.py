@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .copying import CopySource
-from .drafting import Chooser, DraftState, draft_trees
+from .drafting import Chooser, DraftState, draft_trees, settle_trees
 from .round_plan import RowPlan
 from .rounds import Round, RoundRecord
 from .schedule import DraftLengthController
@@ -239,12 +239,17 @@ def marginal_cost(controller: DraftLengthController | None, verified: int) -> fl
 
 
 def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: list[int], total_tokens: list[int],
-                choosers: list[Chooser | None] | None = None, marks: dict | None = None) -> list[DraftTree]:
+                choosers: list[Chooser | None] | None = None, marks: dict | None = None,
+                layout: tuple | None = None) -> list[DraftTree] | PendingTrees:
     """Step "draft" of one round for the rows of a batch that share a drafter cache, in its row order (a single
     row: `Speculator.draft`). Every row with committed rows catches them up in one drafter forward; the rows with
     a depth grow their trees together, one drafter forward per level; then each row grafts its copy branches.
     A row not in a drafting round (`round` is not `Round.DRAFT`) keeps the root alone. `marks`: the round's named
-    marks on the timer (`eagle_hf.speculation.rounds.RoundTiming`), where the drafter's start, catch-up and levels end."""
+    marks on the timer (`eagle_hf.speculation.rounds.RoundTiming`), where the drafter's start, catch-up and levels end.
+
+    `layout` = (the verify width W, each row's verify position): where every row drafts with the drafter alone
+    (no copy branches) and the levels run as one program, the trees stay on the device, laid out for the verify
+    (`PendingTrees`: the host reads them with the verify's result, one read a round)."""
     first = speculators[0]
     state, timer, s = first.state, first.timer, first.settings
     drafting = [i for i, sp in enumerate(speculators) if sp.this_round.kind == Round.DRAFT and depths[i] > 0]
@@ -257,12 +262,24 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
             marks["caught_up"] = timer.mark()
         steps = state.steps
         slots = [speculators[i].cache_row.slot for i in drafting]
+        if layout is not None and (any(sp.copy is not None and sp.copy.branches for sp in speculators) or choosers
+                                   or len(speculators) != state.rows):
+            layout = None  # (copy branches are grafted on the host)
+        if layout is not None:  # every state row, in its slot order: a row that does not draft has depth 0
+            order = sorted(range(len(speculators)), key=lambda i: speculators[i].cache_row.slot)
+            layout = (layout[0], [roots[i] for i in order], [layout[1][i] for i in order],
+                      [total_tokens[i] if i in drafting else 1 for i in order])
         grown = draft_trees(first.drafter, state, [roots[i] for i in drafting], logits, hidden,
                             [depths[i] for i in drafting], s.branching, [total_tokens[i] for i in drafting],
                             s.confidence_threshold, [choosers[i] for i in drafting] if choosers else None,
-                            prune=s.mode == "tree", rows=slots)
+                            prune=s.mode == "tree", rows=slots, layout=layout)
         if marks is not None:
             marks["drafted"] = timer.mark()
+        if not isinstance(grown, list):  # laid out on the device: read with the verify
+            for i, sp in enumerate(speculators):
+                sp.this_round.eagle_depth = depths[i] if i in drafting else 0
+                sp.this_round.drafter_levels = state.steps - steps if i in drafting else 0
+            return PendingTrees(speculators, roots, *grown)
         for i, tree in zip(drafting, grown):
             trees[i] = tree
             speculators[i].this_round.drafter_levels = state.steps - steps
@@ -277,13 +294,50 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
     return trees
 
 
+@dataclass
+class PendingTrees:
+    """A round's trees laid out for the verify on the device (`eagle_hf.speculation.draft_programs.TreeLayout`,
+    with the verify positions [B, W]), read by the host with the verify's result (`settle`)."""
+
+    speculators: Sequence[Speculator]
+    roots: list[int]
+    layout: object  # TreeLayout
+    positions: torch.Tensor  # [B, W]
+
+    @property
+    def width(self) -> int:
+        return self.layout.tokens.shape[1]
+
+    def settle(self, values: list[float]) -> list[DraftTree]:
+        """The rows' trees from the layout's host part read as `values`; each row's round gets its tree (a row
+        whose drafts all fell below the confidence threshold: a plain step, as `draft_round` decides)."""
+        slots = [sp.cache_row.slot for sp in self.speculators]
+        by_slot = settle_trees(self.layout, values, [self.roots[i] for i in sorted(range(len(slots)),
+                                                                                    key=slots.__getitem__)])
+        trees = [by_slot[slot] for slot in slots]
+        for sp, tree in zip(self.speculators, trees):
+            r = sp.this_round
+            if r.kind != Round.DRAFT:
+                continue
+            r.tree = tree
+            if tree.num_drafts == 0:
+                r.kind = Round.FALLBACK
+        return trees
+
+
 def _catch_up(speculators: Sequence[Speculator]) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows' pending real rows through the drafter in one forward (padded to the longest): each row's last
-    row's draft logits [B, Vd] and fed-back hidden state [B, 1, H]."""
+    row's draft logits [B, Vd] and fed-back hidden state [B, 1, H]. Rows that each hold one piece of the same
+    length are joined as they are (a round after a drafting round: no padding, no copy for a single row)."""
     w = speculators[0].drafter.fc.weight
     pending = [sp.cache_row.pending for sp in speculators]
     counts = [sum(t.shape[1] for _, t in queued) for queued in pending]
     width = max(counts)
+    if all(len(queued) == 1 for queued in pending) and min(counts) == width:
+        pieces = [queued.pop() for queued in pending]
+        aux = pieces[0][0] if len(pieces) == 1 else torch.cat([a for a, _ in pieces])  # [B, n, A*H_t]
+        tokens = pieces[0][1] if len(pieces) == 1 else torch.cat([t for _, t in pieces])  # [B, n]
+        return speculators[0].state.extend(speculators[0].drafter, aux.to(w.device, w.dtype), tokens.to(w.device), counts)
     aux = w.new_zeros(len(speculators), width, speculators[0].drafter.fc.weight.shape[1])  # [B, n, A*H_t]
     tokens = torch.zeros(len(speculators), width, dtype=torch.long, device=w.device)  # [B, n]
     for b, queued in enumerate(pending):

@@ -38,6 +38,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import programs
 from ..drafter.graphs import LevelGraphs
 
 _TAG = "_eagle_hf_device"
@@ -86,6 +87,8 @@ class Round:
     syncs: int = 0
     mixed: int = 0
     bytes: int = 0  # bytes eagle_hf's own ops wrote outside the models' forwards (with ``count_bytes``)
+    ops: int = 0  # device operations outside the target's forward and the programs' bodies (with ``count_ops``)
+    launches: int = 0  # programs launched (`eagle_hf.programs`: one CUDA graph replay each on a GPU)
     where: Counter = field(default_factory=Counter)  # "kind:function" -> count, to find the culprits
     bytes_by_op: Counter = field(default_factory=Counter)  # aten op -> bytes written (with ``count_bytes``)
 
@@ -110,13 +113,13 @@ class _Provenance(TorchFunctionMode):
         out = func(*args, **kwargs)
         probe = self.probe
         if name in READS and device_in:
-            probe.count("reads", name)
+            probe.count("reads", f"{name} in a program" if programs.running() else name)
             if name == "cpu":
                 return out  # the host copy stays untagged
         elif name in ("__getitem__", "__setitem__", "index_put_", "index_put") and device_in:
             index = args[1] if len(args) > 1 else None
-            if any(t.dtype == torch.bool and t.dim() > 0 for t in _tensors(index)):
-                probe.count("reads", f"{name}[bool mask]")  # a mask index runs nonzero: a read of the mask
+            if any(t.dtype == torch.bool and t.dim() > 0 for t in _tensors(index)):  # a mask index runs nonzero
+                probe.count("reads", f"{name}[bool mask]" + (" in a program" if programs.running() else ""))
             if host_in and on_device(args[0]):
                 probe.count("copies", f"{name} with host tensors")
         elif name in DATA_FACTORIES and kwargs.get("device") is not None:
@@ -154,9 +157,10 @@ def _names_device(args, kwargs) -> bool:
 class SyncProbe:
     """Counts per round while active (a context manager); `rounds[0]` is what ran before the first round."""
 
-    def __init__(self, *models, inputs=(), count_bytes: bool = False):
+    def __init__(self, *models, inputs=(), count_bytes: bool = False, count_ops: bool = False):
         self.models, self.inputs = [m for m in models if m is not None], inputs
         self.count_bytes = count_bytes  # also the bytes written outside the models' forwards (`Round.bytes`)
+        self.count_ops = count_ops  # also the operations outside the target's forward and the programs (`Round.ops`)
         self.rounds: list[Round] = [Round()]
 
     def count(self, kind: str, where: str) -> None:
@@ -182,6 +186,8 @@ class SyncProbe:
             stack.enter_context(_Provenance(self))
             if self.count_bytes:
                 stack.enter_context(_ByteCounter(self))
+            if self.count_ops:
+                stack.enter_context(_OpsOutside(self))
             try:
                 yield self
             finally:
@@ -197,7 +203,7 @@ class SyncProbe:
         rounds = self.rounds[:-1] if len(self.rounds) > 2 else self.rounds
         for kind, rs in _group(rounds).items():
             row = {"rounds": len(rs)}
-            for what in ("reads", "copies", "async_copies", "syncs", "mixed"):
+            for what in ("reads", "copies", "async_copies", "syncs", "mixed", "ops", "launches"):
                 values = [getattr(r, what) for r in rs]
                 row[f"max_{what}"] = max(values)
                 row[f"median_{what}"] = statistics.median(values)
@@ -251,7 +257,7 @@ def _round_markers(probe: SyncProbe):
         marker = Round()
         probe.rounds.append(marker)
         plan, trees = draft(self, active, *args, **kwargs)
-        marker.width = max(t.size for t in trees)
+        marker.width = trees.width if hasattr(trees, "width") else max(t.size for t in trees)
         return plan, trees
 
     def candidates(self, input_ids, *args, **kwargs):
@@ -306,10 +312,48 @@ class _ByteCounter(TorchDispatchMode):
         return out
 
 
-def probe_generate(target, inputs: dict, count_bytes: bool = False, **generate_kwargs) -> SyncProbe:
+class _OpsOutside(TorchDispatchMode):
+    """Device operations (about one kernel launch each on a GPU) outside the target's forward and outside the
+    programs' bodies (`eagle_hf.programs`: one launch each, counted as `Round.launches`): what a round launches
+    eagerly around the target's forward and the programs."""
+
+    def __init__(self, probe: SyncProbe):
+        super().__init__()
+        self.probe, self.inside, self.handles = probe, 0, []
+        self.launches = programs.LAUNCHES
+
+    def __enter__(self):
+        for m in self.probe.models:
+            if hasattr(m, "generate"):  # the target (a drafter's eager passes are launches of their own)
+                self.handles.append(m.register_forward_pre_hook(lambda *a: self._move(1)))
+                self.handles.append(m.register_forward_hook(lambda *a: self._move(-1)))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        return super().__exit__(*exc)
+
+    def _move(self, by: int) -> None:
+        self.inside += by
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        r = self.probe.rounds[-1]
+        if programs.LAUNCHES != self.launches:
+            r.launches += programs.LAUNCHES - self.launches
+            self.launches = programs.LAUNCHES
+        if not self.inside and not programs.running() and not func.is_view:  # (a view launches nothing)
+            r.ops += 1
+            r.where[f"ops:{func.overloadpacket}"] += 1
+        return out
+
+
+def probe_generate(target, inputs: dict, count_bytes: bool = False, count_ops: bool = False,
+                   **generate_kwargs) -> SyncProbe:
     """Run ``target.generate(**inputs, **generate_kwargs)`` under a probe and return it (its rounds counted)."""
     probe = SyncProbe(target, generate_kwargs.get("assistant_model"), inputs=list(_tensors(inputs)),
-                      count_bytes=count_bytes)
+                      count_bytes=count_bytes, count_ops=count_ops)
     with probe.active(), torch.no_grad():
         target.generate(**inputs, **generate_kwargs)
     return probe

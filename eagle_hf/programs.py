@@ -1,0 +1,131 @@
+"""Device programs: a round's fixed-shape work as one launch.
+
+A speculation round on a GPU is dominated by launches, not arithmetic: each eager operation costs the host 15-25 µs
+to launch (an H200's host), while a one-layer drafter level's kernels take a few. A `Program` is a function of
+static buffers only (no host value read, no data-dependent shape), so it can run three ways, the same arithmetic:
+
+* captured once as a CUDA graph and replayed (on CUDA, where the target's forward is compiled);
+* compiled by torch.compile with ``fullgraph=True`` (where compile is forced on another device, as tests do on the
+  CPU): one call into inductor's kernels;
+* eagerly (everywhere else, and whenever capture or compile fails: never the call's failure).
+
+The caller writes a launch's inputs into the program's buffers (``copy_``, in place), calls it, and reads its
+outputs before the next launch overwrites them. `running()` tells a counter (`eagle_hf.tools.sync_probe`) that an
+operation belongs to a program's body, not to the launches around it; `LAUNCHES` counts launches in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: programs launched in this process (a counter reads the difference over a round)
+LAUNCHES = 0
+#: programs captured as CUDA graphs or compiled in this process (a round that made one teaches no cost)
+CAPTURES = 0
+#: graphs torch.compile made for programs in this process (programs of the same code and shapes share one)
+GRAPHS = 0
+_DEPTH = 0
+
+
+def _graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def running() -> bool:
+    """Whether a program's body is running now (its operations are the program's, one launch in all)."""
+    return _DEPTH > 0
+
+
+@contextlib.contextmanager
+def _body():
+    global _DEPTH
+    _DEPTH += 1
+    try:
+        yield
+    finally:
+        _DEPTH -= 1
+
+
+class Program:
+    """`body()` over static buffers, launched as one unit. `how`: "graph" (CUDA graph capture on first launch),
+    "compile" (torch.compile, fullgraph), or "eager". The outputs of a launch are the body's return value, the same
+    tensors every launch when captured (read them before the next launch)."""
+
+    def __init__(self, body: Callable[[], Any], how: str = "eager", name: str = "program"):
+        self.body, self.how, self.name = body, how, name
+        self._run: Callable[[], Any] | None = None
+        self._graph, self._out = None, None
+
+    def __call__(self) -> Any:
+        global LAUNCHES
+        LAUNCHES += 1
+        with _body():
+            if self.how == "graph":
+                return self._replay()
+            if self.how == "compile":
+                return self._compiled()
+            return self.body()
+
+    def _compiled(self) -> Any:
+        first = self._run is None
+        if first:
+            global CAPTURES
+            CAPTURES += 1
+            self._run = torch.compile(self.body, fullgraph=True, dynamic=False)
+        try:
+            if not first:
+                return self._run()
+            graphs = _graphs()
+            out = self._run()  # (the first launch compiles, or reuses another program's graph of the same code)
+            global GRAPHS
+            GRAPHS += _graphs() - graphs
+            return out
+        except RuntimeError as err:  # (never the call's failure: the same body runs eagerly; dynamo's and
+            # inductor's errors are runtime errors)
+            logger.warning("The %s could not be compiled (%s); it runs eagerly", self.name,
+                           str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+            self.how = "eager"
+            return self.body()
+
+    def _replay(self) -> Any:
+        if self._graph is None:
+            try:
+                self._capture()
+            except RuntimeError as err:
+                logger.warning("The %s could not be captured as a CUDA graph (%s); it runs eagerly", self.name,
+                               str(err).splitlines()[0][:200])
+                self.how = "eager"
+                return self.body()
+        self._graph.replay()
+        return self._out
+
+    def _capture(self) -> None:
+        """Two warm-up launches on a side stream, then the capture (a private memory pool: programs replay in
+        any order; other threads' CUDA calls stay legal meanwhile)."""
+        global CAPTURES
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.body()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._out = self.body()
+        self._graph = graph
+        CAPTURES += 1
+
+
+def how_to_run(device: torch.device, compiled: bool) -> str:
+    """How a call's programs run on `device`: captured as CUDA graphs on CUDA, compiled where the target's forward
+    is compiled on another device (compile forced there, as tests do on the CPU), else eagerly."""
+    if device.type == "cuda":
+        return "graph"
+    return "compile" if compiled else "eager"

@@ -1,0 +1,313 @@
+"""The drafting side of a round as device programs (`eagle_hf.programs`): the catch-up over the rows accepted last
+round, then every draft level with its top-k choices and the next frontier, at fixed shapes.
+
+Eagerly, a round's drafting is hundreds of small operations: the catch-up's fusion, masks and gathers, and about
+thirty around each level's forward (the frontier's feed, positions, mask, the top-k, the stable sort, the
+gathers). Here both are programs over the drafter cache's whole storage ``[B, kv_heads, C, d]``:
+
+* the **catch-up program** (rows B, n rows a row, n a power of two): the target's taps fused, the n rows written at
+  slots ``at .. at+n-1`` under a causal mask over all C columns, the last real row's logits and fed-back hidden
+  state kept in the program's outputs;
+* the **levels program** (rows B, top-k k, `levels` levels): from those outputs, the root's children, then each
+  level's forward over k frontier nodes a row, its top-k, the next frontier (the k best children by cumulative
+  log-probability, float64, a stable sort), and the ancestors each node sees, all on the device; its choices in
+  one float64 vector that the host reads once and grows each row's tree from (`eagle_hf.speculation.drafting`).
+
+The host writes each launch's integers (positions, depths, where the rows start, how many are real) in one copy
+and the target's taps in one; nothing inside reads the host. The levels' arithmetic is `grow_levels`, shared with
+the eager per-level path (a cache with holes, where the kept masks say which slots each row reads): the same
+trees either way. A chain is the tree with k = 1.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..drafter.graphs import SlotWriter
+from ..drafter.modeling import DraftStep, EagleDrafter
+from ..programs import Program
+from .transfer import to_device
+
+
+@dataclass
+class Choice:
+    """Children chosen for k expanded nodes, c each (device tensors: `read_choices` reads a level's at once)."""
+
+    tokens: torch.Tensor  # [k, c] target-vocabulary ids
+    logp: torch.Tensor  # [k, c] log-probability of each child under the distribution it was chosen from
+    q_logits: torch.Tensor | None = None  # [k, c, V] the processed logits a *sampled* child was drawn from
+
+
+def top_k_choice(drafter: EagleDrafter, logits: torch.Tensor, top_k: int) -> Choice:
+    """The deterministic choice of EAGLE-2 trees (and greedy chains): the top_k drafts by probability, for logits
+    of any leading shape ``[..., Vd]`` (a batch's frontiers at once)."""
+    top = torch.topk(torch.log_softmax(logits.float(), dim=-1), top_k, dim=-1)  # [..., top_k]
+    return Choice(drafter.draft_to_target(top.indices), top.values)
+
+
+#: a level's drafter forward: (feed [B, k, H], tokens [B, k], level, tail [B, k, fed + k] the nodes' ancestors
+#: among the fed tree rows and themselves, fed) -> its `DraftStep`
+LevelForward = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, int], DraftStep]
+
+
+def grow_levels(drafter: EagleDrafter, forward: LevelForward, logits: torch.Tensor, hidden: torch.Tensor, k: int,
+                levels: int, depth: torch.Tensor, min_logp: float, prune: bool) -> list[tuple]:
+    """The host's level-by-level tree growth with its decisions taken on the device, at fixed shapes: each level
+    keeps k frontier nodes a row; a node the host would prune (its row's depth reached, or below `min_logp`) stays
+    in place as a node nobody descends from, its children scored -inf; the next frontier is the k best children by
+    cumulative log-probability (float64, a stable sort: the host's order); each node's ancestors are its parent's
+    plus itself. logits [B, Vd], hidden [B, 1, H]: each row's last real row's; depth [B, 1] each row's levels.
+
+    Returns per level what the host needs to grow the same trees: the root's children (tokens, logp) [B, k], then
+    per level (children's tokens, logp [B, k, k], which nodes grew [B, k], the next frontier's places [B, k])."""
+    rows, width = hidden.shape[0], hidden.shape[-1]
+    flags = hidden.new_zeros(rows, k, dtype=torch.bool)  # (factories from a device tensor: on its device)
+    first = top_k_choice(drafter, logits[:, None], k)  # [B, 1, k]
+    tokens, own = first.tokens[:, 0], first.logp[:, 0].double()  # [B, k] the first level's nodes, the root's order
+    score, slot = own, flags.long()  # slot: the parent's output row
+    eye = flags.new_zeros(k, k).fill_diagonal_(True).expand(rows, k, k)
+    ancestors = flags.new_zeros(rows, k, 0)  # [B, k, fed] among the fed tree rows
+    alive = ~flags  # not below a pruned node
+    parent_out, fed = hidden, 0
+    kept = [(first.tokens[:, 0], first.logp[:, 0])]
+    for level in range(1, levels):
+        metric = score if prune else own
+        grows = alive & (level < depth) & (metric >= min_logp)  # [B, k] the host's `_Growth.prune`
+        tail = torch.cat([ancestors & grows[..., None], eye], 2)  # [B, k, fed + k]: its ancestors and itself
+        feed = parent_out.gather(1, slot[..., None].expand(rows, k, width))  # [B, k, H]
+        out = forward(feed, tokens, level, tail, fed)
+        children = top_k_choice(drafter, out.logits, k)  # [B, k, k]
+        scores = torch.where(grows[..., None], score[..., None] + children.logp.double(), -math.inf).flatten(1)
+        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]  # [B, k] into k*k
+        slot = order // k
+        tokens = children.tokens.flatten(1).gather(1, order)
+        own = children.logp.double().flatten(1).gather(1, order)
+        score = scores.gather(1, order)
+        alive = score > -math.inf
+        ancestors = tail.gather(1, slot[..., None].expand(rows, k, fed + k))  # the parent's, itself included
+        parent_out, fed = out.hidden, fed + k
+        kept.append((children.tokens, children.logp, grows, order))
+    return kept
+
+
+@dataclass
+class TreeLayout:
+    """Each row's draft tree as the verify forward reads it, built on the device from `grow_levels`' result (no
+    read between drafting and verifying), W nodes a row (node 0 the root; nodes after a row's tree are padding
+    nodes that see the root and themselves, their outputs never read):
+
+    the tree's nodes are the best ``W - 1`` candidates by cumulative log-probability (a stable sort: ties go to
+    the earlier candidate, so a parent, never below its child, always comes first: the choice is closed under
+    ancestors, as `eagle_hf.speculation.drafting._select`'s), in the order they were drafted."""
+
+    tokens: torch.Tensor  # [B, W] the verify input (the roots first)
+    depths: torch.Tensor  # [B, W] each node's depth (positions: the root's plus these)
+    ancestors: torch.Tensor  # [B, W, W] bool: node i sees node j (its ancestors, itself)
+    host: torch.Tensor  # [B, 3 (W - 1) + 1] float64 for the host: tokens, parents, scores below the root, size
+
+
+def tree_layout(kept: list[tuple], roots: torch.Tensor, k: int, width: int, min_logp: float,
+                sizes: torch.Tensor) -> TreeLayout:
+    """The `TreeLayout` of `grow_levels`' result `kept` (roots [B] the root tokens): the candidates (the root's k
+    children, then each level's k x k, -inf where their parent did not grow), their cumulative scores, parents and
+    depths; the best ``width - 1`` eligible ones (score at least `min_logp`) in drafting order; their parents as
+    node indices; ancestors by following the parents (one step a level). sizes [B, 1]: each row's most nodes,
+    root included (1: the root alone, a row that does not draft)."""
+    tokens0, logp0 = kept[0]
+    rows = tokens0.shape[0]
+    score = logp0.double()  # [B, k] the frontier's scores
+    slot = tokens0.new_zeros(rows, k) + torch.arange(k, device=tokens0.device)  # [B, k] its candidates
+    tokens, scores, parents, depths = [tokens0], [score], [torch.full_like(tokens0, -1)], [torch.ones_like(tokens0)]
+    offset = k
+    for level, (children, logp, grows, order) in enumerate(kept[1:], start=1):
+        below = torch.where(grows[..., None], score[..., None] + logp.double(), -math.inf).flatten(1)  # [B, k*k]
+        tokens.append(children.flatten(1))
+        scores.append(below)
+        parents.append(slot[..., None].expand(rows, k, k).flatten(1))
+        depths.append(torch.full_like(tokens[-1], level + 1))
+        slot, score = order + offset, below.gather(1, order)
+        offset += k * k
+    tokens, scores, parents, depths = (torch.cat(t, 1) for t in (tokens, scores, parents, depths))  # [B, M]
+    m, n = tokens.shape[1], width - 1
+    eligible = (scores > -math.inf) & (scores >= min_logp)
+    if m < n:  # (fewer candidates than room: padding candidates, never eligible)
+        pad = n - m
+        tokens, scores, parents, depths = (torch.nn.functional.pad(t, (0, pad)) for t in (tokens, scores, parents,
+                                                                                          depths))
+        eligible = torch.nn.functional.pad(eligible, (0, pad))
+        m = n
+    best = torch.sort(torch.where(eligible, scores, -math.inf), dim=1, descending=True, stable=True).indices[:, :n]
+    chosen = eligible.gather(1, best) & (number_of(best) < sizes)  # [B, n] real nodes, within the row's size
+    picked = torch.sort(torch.where(chosen, best, m), dim=1).values  # [B, n] candidates in drafting order, padding last
+    real = picked < m
+    picked = picked.clamp(max=m - 1)
+    number = number_of(picked)
+    node_of = tokens.new_zeros(rows, m + 1).scatter_(1, torch.where(real, picked, m), number)  # candidate -> node
+    parent = parents.gather(1, picked)
+    parent = torch.where(real & (parent >= 0), node_of.gather(1, parent.clamp(min=0)), 0)  # [B, n] node indices
+    node_tokens = torch.where(real, tokens.gather(1, picked), roots[:, None])
+    node_depths = torch.where(real, depths.gather(1, picked), 0)
+    node_scores = torch.where(real, scores.gather(1, picked), 0.0)
+    chain = torch.cat([parent.new_zeros(rows, 1), parent], 1)  # [B, W] each node's parent (the root's: itself)
+    seen = torch.eye(width, dtype=torch.bool, device=tokens.device).repeat(rows, 1, 1)  # [B, W, W]
+    up = torch.where(torch.cat([real.new_ones(rows, 1), real], 1), chain, 0)  # padding nodes: below the root
+    for _ in range(len(kept)):
+        seen.scatter_(2, up[..., None], True)
+        up = chain.gather(1, up)
+    host = torch.cat([node_tokens.double(), parent.double(), node_scores, real.sum(1, keepdim=True).double()], 1)
+    return TreeLayout(torch.cat([roots[:, None], node_tokens], 1), torch.cat([parent.new_zeros(rows, 1),
+                                                                             node_depths], 1), seen, host)
+
+
+def number_of(t: torch.Tensor) -> torch.Tensor:
+    """[B, n] 1 .. n along the last dimension (a node's number in a list of n)."""
+    return torch.arange(1, t.shape[1] + 1, device=t.device).expand_as(t)
+
+
+def flatten_kept(kept: list[tuple]) -> torch.Tensor:
+    """`grow_levels`' result as one float64 vector (read in one device-to-host copy)."""
+    return torch.cat([t.reshape(-1).double() for level in kept for t in level])
+
+
+def kept_layout(rows: int, k: int, levels: int) -> list[list[int]]:
+    """The sizes of `flatten_kept`'s pieces, per level."""
+    return [[rows * k, rows * k]] + [[rows * k * k, rows * k * k, rows * k, rows * k]] * (levels - 1)
+
+
+class DraftPrograms:
+    """One cache storage's draft programs (rows B, storage ``[B, kv_heads, C, d]``, run `how`), with the buffers
+    they share: the last real rows' logits [B, Vd] and hidden states [B, 1, H] that a catch-up writes and the levels
+    read (no copy between the two launches)."""
+
+    def __init__(self, drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, how: str):
+        rows, capacity = keys.shape[0], keys.shape[2]
+        self._drafter, self.keys, self.values, self.how = weakref.ref(drafter), keys, values, how
+        self.logits = keys.new_zeros(rows, drafter.lm_head.weight.shape[0], dtype=torch.float32)  # [B, Vd]
+        self.hidden = keys.new_zeros(rows, 1, drafter.config.hidden_size, dtype=drafter.fc.weight.dtype)
+        self.columns = keys.new_ones(capacity, dtype=torch.long).cumsum(0) - 1  # [C] 0 .. C-1
+        self.catch_ups: dict[int, CatchUp] = {}
+        self.levels: dict[tuple, Levels] = {}
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The device tensors it keeps (its programs' buffers included)."""
+        out = [self.keys, self.values, self.logits, self.hidden, self.columns]
+        for c in self.catch_ups.values():
+            out += [c.aux, c.tokens, c.ints, c.steps]
+        for level in self.levels.values():
+            out += [level.ints, level.steps]
+        return out
+
+    def catch_up(self, aux: torch.Tensor, tokens: torch.Tensor, positions: list[int], at: int):
+        """The round's catch-up (`CatchUp`): aux [B, m, A*H_t], tokens [B, m], m real rows a row from slot `at`,
+        row b's first at ``positions[b]``. Returns the shared (logits [B, Vd], hidden [B, 1, H])."""
+        n = 1 << (tokens.shape[1] - 1).bit_length()
+        program = self.catch_ups.get(n)
+        if program is None:
+            program = self.catch_ups[n] = CatchUp(self, n)
+        program(aux, tokens, positions, at)
+        return self.logits, self.hidden
+
+    def grow(self, logits: torch.Tensor, hidden: torch.Tensor, k: int, levels: int, min_logp: float, prune: bool,
+             roots: list[int], depths: list[int], at: int, layout: tuple | None = None):
+        """The round's levels (`Levels`) from logits [B, Vd] and hidden [B, 1, H] (the catch-up's, or copied in),
+        row b's root at position ``roots[b]``, its tree rows from slot `at`: `flatten_kept`'s vector, or with
+        `layout` = (width W, each row's root token, its verify position, its most nodes) the trees' `TreeLayout`
+        and the verify positions [B, W]."""
+        key = (k, levels, min_logp, prune, layout[0] if layout is not None else None)
+        program = self.levels.get(key)
+        if program is None:
+            program = self.levels[key] = Levels(self, *key)
+        if logits is not self.logits:
+            self.logits.copy_(logits)
+        if hidden is not self.hidden:
+            self.hidden.copy_(hidden)
+        return program(roots, depths, at, *(layout[1:] if layout is not None else ()))
+
+
+class CatchUp:
+    """A round's catch-up at fixed shapes (n rows a row, a power of two): the taps ``aux`` [B, n, A*H_t] fused and
+    the tokens after them [B, n] written at slots ``at .. at+n-1`` under a causal mask over all C columns, with
+    `ints` = (each row's first position [B], `at`, the real rows a row `count`); the padding rows after the real
+    ones are overwritten by the next pass, which never reads them. Writes the last real row's draft logits and
+    fed-back hidden state into the shared buffers."""
+
+    def __init__(self, shared: DraftPrograms, n: int):
+        keys, drafter = shared.keys, shared._drafter()
+        rows = keys.shape[0]
+        self.shared = shared
+        self.aux = keys.new_zeros(rows, n, drafter.fc.weight.shape[1], dtype=drafter.fc.weight.dtype)
+        self.tokens = keys.new_zeros(rows, n, dtype=torch.long)  # [B, n]
+        self.ints = keys.new_zeros(rows + 2, dtype=torch.long)  # positions [B], at, count
+        self.steps = keys.new_ones(n, dtype=torch.long).cumsum(0) - 1  # [n] 0 .. n-1
+        self.program = Program(self._body, shared.how, "drafter's catch-up")
+
+    def _body(self) -> None:
+        s = self.shared
+        drafter, rows, n = s._drafter(), self.tokens.shape[0], self.tokens.shape[1]
+        positions, at, count = self.ints[:rows], self.ints[rows], self.ints[rows + 1]
+        slots = self.steps + at  # [n]
+        mask = (s.columns[None, :] <= slots[:, None])[None, None].expand(rows, 1, n, -1)  # [B, 1, n, C] causal
+        out = drafter.step(drafter.fuse(self.aux), self.tokens, positions[:, None] + self.steps,
+                           past=SlotWriter(s.keys, s.values, slots), mask=mask)
+        last = (count - 1).reshape(1, 1, 1)
+        s.logits.copy_(out.logits.gather(1, last.expand(rows, 1, out.logits.shape[-1]))[:, 0])  # [B, Vd]
+        s.hidden.copy_(out.hidden.gather(1, last.expand(rows, 1, out.hidden.shape[-1])))  # [B, 1, H]
+
+    def __call__(self, aux: torch.Tensor, tokens: torch.Tensor, positions: list[int], at: int) -> None:
+        m = tokens.shape[1]
+        self.aux[:, :m].copy_(aux)
+        self.tokens[:, :m].copy_(tokens)
+        self.ints.copy_(to_device(torch.tensor([*positions, at, m]), self.ints.device))
+        self.program()
+
+
+class Levels:
+    """A round's draft levels at fixed shapes (top-k k, `levels` levels; `grow_levels`) from the shared logits and
+    hidden states, with `ints` = (each row's root position [B], its depth [B], the first tree slot `at`): the k
+    nodes of level l are written at slots ``at + (l-1)k ..``; each reads every slot before `at` (no holes) and its
+    ancestors among the tree rows. Output: `flatten_kept`'s vector."""
+
+    def __init__(self, shared: DraftPrograms, k: int, levels: int, min_logp: float, prune: bool,
+                 width: int | None = None):
+        keys = shared.keys
+        rows = keys.shape[0]
+        self.shared, self.k, self.levels, self.min_logp, self.prune = shared, k, levels, min_logp, prune
+        self.width = width  # the verify width of the trees' layout (None: no layout, the host selects)
+        # root positions [B], depths [B], at; with a layout: root tokens [B], verify positions [B], sizes [B]
+        self.ints = keys.new_zeros((5 if width else 2) * rows + 1, dtype=torch.long)
+        self.steps = keys.new_ones(levels * k, dtype=torch.long).cumsum(0) - 1  # [levels * k] 0 ..
+        self.program = Program(self._body, shared.how, "drafter's levels")
+
+    def _body(self) -> torch.Tensor:
+        s, k = self.shared, self.k
+        drafter, rows = s._drafter(), s.logits.shape[0]
+        base, depth, at = self.ints[:rows, None], self.ints[rows : 2 * rows, None], self.ints[2 * rows]
+        past = (s.columns < at)[None, None, :]  # [1, 1, C] the real rows
+        block = (s.columns - at)[None, None, :]  # [1, 1, C] each column's place among the tree rows
+
+        def forward(feed, tokens, level, tail, fed):
+            slots = self.steps[fed : fed + k] + at  # [k]
+            inside = (block >= 0) & (block < fed + k)
+            seen = tail.gather(2, block.clamp(0, fed + k - 1).expand(rows, k, -1)) & inside  # [B, k, C]
+            return drafter.step(feed, tokens, (base + level).expand(rows, k),
+                                past=SlotWriter(s.keys, s.values, slots), mask=(past | seen)[:, None])
+
+        kept = grow_levels(drafter, forward, s.logits, s.hidden, k, self.levels, depth, self.min_logp, self.prune)
+        if self.width is None:
+            return flatten_kept(kept)
+        tokens, position, sizes = (self.ints[2 * rows + 1 + i * rows : 2 * rows + 1 + (i + 1) * rows]
+                                   for i in range(3))
+        # (a chain's draft below the threshold is kept, only not expanded: every eligible candidate is a node)
+        layout = tree_layout(kept, tokens, k, self.width, self.min_logp if self.prune else -math.inf,
+                             torch.where(depth > 0, sizes[:, None], 1))
+        return layout, position[:, None] + layout.depths  # [B, W] the verify positions
+
+    def __call__(self, roots: list[int], depths: list[int], at: int, *layout: list[int]):
+        values = [*roots, *depths, at] + [v for part in layout for v in part]
+        self.ints.copy_(to_device(torch.tensor(values), self.ints.device))
+        return self.program()
