@@ -640,7 +640,6 @@ def _simulated_call(target, drafter, rounds: int = 40) -> list[int]:
     def forward(n):
         return BASE * (1 + 0.05 * (n - 1))
 
-    c.observe(RoundTiming(seconds=forward(6) + 0.001, verify=forward(6), width=6))  # the prefill: 6 prompt tokens
     depths, behind = [], True
     for _ in range(rounds):
         k = c.choose()
@@ -710,9 +709,9 @@ POISONS = ["[]", "42", "null", '{"costs": ', "", "verify: [NaN, ...]", "verify: 
 
 def test_a_poisoned_cost_file_drafts_again_within_two_calls_where_a_clean_one_drafts(named_target):
     """A cost file is untrusted input: one that is not what eagle_hf writes is ignored (and replaced), and learnt
-    costs that this process's timings contradict are learnt again. With any of these files a process's first
-    two calls draft as a process with a clean cache does from its second call on (its first call's few rounds
-    before the timings contradicted the file aside)."""
+    costs that this process's timings contradict are learnt again. With any of these files a process's second
+    call drafts as a process with a clean cache does, and its first call drafts in all but a round or two of
+    the rounds where that one drafts."""
     target, drafter = named_target
     clean = [_simulated_call(target, drafter) for _ in range(2)]
     assert sum(k > 0 for k in clean[1]) > 30  # drafting pays on this device
@@ -725,7 +724,7 @@ def test_a_poisoned_cost_file_drafts_again_within_two_calls_where_a_clean_one_dr
         path.write_text(poisoned if isinstance(poisoned, str) else json.dumps({key: poisoned}))
         calls = [_simulated_call(target, drafter) for _ in range(2)]
         assert calls[1] == clean[1], how
-        assert calls[0][3:] == clean[0][3:], how
+        assert sum(k == 0 for k in calls[0]) <= sum(k == 0 for k in clean[0]) + 2, how  # (a round or two plain)
         kept = json.loads(path.read_text())  # replaced by what this process learnt
         assert set(kept) == {key} and CostModel.from_dict(kept[key]).observed, how
     assert not list(path.parent.glob("*.tmp"))
@@ -794,5 +793,9 @@ def test_costs_read_back_that_this_process_contradicts_are_learnt_again():
     assert cost.draft_step_cost == pytest.approx(0.1)  # the prior until a regular round is timed
     assert cost.forward(8) == pytest.approx(1.0) and cost.base_seconds == pytest.approx(0.014)  # this process's own
     cost = CostModel.from_dict(kept)
-    cost.observe_forward(1, 0.1)  # every forward ten times slower now (another load): the file's costs go
-    assert cost.forward(16) == pytest.approx(1.0) and cost.draft_step_cost == pytest.approx(0.1)
+    cost.observe_forward(1, 0.1)  # a forward ten times slower: a first round's one-off costs, maybe
+    assert cost.forward(16) == pytest.approx(2.0)
+    cost.observe_forward(1, 0.1)
+    cost.observe_forward(16, 0.2)  # every forward ten times slower now (another load): the file's costs go
+    assert cost.forward(16) == pytest.approx(2.0) and cost.base_seconds == pytest.approx(0.1)
+    assert cost.draft_step_cost == pytest.approx(0.1)

@@ -12,8 +12,9 @@ steer the schedule), and sizes not observed follow the prior's shape, scaled to 
 
 Estimates read back are untrusted: `from_dict` refuses an entry that is not what `as_dict` writes (types, shapes,
 finite positive values in sane ranges), and the estimates it inherits are forgotten, all together, as soon as a
-forward or a drafter step timed in this process is `DRIFT` times off what they predict (an earlier process under
-heavy load, another machine state, a crafted file): the model then learns as one that started from its prior.
+forward or a drafter step timed in this process is `DRIFT` times faster than they predict (noise only adds time),
+or a few are `DRIFT` times slower (one slow first round is no contradiction): an earlier process under heavy load,
+another machine state, a crafted file. The model then learns as one that started from its prior.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ PRIOR_PER_TOKEN = {"cuda": 0.004, "cpu": 0.05}
 PRIOR_PER_TOKEN_OTHER = 0.02
 #: a drafter step before one was timed, relative to the base forward (a one-layer drafter)
 PRIOR_DRAFT_STEP = 0.1
-#: estimates read back are forgotten once a timing of this process is this many times off what they predict
+#: estimates read back are forgotten once a timing of this process is this many times faster than they predict
+#: (noise only adds time), or `SLOWER_TIMES` timings this many times slower (a first round's one-off costs aside)
 DRIFT = 4.0
+SLOWER_TIMES = 3
 #: what an entry read back may hold (`from_dict`): prior curves of at most this many sizes, relative costs within
 #: these bounds, sizes up to this many tokens, times within these seconds
 MAX_PRIOR_SIZES = 4096
@@ -63,6 +66,7 @@ class CostModel:
     _memo: dict[int, float] = field(default_factory=dict, repr=False)  # n -> forward(n) since the last observation
     _inherited: dict[int, float] = field(default_factory=dict, repr=False)  # tokens -> seconds read back (`from_dict`)
     _inherited_step: float = field(default=0.0, repr=False)  # seconds per drafter step read back (0: none)
+    _slower: int = field(default=0, repr=False)  # timings `DRIFT` times slower than those read back predict
 
     def __post_init__(self):
         self._given_base = self.base_seconds
@@ -77,8 +81,8 @@ class CostModel:
     def observe_forward(self, tokens: int, seconds: float) -> None:
         """A timed target forward over `tokens` tokens (all rows together)."""
         if tokens >= 1 and 0 < seconds < math.inf:
-            if self._inherited and self._forward_drifted(tokens, seconds):
-                self.forget_inherited(f"a forward over {tokens} tokens took {seconds:.3g} s")
+            if self._inherited:
+                self._check(self._predicted(tokens), seconds, f"a forward over {tokens} tokens")
             seen = self._seen.setdefault(tokens, deque(maxlen=WINDOW))
             before = min(seen) if seen else None
             seen.append(seconds)
@@ -99,29 +103,40 @@ class CostModel:
     def observe_draft_step(self, seconds: float) -> None:
         """A timed drafter step (seconds per step of a drafting round)."""
         if 0 < seconds < math.inf:
-            if self._inherited_step and max(seconds / self._inherited_step, self._inherited_step / seconds) > DRIFT:
-                self.forget_inherited(f"a drafter step took {seconds:.3g} s")
+            self._check(self._inherited_step, seconds, "a drafter step")
             self._draft_seen.append(seconds)
 
     def check_draft_step(self, seconds: float) -> None:
         """A drafter step timed in a round that is not a regular one (it caught up on plain rounds' rows): not an
         estimate, but no faster than a regular step, so an inherited step `DRIFT` times slower is wrong."""
-        if 0 < seconds and self._inherited_step > DRIFT * seconds:
-            self.forget_inherited(f"a drafter step took {seconds:.3g} s")
+        if self._inherited_step > DRIFT * seconds > 0:
+            self.forget_inherited(f"a drafter step took {seconds:.3g} s, not {self._inherited_step:.3g} s")
 
-    def _forward_drifted(self, tokens: int, seconds: float) -> bool:
-        """Whether a forward timed now is `DRIFT` times off what the model predicts at its size, within the sizes
-        read back (beyond them the prior's shape predicts, not a measurement)."""
+    def _check(self, expected: float | None, seconds: float, what: str) -> None:
+        """Forget the estimates read back where a timing contradicts their prediction `expected` (None or 0:
+        they predict nothing here): at once where it is `DRIFT` times faster, at the `SLOWER_TIMES`-th time one
+        is `DRIFT` times slower."""
+        if not expected:
+            return
+        if expected > DRIFT * seconds:
+            self.forget_inherited(f"{what} took {seconds:.3g} s, not {expected:.3g} s")
+        elif seconds > DRIFT * expected:
+            self._slower += 1
+            if self._slower >= SLOWER_TIMES:
+                self.forget_inherited(f"{what} took {seconds:.3g} s, not {expected:.3g} s, {self._slower} times")
+
+    def _predicted(self, tokens: int) -> float | None:
+        """Seconds of a forward over `tokens` tokens as the model predicts them, within the sizes read back
+        (beyond them the prior's shape predicts, not a measurement)."""
         if not min(self._inherited) <= tokens <= max(self._inherited) or self.base_seconds <= 0:
-            return False
-        expected = self.forward(tokens) * self.base_seconds
-        return expected <= 0 or max(expected / seconds, seconds / expected) > DRIFT
+            return None
+        return self.forward(tokens) * self.base_seconds
 
     def forget_inherited(self, why: str = "") -> None:
         """Drop every estimate read back (`from_dict`), keeping this process's own observations."""
         if not (self._inherited or self._inherited_step):
             return
-        logger.info("Learnt costs read back dropped (%s, %g times off or more): learnt again", why, DRIFT)
+        logger.info("Learnt costs read back dropped (%s): learnt again", why)
         for tokens, seconds in self._inherited.items():
             seen = self._seen.get(tokens)
             if seen is not None and seconds in seen:
@@ -130,7 +145,7 @@ class CostModel:
                     del self._seen[tokens]
         if self._inherited_step in self._draft_seen:
             self._draft_seen.remove(self._inherited_step)
-        self._inherited, self._inherited_step = {}, 0.0
+        self._inherited, self._inherited_step, self._slower = {}, 0.0, 0
         self._memo.clear()
         if self._seen:
             self._update_base()
