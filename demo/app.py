@@ -311,6 +311,12 @@ def _number(value, label: str, slider, whole: bool):
     return int(value) if whole else float(value)
 
 
+def _text(prompt: str) -> str:
+    """The prompt as text a tokenizer encodes: a JSON request can carry lone UTF-16 surrogates ("\\ud800"), which
+    no UTF-8 tokenizer takes; each becomes U+FFFD, a pair of them (high then low) its one character."""
+    return prompt.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = None, max_context: int | None = None):
     """The Blocks app (not launched). `drafters` maps a label (e.g. "EAGLE-3.1") to an EagleDrafter."""
     max_context = max_context or getattr(target.config.get_text_config(), "max_position_embeddings", 4096)
@@ -366,7 +372,7 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
                 raise BadRequest(f"compare must be true or false; got {compare_!r}")
             if draft_sources_ not in _choices(sources):
                 raise BadRequest(f"draft_sources must be one of {_choices(sources)}; got {draft_sources_!r}")
-            return (prompt_ or "", _number(temperature_, "temperature", temperature, False),
+            return (_text(prompt_ or ""), _number(temperature_, "temperature", temperature, False),
                     _number(max_new_tokens, "max_new_tokens", max_new, True), draft_mode,
                     _number(chain_length, "chain_length", chain, True), drafter_name, bool(compare_),
                     _number(tree_size_, "tree_size", tree_size, True), draft_sources_)
@@ -390,9 +396,17 @@ def build_demo(target, tokenizer, drafters: dict, examples: list[str] | None = N
                     gr.Warning("Please type a prompt first.")
                     yield "", "", "Type a prompt and press Enter or Send.", acceptance_frame(None)
                     return
-                enc = tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-                )
+                try:
+                    enc = tokenizer.apply_chat_template(
+                        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt",
+                        return_dict=True
+                    )
+                except Exception as err:  # noqa: BLE001  (a prompt the tokenizer refuses: a message, never a crash)
+                    msg = f"The tokenizer cannot encode this prompt ({type(err).__name__}: {err}). Edit it and send it again."
+                    logger.warning("Rejected a request: %s", msg)
+                    gr.Warning(msg)
+                    yield "", "", msg, acceptance_frame(None)
+                    return
                 enc = {k: v.to(input_device(target)) for k, v in enc.items()}  # [1, P] each
                 n_prompt = enc["input_ids"].shape[1]
                 if n_prompt + max_new_tokens > max_context:

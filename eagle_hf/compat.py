@@ -12,3 +12,10 @@ def rope_init(config) -> tuple[torch.Tensor, float]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     return ROPE_INIT_FUNCTIONS[config.rope_parameters["rope_type"]](config, None)
+
+
+def rope_types() -> set[str]:
+    """The RoPE types the drafter's attention knows: plain ("default") and transformers' scaled ones."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return {"default", *ROPE_INIT_FUNCTIONS}

@@ -19,6 +19,7 @@ import torch
 import eagle_hf
 from eagle_hf import EagleDrafter
 from eagle_hf.tools.evaluation import PROMPT_SETS, load_prompt_set, measure_acceptance
+from eagle_hf.training.trainer import load_state
 
 
 def main():
@@ -37,11 +38,15 @@ def main():
         p.error(f"--out {args.out} is a folder: pass a file path, e.g. {os.path.join(args.out, 'acceptance.json')}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    # (the run replaces the file atomically: this reads one whole state; tensors and plain values only)
+    try:
+        state = load_state(args.train_state) if args.train_state else None
+    except ValueError as err:
+        p.error(str(err))
     target, tok = eagle_hf.load_default_target()
     drafter = EagleDrafter.from_pretrained(args.drafter)
     step = None
-    if args.train_state:  # (the run replaces the file atomically: this reads one whole state)
-        state = torch.load(args.train_state, map_location="cpu", weights_only=False)
+    if state is not None:
         dtype = drafter.fc.weight.dtype
         drafter.load_state_dict({k: v.to(dtype) for k, v in state["drafter"].items()})
         step = state["step"]

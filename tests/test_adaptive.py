@@ -1,5 +1,6 @@
 """Adaptive speculation: decisions on synthetic costs/acceptance; exactness and stats with adaptation on."""
 
+import json
 import math
 
 import pytest
@@ -621,3 +622,180 @@ def test_one_slow_round_moves_no_in_loop_overhead():
     steady, choice = c.costs.loop_overhead, c.choose()
     c.observe(RoundTiming(seconds=0.2))  # one round twenty times slower (another process took the cores)
     assert c.costs.loop_overhead == pytest.approx(steady) and c.choose() == choice
+
+
+# ------------------------------------------------------------------------------------------ the cost store, untrusted
+BASE, STEP, ACCEPTED = 0.01, 0.003, 3  # this simulated device's one-token forward and drafter step (seconds), and
+# the drafts its drafter has accepted per round
+
+
+def _simulated_call(target, drafter, rounds: int = 40) -> list[int]:
+    """One call's schedule against a deterministic clock: each round's timings are what the simulated device
+    takes (a forward over n tokens costs BASE * (1 + 0.05 (n - 1)), a drafter step STEP), the drafter's
+    acceptance the same every round; a drafting round after a plain one catches up on its rows, as in the loop.
+    The call starts and ends as `generate()` does (`controller_for`, `keep_acceptance`, `keep_costs`)."""
+    settings = eagle_hf.DraftSettings()
+    c = costs.controller_for(target, drafter, settings)
+
+    def forward(n):
+        return BASE * (1 + 0.05 * (n - 1))
+
+    depths, behind = [], True
+    for _ in range(rounds):
+        k = c.choose()
+        depths.append(k)
+        if k == 0:
+            c.observe(RoundTiming(seconds=forward(1) + 0.001, verify=forward(1)))
+            behind = True
+            continue
+        width = c.costs.verified(k)
+        c.observe(RoundTiming(seconds=0.001 + STEP * k + forward(width) + 0.001, catch_up=0.001, draft=STEP * k,
+                              verify=forward(width), width=width, drafting_rows=1, levels=k, depth=k,
+                              tokens=min(k, ACCEPTED) + 1, drafter_prefill=behind))
+        c.update(k, min(k, ACCEPTED), [0.8] * k)
+        behind = False
+    costs.keep_acceptance(drafter, settings, c)
+    costs.keep_costs(target)
+    return depths
+
+
+def _new_process(target, drafter) -> None:
+    costs._COSTS.pop(target, None)
+    costs._ACCEPTANCE.pop(drafter, None)
+    costs._WARNED.clear()
+
+
+@pytest.fixture
+def named_target(tmp_path, monkeypatch):
+    """A named tiny target (its learnt costs are kept in eagle_hf's cache folder, here a temporary one) and a
+    drafter for it."""
+    monkeypatch.setenv("EAGLE_HF_CACHE", str(tmp_path))
+    monkeypatch.delenv(costs.COST_CACHE_ENV, raising=False)
+    target = tiny_target("llama")
+    target.name_or_path = target.config._name_or_path = "tiny/llama"
+    drafter = tiny_drafter(target)
+    _new_process(target, drafter)
+    yield target, drafter
+    _new_process(target, drafter)
+
+
+def _poison(entry: dict, how: str):
+    """A cost file's content, from a genuine entry `entry` (the file's one entry) poisoned `how`."""
+    entry = json.loads(json.dumps(entry))
+    if how in ("[]", "42", "null", '{"costs": ', ""):
+        return how
+    if how == "verify: [NaN, ...]":
+        entry["verify"][0] = math.nan
+    elif how == "verify: []":
+        entry["verify"] = []
+    elif how == "seconds: [1, 2]":
+        entry["seconds"] = [1, 2]
+    elif how == "seconds: {'1': 'x'}":
+        entry["seconds"]["1"] = "x"
+    elif how == "draft_step_seconds ten times too high":  # what a first process under heavy load can learn
+        entry["draft_step_seconds"] *= 10
+    elif how == "forwards ten times too slow":
+        entry["seconds"] = {t: s * 10 for t, s in entry["seconds"].items()}
+    elif how == "the widest forward nearly free":
+        widest = max(entry["seconds"], key=int)
+        entry["seconds"][widest] = 1e-6
+    return entry
+
+
+POISONS = ["[]", "42", "null", '{"costs": ', "", "verify: [NaN, ...]", "verify: []", "seconds: [1, 2]",
+           "seconds: {'1': 'x'}", "draft_step_seconds ten times too high", "forwards ten times too slow",
+           "the widest forward nearly free"]
+
+
+def test_a_poisoned_cost_file_drafts_again_within_two_calls_where_a_clean_one_drafts(named_target):
+    """A cost file is untrusted input: one that is not what eagle_hf writes is ignored (and replaced), and learnt
+    costs that this process's timings contradict are learnt again. With any of these files a process's second
+    call drafts as a process with a clean cache does, and its first call drafts in all but a round or two of
+    the rounds where that one drafts."""
+    target, drafter = named_target
+    clean = [_simulated_call(target, drafter) for _ in range(2)]
+    assert sum(k > 0 for k in clean[1]) > 30  # drafting pays on this device
+    path = costs._cost_file(target)
+    (key, genuine), = json.loads(path.read_text()).items()
+    assert key == costs._cost_key(target, drafter)
+    for how in POISONS:
+        _new_process(target, drafter)
+        poisoned = _poison(genuine, how)
+        path.write_text(poisoned if isinstance(poisoned, str) else json.dumps({key: poisoned}))
+        calls = [_simulated_call(target, drafter) for _ in range(2)]
+        assert calls[1] == clean[1], how
+        assert sum(k == 0 for k in calls[0]) <= sum(k == 0 for k in clean[0]) + 2, how  # (a round or two plain)
+        kept = json.loads(path.read_text())  # replaced by what this process learnt
+        assert set(kept) == {key} and CostModel.from_dict(kept[key]).observed, how
+    assert not list(path.parent.glob("*.tmp"))
+
+
+def test_generate_with_a_bad_cost_file_warns_once_decodes_exactly_and_replaces_it(named_target, caplog, one_thread):
+    target, drafter = named_target
+    path = costs._cost_file(target)
+    path.parent.mkdir(parents=True)
+    ids = torch.randint(1, 96, (1, 6), generator=torch.Generator().manual_seed(0))
+    ref = target.generate(ids, max_new_tokens=8, do_sample=False)
+    for content in ["[]", json.dumps({costs._cost_key(target, drafter): {"verify": [math.nan], "draft_step": 0.1}})]:
+        _new_process(target, drafter)
+        path.write_text(content)
+        with caplog.at_level("WARNING", logger="eagle_hf"):
+            caplog.clear()
+            for _ in range(2):
+                assert torch.equal(target.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=drafter), ref)
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warned) == 1 and str(path) in warned[0], warned
+        assert costs._read_store(path) == json.loads(path.read_text())  # replaced: every entry valid
+    assert not list(path.parent.glob("*.tmp"))
+
+
+def test_cost_writers_leave_no_partial_file_and_no_temporary_file(named_target, monkeypatch):
+    """Writers of one cost file (threads here, processes alike) each write a temporary file of their own that
+    replaces the file at once; a write that fails removes its temporary file."""
+    import threading
+
+    target, drafter = named_target
+    costs.cost_model(target, drafter).observe_forward(1, 0.01)
+    path = costs._cost_file(target)
+    threads = [threading.Thread(target=lambda: [costs.keep_costs(target) for _ in range(20)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    kept = json.loads(path.read_text())
+    assert CostModel.from_dict(kept[costs._cost_key(target, drafter)]).observed
+    monkeypatch.setattr(costs.os, "replace", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    costs.keep_costs(target)  # (logged: the costs stay in memory)
+    assert json.loads(path.read_text()) == kept and not list(path.parent.glob("*.tmp"))
+
+
+def test_cost_entries_are_checked_field_by_field():
+    good = {"verify": [1.0, 1.05], "draft_step": 0.1, "seconds": {"1": 0.01, "8": 0.012}, "draft_step_seconds": 0.002}
+    assert CostModel.from_dict(good).forward(8) == pytest.approx(1.2)
+    for field_, value, message in [
+        (None, [], "the entry is a list"), ("verify", [1.0, math.inf], r"verify\[1\] is inf"),
+        ("verify", [-1.0], r"verify\[0\] is -1.0"), ("verify", "1", "verify is a str"),
+        ("draft_step", None, "draft_step is None"), ("draft_step", True, "draft_step is True"),
+        ("seconds", {"-1": 0.01}, "seconds has the key '-1'"), ("seconds", {"1": 1e9}, r"seconds\['1'\] is 1000000000.0"),
+        ("seconds", {"1": math.nan}, r"seconds\['1'\] is nan"), ("draft_step_seconds", "0.002", "draft_step_seconds is '0.002'"),
+    ]:
+        entry = value if field_ is None else {**good, field_: value}
+        with pytest.raises(ValueError, match=message):
+            CostModel.from_dict(entry)
+
+
+def test_costs_read_back_that_this_process_contradicts_are_learnt_again():
+    kept = {"verify": [1.0] * 16, "draft_step": 0.1, "seconds": {"1": 0.01, "16": 0.02}, "draft_step_seconds": 0.02}
+    cost = CostModel.from_dict(kept)
+    cost.observe_forward(8, 0.014)  # within a factor DRIFT of what was read back: kept
+    assert cost.forward(16) == pytest.approx(2.0) and cost.draft_step_cost == pytest.approx(2.0)
+    cost.check_draft_step(0.002)  # a drafter step (even in a catch-up round) ten times faster than read back
+    assert cost.draft_step_cost == pytest.approx(0.1)  # the prior until a regular round is timed
+    assert cost.forward(8) == pytest.approx(1.0) and cost.base_seconds == pytest.approx(0.014)  # this process's own
+    cost = CostModel.from_dict(kept)
+    cost.observe_forward(1, 0.1)  # a forward ten times slower: a first round's one-off costs, maybe
+    assert cost.forward(16) == pytest.approx(2.0)
+    cost.observe_forward(1, 0.1)
+    cost.observe_forward(16, 0.2)  # every forward ten times slower now (another load): the file's costs go
+    assert cost.forward(16) == pytest.approx(2.0) and cost.base_seconds == pytest.approx(0.1)
+    assert cost.draft_step_cost == pytest.approx(0.1)

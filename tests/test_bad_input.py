@@ -7,6 +7,8 @@ Generation errors must be raised by our validation before transformers' generate
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import pytest
 import torch
@@ -237,6 +239,54 @@ def test_config_invalid_json(tmp_path):
     folder = write(tmp_path / "d", text, eagle31_tensors())
     with pytest.raises(DrafterLoadError, match=r"config\.json is not valid JSON"):
         EagleDrafter.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("content", ["[]", "null", "42", '"a drafter"'])
+def test_config_that_is_not_an_object(tmp_path, content):
+    folder = write(tmp_path / "d", content, eagle31_tensors())
+    with pytest.raises(DrafterLoadError, match=r"config\.json holds .*, not a JSON object of config fields"):
+        EagleDrafter.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("hidden_act", "swishy"), ("rms_norm_eps", "x"), ("rms_norm_eps", -1.0), ("rms_norm_eps", math.nan),
+    ("hidden_size", "64"), ("intermediate_size", 1.5), ("num_attention_heads", 0),
+    ("draft_vocab_size", "48"), ("max_position_embeddings", "x"), ("rope_theta", "x"), ("rope_scaling", 3),
+    ("rope_scaling.rope_type", "warp"), ("rope_scaling.factor", "8"), ("fc_norm", "false"), ("attention_bias", "yes"),
+    ("architectures", "LlamaForCausalLMEagle3"), ("eagle_config", []),
+    ("eagle_config.eagle_aux_hidden_state_layer_ids", "1,2,3"),
+    ("eagle_config.eagle_aux_hidden_state_layer_ids", [1, "2", 3]), ("torch_dtype", "int8"), ("target_model", 3),
+    ("draft_settings", "tree"), ("draft_settings", {"mode": "wide"}), ("vocab_size", None),
+])
+def test_malformed_config_field_is_named(tmp_path, field, value):
+    """Every field eagle_hf reads: a DrafterLoadError naming it and the file, not a failure deep in loading or
+    inside generate() (a null field is not set: the required sizes are named as missing)."""
+    cfg = eagle31_config(rope_scaling={"rope_type": "linear", "factor": 2.0})
+    block, _, key = field.rpartition(".")
+    (cfg[block] if block else cfg)[key] = value
+    folder = write(tmp_path / "d", cfg, eagle31_tensors())
+    name = re.escape(field if value is not None else "")
+    with pytest.raises(DrafterLoadError, match=rf"{re.escape(str(folder / 'config.json'))}.*{name}"):
+        EagleDrafter.from_pretrained(folder)
+
+
+def test_drafter_declared_for_another_target_warns(tmp_path, target, caplog, one_thread):
+    from eagle_hf.hf.call import warn_other_target
+
+    drafter = tiny_drafter(target)
+    drafter.save_pretrained(tmp_path / "d", target_model="org/Other-Model-1B")
+    drafter = EagleDrafter.from_pretrained(tmp_path / "d")
+    named = tiny_target("llama", layers=6)
+    with caplog.at_level("WARNING", logger="eagle_hf"):
+        for name in ["org/Other-Model-1B", "/data/copies/other-model-1b/", "/hf/models--org--Other-Model-1B/snapshots/0a1"]:
+            named.name_or_path = name  # the declared target, wherever it lies
+            warn_other_target(named, drafter)
+        assert not caplog.records
+        named.name_or_path = "org/Mine-7B"
+        for _ in range(2):  # once per drafter and target
+            named.generate(prompt(), assistant_model=drafter, max_new_tokens=2, do_sample=False)
+    (said,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "declares the target org/Other-Model-1B" in said and "not org/Mine-7B" in said
 
 
 def test_target_model_config_is_not_a_drafter(tmp_path):

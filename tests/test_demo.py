@@ -183,6 +183,34 @@ def _serve(demo):
     return url
 
 
+def _generate_fn(demo):
+    """The function behind the app's /generate endpoint, called here without a server."""
+    (fn,) = [f.fn for f in demo.fns.values() if f.api_name == "generate"]
+    return fn
+
+
+def test_a_prompt_with_lone_surrogates_reaches_the_model(parts):
+    """A JSON API call can send "\\ud800", which no tokenizer encodes: each lone surrogate reaches the model as
+    U+FFFD, a proper pair of them as its character."""
+    target, tok, drafters = parts
+    respond = _generate_fn(app.build_demo(target, tok, drafters))
+    for prompt, clean in [("wd \ud800we", "wd \ufffdwe"), ("wd\udfff", "wd\ufffd"), ("wd \ud83d\ude00", "wd \U0001f600")]:
+        *_, (eagle, _, stats, _) = respond(prompt, 0, 8, "fixed chain", 3, "random", False, 16, "eagle")
+        assert shown_text(eagle) == plain_text(target, tok, clean, 8), prompt
+        assert "tokens/s** decoding" in stats
+
+    class Refusing:  # a tokenizer that cannot encode some text: the client gets a message, nothing raises
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise ValueError("cannot encode this")
+
+    respond = _generate_fn(app.build_demo(target, Refusing(), drafters))
+    *_, (eagle, _, message, _) = respond("wd", 0, 8, "adaptive", 3, "random", False, 16, "eagle")
+    assert eagle == "" and "tokenizer cannot encode this prompt (ValueError: cannot encode this)" in message
+
+
 def test_client_streams_labelled_tokens_equal_to_plain_generate(parts, capfd, caplog):
     from gradio_client import Client
 

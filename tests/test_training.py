@@ -1,6 +1,7 @@
 """Training pipeline: data formatting, loss masks, vocab mapping, TTT loss, tiny end-to-end run, resume."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from eagle_hf import EagleDrafter
 from eagle_hf.training.data import generate_with_capture, load_shards
 from eagle_hf.training.pipeline import RunConfig, run_training
 from eagle_hf.training.prompts import PromptFormatError, first_user_turn, load_prompts, render_chat
-from eagle_hf.training.trainer import TrainConfig
+from eagle_hf.training.trainer import TrainConfig, load_state
 from eagle_hf.training.ttt import ttt_loss, ttt_mask
 from eagle_hf.training.vocab import build_draft_vocab
 
@@ -257,7 +258,7 @@ def test_end_to_end_tiny_training_overfits_and_reloads(tmp_path):
 def test_resume_after_interruption(tmp_path):
     target, tok = tiny_target("llama"), tiny_tokenizer()
     _run(tmp_path, target, tok, max_steps=10)
-    state = torch.load(tmp_path / "out" / "train_state.pt", weights_only=False)
+    state = torch.load(tmp_path / "out" / "train_state.pt", weights_only=True)
     assert state["step"] == 10
     shards = sorted((tmp_path / "data").glob("shard_*"))
     mtimes = [p.stat().st_mtime for p in shards]
@@ -265,6 +266,46 @@ def test_resume_after_interruption(tmp_path):
     log = [json.loads(line) for line in (tmp_path / "out" / "training_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == list(range(21))  # step 0: the evaluation before training
     assert [p.stat().st_mtime for p in shards] == mtimes
+
+
+class _Payload:
+    """What a crafted pickle holds: loading it calls `exec`, which writes `marker`."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def test_a_crafted_training_state_is_refused_before_any_of_it_runs(tmp_path, monkeypatch):
+    """Resuming training, or evaluating a run's latest weights, reads tensors and plain values only."""
+    import runpy
+    import sys
+
+    target, tok = tiny_target("llama"), tiny_tokenizer()
+    marker = tmp_path / "ran"
+    (tmp_path / "out").mkdir()
+    crafted = tmp_path / "out" / "train_state.pt"
+    torch.save({"drafter": {}, "optimizer": _Payload(marker), "step": 1, "torch_rng": torch.get_rng_state()}, crafted)
+    with pytest.raises(ValueError, match=r"train_state\.pt holds objects other than tensors and plain values"):
+        _run(tmp_path, target, tok, max_steps=2)
+    monkeypatch.setattr(sys, "argv", ["evaluate_drafter.py", "--train-state", str(crafted), "--out", str(tmp_path / "a.json")])
+    with pytest.raises(SystemExit):  # refused before any model loads
+        runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "evaluate_drafter.py"), run_name="__main__")
+    assert not marker.exists()
+    torch.load(crafted, weights_only=False)  # (the payload is live: a full unpickling runs it)
+    assert marker.read_text() == "ran"
+
+
+def test_a_damaged_training_state_is_named(tmp_path):
+    path = tmp_path / "train_state.pt"
+    path.write_bytes(b"PK\x03\x04 not a whole file")
+    with pytest.raises(ValueError, match=r"Cannot read the training state .*truncated or corrupt"):
+        load_state(path)
+    torch.save({"step": 3}, path)
+    with pytest.raises(ValueError, match=r"not a training state eagle_hf wrote: it lacks \['drafter', 'optimizer', 'torch_rng'\]"):
+        load_state(path)
 
 
 def test_bad_training_inputs(tmp_path):
@@ -308,7 +349,7 @@ def test_resume_from_a_checkpoint_before_the_interruption(tmp_path):
     """Interrupted between checkpoints: the log keeps only steps up to the checkpoint, then continues."""
     target, tok = tiny_target("llama"), tiny_tokenizer()
     _run(tmp_path, target, tok, max_steps=7, save_every=5)  # checkpoint at 5, then 6-7 logged, final save at 7
-    state = torch.load(tmp_path / "out" / "train_state.pt", weights_only=False)
+    state = torch.load(tmp_path / "out" / "train_state.pt", weights_only=True)
     state["step"] = 5  # pretend the process died after step 7 was logged but before it was saved
     torch.save(state, tmp_path / "out" / "train_state.pt")
     _run(tmp_path, target, tok, max_steps=9, save_every=5)

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.activations import ACT2FN
 
+from ..compat import rope_types
 from .capture import CONVENTIONS, guess_convention
 from .config import EAGLE3_ARCHITECTURES, SPECULATORS_ARCHITECTURES, EagleConfig
 
@@ -85,13 +88,105 @@ def _cached_snapshot(repo_id: str, revision: str | None, cache_dir) -> Path | No
 
 
 def read_config(folder: Path) -> dict[str, Any]:
+    """A drafter folder's config.json, each field eagle_hf reads checked (`check_fields`)."""
     path = folder / "config.json"
     if not path.is_file():
         raise DrafterLoadError(f"{folder} has no config.json; it is not a drafter checkpoint folder.")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
         raise DrafterLoadError(f"{path} is not valid JSON ({err}); the download may be corrupt: fetch it again.") from err
+    if not isinstance(raw, dict):
+        raise DrafterLoadError(
+            f"{path} holds {_kind(raw)}, not a JSON object of config fields; the download may be corrupt: fetch it again."
+        )
+    check_fields(raw, path)
+    return raw
+
+
+#: config.json fields eagle_hf reads, by what each must be when set (null: not set)
+POSITIVE_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "num_hidden_layers", "vocab_size", "draft_vocab_size", "target_hidden_size", "max_position_embeddings",
+                 "num_aux_hidden_states")
+FLAGS = ("attention_bias", "bias", "fc_norm", "norm_output", "norm_before_fc", "norm_before_residual", "use_aux_norm",
+         "tie_word_embeddings", "use_aux_hidden_state")
+OBJECTS = ("rope_scaling", "rope_parameters", "draft_settings", "eagle_config", "eagle_hf", "transformer_layer_config")
+STRINGS = ("target_model", "model_type", "aux_layer_convention")
+AUX_IDS = "eagle_aux_hidden_state_layer_ids"
+ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor",
+                "original_max_position_embeddings")
+#: where fields sit besides the top level: EAGLE-3 engines' block, the speculators layout's layer, eagle_hf's own,
+#: the RoPE settings (either spelling)
+NESTED = ("eagle_config", "transformer_layer_config", "eagle_hf", "rope_scaling", "rope_parameters")
+#: what a drafter's config.json must set (else Llama-3-8B's sizes would be assumed)
+REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+
+
+def check_fields(raw: dict[str, Any], path: Path) -> None:
+    """Every field eagle_hf reads from a drafter's config.json (top level and `NESTED` blocks) is of its kind,
+    else a `DrafterLoadError` naming the field and the file (rather than a failure deep in loading or in
+    ``generate()``)."""
+
+    def bad(name: str, value, what: str):
+        return DrafterLoadError(
+            f"{path}: `{name}` is {value!r}, not {what}. Fix this field (the file may be damaged, edited by hand or "
+            "not a drafter's), or fetch the drafter again."
+        )
+
+    blocks = [("", raw)] + [(f"{key}.", raw[key]) for key in NESTED if isinstance(raw.get(key), dict)]
+    layer = raw.get("transformer_layer_config")
+    blocks += [(f"transformer_layer_config.{key}.", layer[key]) for key in NESTED
+               if isinstance(layer, dict) and isinstance(layer.get(key), dict)]
+    for prefix, block in blocks:
+        for key, value in block.items():
+            name = prefix + key
+            if value is None:
+                continue
+            if key in POSITIVE_INTS and not (_is_int(value) and value >= 1):
+                raise bad(name, value, "a positive integer")
+            if key in FLAGS and not (isinstance(value, bool) or value in (0, 1) and _is_int(value)):
+                raise bad(name, value, "true or false")
+            if key in OBJECTS and not isinstance(value, dict):
+                raise bad(name, value, "a JSON object")
+            if key in STRINGS and not isinstance(value, str):
+                raise bad(name, value, "a string")
+            if key == "rms_norm_eps" and not (_is_number(value) and 0 < value < 1):
+                raise bad(name, value, "a number between 0 and 1 (e.g. 1e-05)")
+            if key == "rope_theta" and not (_is_number(value) and 0 < value < math.inf):
+                raise bad(name, value, "a positive number (e.g. 10000.0)")
+            if key in ROPE_NUMBERS and not (_is_number(value) and 0 < value < math.inf):
+                raise bad(name, value, "a positive number")
+            if (key in ("rope_type", "type") and prefix.endswith(("rope_scaling.", "rope_parameters."))
+                    and (not isinstance(value, str) or value not in rope_types())):
+                raise bad(name, value, f"a RoPE type transformers knows ({', '.join(sorted(rope_types()))})")
+            if key == "hidden_act" and (not isinstance(value, str) or value not in ACT2FN):
+                raise bad(name, value, f"an activation transformers knows ({', '.join(sorted(ACT2FN)[:8])}, ...)")
+            if key in ("torch_dtype", "dtype") and _as_dtype(value) is None:
+                raise bad(name, value, "a floating-point dtype name (e.g. \"bfloat16\")")
+            if key == "architectures" and not (isinstance(value, list) and all(isinstance(a, str) for a in value)):
+                raise bad(name, value, "a list of class names")
+            if key == AUX_IDS and not (isinstance(value, list) and value and all(_is_int(i) and i >= 0 for i in value)):
+                raise bad(name, value, "a list of target layer numbers (e.g. [2, 16, 29])")
+    settings = raw.get("draft_settings")
+    if settings:
+        from ..speculation.settings import DraftSettings
+
+        try:
+            DraftSettings.resolve(settings)
+        except (ValueError, TypeError) as err:
+            raise DrafterLoadError(f"{path}: `draft_settings` {settings!r}: {err}") from err
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _kind(value) -> str:
+    return "null" if value is None else f"a JSON {type(value).__name__}"
 
 
 def _load_file(path: Path) -> dict[str, torch.Tensor]:
@@ -242,6 +337,12 @@ def load_drafter(
     raw = read_config(folder)
     layout = detect_layout(raw)
     kwargs, raw_ids, convention = normalize_config(raw, layout)
+    missing = [key for key in REQUIRED if key not in kwargs]
+    if missing:
+        raise DrafterLoadError(
+            f"{folder / 'config.json'} does not set {', '.join(missing)}: a drafter's config.json names its sizes "
+            "(the file may be incomplete: fetch the drafter again)."
+        )
     if aux_layer_ids is not None:
         raw_ids = list(aux_layer_ids)
         convention = aux_layer_convention or "boundary"
@@ -309,8 +410,7 @@ def _t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def _as_dtype(value) -> torch.dtype | None:
-    if isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str) and hasattr(torch, value):
-        return getattr(torch, value)
-    return None
+    """A floating-point dtype from a dtype or its name ("bfloat16", "torch.bfloat16"); None otherwise."""
+    if isinstance(value, str):
+        value = getattr(torch, value.removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
+import weakref
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -76,8 +77,39 @@ def set_active_call(call: EagleCall | None) -> None:
     _local.call = call
 
 
+#: per drafter object (weakly) -> the targets it was warned about (`warn_other_target`)
+_WARNED_TARGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def warn_other_target(target, drafter: EagleDrafter) -> None:
+    """A warning, once per drafter object and target, where the drafter's config.json declares another target
+    (`target_model`) than `target`'s name: its drafts, trained on another model's hidden states, are mostly
+    rejected (the output stays the target's). Names that differ only in their folder (a local copy, the Hugging
+    Face cache's snapshot) are the same model."""
+    declared = getattr(drafter.config, "target_model", None)
+    name = getattr(target, "name_or_path", "") or getattr(target.config, "_name_or_path", "")
+    if not declared or not name or _model_name(declared) == _model_name(name):
+        return
+    warned = _WARNED_TARGETS.setdefault(drafter, set())
+    if name not in warned:
+        warned.add(name)
+        logger.warning(
+            "The drafter %s declares the target %s (its config.json's target_model), not %s: its drafts were trained "
+            "on another model's hidden states and may be mostly rejected (the output is the target's either way). "
+            "Use the drafter trained for %s.", drafter.config.name_or_path or "(unnamed)", declared, name, name)
+
+
+def _model_name(name_or_path: str) -> str:
+    """A model's name without its folder: "org/Model" and "/data/Model" name "model"; so does the Hugging Face
+    cache's ".../models--org--Model/snapshots/<commit>"."""
+    parts = [p for p in str(name_or_path).replace("\\", "/").split("/") if p]
+    cached = [p for p in parts if p.startswith("models--")]
+    return (cached[-1].split("--")[-1] if cached else parts[-1] if parts else "").lower()
+
+
 def check_compatible(target, drafter: EagleDrafter) -> list[int]:
     """Validate that `drafter` can draft for `target`; return the boundary aux ids it reads."""
+    warn_other_target(target, drafter)
     text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
     cfg = drafter.config
     where = f"drafter {cfg.name_or_path or '(unnamed)'} and target {getattr(target, 'name_or_path', '?')}"

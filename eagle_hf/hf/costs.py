@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 import weakref
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 
 from ..devices import input_device
 from ..drafter.graphs import wanted as fixed_levels
-from ..speculation.cost_model import CostModel
+from ..speculation.cost_model import CostEntryError, CostModel
 from ..speculation.schedule import DraftLengthController
 from ..speculation.settings import DraftSettings
 
@@ -27,6 +28,10 @@ COST_CACHE_ENV = "EAGLE_HF_COST_CACHE"
 
 #: bump when what is kept changes: costs kept on disk by an older version are then not read
 _COST_FORMAT = 2
+#: a cost file larger than this is not read
+MAX_COST_FILE = 1 << 20
+#: cost files whose problem was already reported in this process (`_read_store`)
+_WARNED: set[Path] = set()
 #: per model object (weakly: a model that is gone takes its costs with it) -> key -> cost model
 _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: per drafter object (weakly) -> kind of call (`_acceptance_key`) -> the acceptance its last call ended with
@@ -47,20 +52,28 @@ def cost_model(target, drafter=None, compiled: bool = False) -> CostModel:
 
 
 def keep_costs(target) -> None:
-    """Write what `target`'s cost models learnt to eagle_hf's cache folder (named models; see `cost_model`)."""
+    """Write what `target`'s cost models learnt to eagle_hf's cache folder (named models; see `cost_model`): the
+    file's valid entries (`_read_store`) with this process's, through a temporary file of this writer's own that
+    replaces the file at once, so that concurrent writers never leave a partial file (the last one's stays)."""
     models = _COSTS.get(target)
     path = _cost_file(target) if models else None
     if path is None:
         return
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        entries = json.loads(path.read_text()) if path.is_file() else {}
+        entries = _read_store(path)
         entries.update({key: model.as_dict() for key, model in models.items() if model.observed})
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entries))
-        tmp.replace(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.stem}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(entries, allow_nan=False))
+        os.replace(tmp, path)
+        tmp = None
     except (OSError, ValueError) as e:  # a read-only cache folder: costs stay in memory
         logger.info("Could not keep the learnt costs in %s: %s", path, e)
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def _cost_key(target, drafter, compiled: bool = False) -> str:
@@ -93,17 +106,44 @@ def _cost_file(target) -> Path | None:
 
 def _read_persisted(target, key: str) -> CostModel | None:
     path = _cost_file(target)
-    try:
-        entry = json.loads(path.read_text()).get(key) if path is not None and path.is_file() else None
-    except (OSError, ValueError):
-        return None
+    entry = _read_store(path).get(key) if path is not None else None
     if entry is None:
         return None
     logger.info("Costs of %s read from %s", target.name_or_path, path)
+    return CostModel.from_dict(entry, prior=CostModel.prior(input_device(target).type))
+
+
+def _read_store(path: Path) -> dict[str, dict]:
+    """The entries of a cost file that pass `CostModel.from_dict`'s checks, by key. The file is untrusted input:
+    one that is not a JSON object of such entries is ignored, with one warning per file in a process, and
+    replaced at the next write (`keep_costs`); a missing or unreadable one is an empty store."""
     try:
-        return CostModel.from_dict(entry)
-    except (KeyError, TypeError, ValueError):
-        return None
+        if path.stat().st_size > MAX_COST_FILE:
+            raise CostEntryError(f"{path.stat().st_size} bytes, more than {MAX_COST_FILE} (a few kB is usual)")
+        entries = json.loads(path.read_text())
+        if not isinstance(entries, dict):
+            raise CostEntryError(f"a JSON {type(entries).__name__}, not an object")
+        bad = {}
+        for key, entry in entries.items():
+            try:
+                CostModel.from_dict(entry)
+            except ValueError as e:
+                bad[key] = str(e)
+    except OSError:
+        return {}
+    except (ValueError, RecursionError) as e:  # (RecursionError: JSON nested deeper than Python's stack)
+        _warn_once(path, str(e) or type(e).__name__)
+        return {}
+    if bad:
+        _warn_once(path, "; ".join(f"entry {key}: {why}" for key, why in bad.items()))
+    return {key: entry for key, entry in entries.items() if key not in bad}
+
+
+def _warn_once(path: Path, why: str) -> None:
+    if path not in _WARNED:
+        _WARNED.add(path)
+        logger.warning("Ignoring the learnt costs in %s (%s): learnt again, and the file replaced after this "
+                       "call.", path, why)
 
 
 def controller_for(target, drafter, settings: DraftSettings, compiled: bool = False,

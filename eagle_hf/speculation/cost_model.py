@@ -9,13 +9,22 @@ or the estimates an earlier process kept (`as_dict` / `from_dict`, persisted by 
 forward then adds an observation at its size (tokens over all rows): the estimate of a size is the fastest of its
 last few observations (interference on a shared machine only ever adds time; a one-off slow round does not
 steer the schedule), and sizes not observed follow the prior's shape, scaled to the observed sizes around them.
+
+Estimates read back are untrusted: `from_dict` refuses an entry that is not what `as_dict` writes (types, shapes,
+finite positive values in sane ranges), and the estimates it inherits are forgotten, all together, as soon as a
+forward or a drafter step timed in this process is `DRIFT` times faster than they predict (noise only adds time),
+or a few are `DRIFT` times slower (one slow first round is no contradiction): an earlier process under heavy load,
+another machine state, a crafted file. The model then learns as one that started from its prior.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 #: a size's estimate is the fastest of this many of its latest observations
 WINDOW = 8
@@ -26,6 +35,20 @@ PRIOR_PER_TOKEN = {"cuda": 0.004, "cpu": 0.05}
 PRIOR_PER_TOKEN_OTHER = 0.02
 #: a drafter step before one was timed, relative to the base forward (a one-layer drafter)
 PRIOR_DRAFT_STEP = 0.1
+#: estimates read back are forgotten once a timing of this process is this many times faster than they predict
+#: (noise only adds time), or `SLOWER_TIMES` timings this many times slower (a first round's one-off costs aside)
+DRIFT = 4.0
+SLOWER_TIMES = 3
+#: what an entry read back may hold (`from_dict`): prior curves of at most this many sizes, relative costs within
+#: these bounds, sizes up to this many tokens, times within these seconds
+MAX_PRIOR_SIZES = 4096
+RELATIVE_RANGE = (1e-3, 1e3)
+MAX_TOKENS = 1 << 20
+SECONDS_RANGE = (1e-7, 3600.0)
+
+
+class CostEntryError(ValueError):
+    """Learnt costs read back that are not what `CostModel.as_dict` writes; the message names the field."""
 
 
 @dataclass
@@ -41,6 +64,9 @@ class CostModel:
     _draft_seen: deque = field(default_factory=lambda: deque(maxlen=WINDOW), repr=False)  # seconds per step
     _given_base: float = field(default=0.0, repr=False)
     _memo: dict[int, float] = field(default_factory=dict, repr=False)  # n -> forward(n) since the last observation
+    _inherited: dict[int, float] = field(default_factory=dict, repr=False)  # tokens -> seconds read back (`from_dict`)
+    _inherited_step: float = field(default=0.0, repr=False)  # seconds per drafter step read back (0: none)
+    _slower: int = field(default=0, repr=False)  # timings `DRIFT` times slower than those read back predict
 
     def __post_init__(self):
         self._given_base = self.base_seconds
@@ -54,7 +80,9 @@ class CostModel:
     # ------------------------------------------------------------------ observations
     def observe_forward(self, tokens: int, seconds: float) -> None:
         """A timed target forward over `tokens` tokens (all rows together)."""
-        if tokens >= 1 and seconds > 0:
+        if tokens >= 1 and 0 < seconds < math.inf:
+            if self._inherited:
+                self._check(self._predicted(tokens), seconds, f"a forward over {tokens} tokens")
             seen = self._seen.setdefault(tokens, deque(maxlen=WINDOW))
             before = min(seen) if seen else None
             seen.append(seconds)
@@ -64,16 +92,65 @@ class CostModel:
 
     def observe(self, timing) -> None:
         """A round's timings (`eagle_hf.speculation.rounds.RoundTiming`): its verify forward, and its drafter's level
-        forwards unless the drafter caught up on plain rounds' rows (each drafting row's share of one)."""
+        forwards unless the drafter caught up on plain rounds' rows (each drafting row's share of one). Those only
+        check an inherited step (`check_draft_step`): after a drop every retry is such a round."""
         if timing.verify is not None:
             self.observe_forward(timing.rows * timing.width, timing.verify)
-        if timing.draft is not None and timing.levels and timing.drafting_rows and not timing.drafter_prefill:
-            self.observe_draft_step(timing.draft / timing.drafting_rows / timing.levels)
+        if timing.draft is not None and timing.levels and timing.drafting_rows:
+            step = timing.draft / timing.drafting_rows / timing.levels
+            (self.check_draft_step if timing.drafter_prefill else self.observe_draft_step)(step)
 
     def observe_draft_step(self, seconds: float) -> None:
         """A timed drafter step (seconds per step of a drafting round)."""
-        if seconds > 0:
+        if 0 < seconds < math.inf:
+            self._check(self._inherited_step, seconds, "a drafter step")
             self._draft_seen.append(seconds)
+
+    def check_draft_step(self, seconds: float) -> None:
+        """A drafter step timed in a round that is not a regular one (it caught up on plain rounds' rows): not an
+        estimate, but no faster than a regular step, so an inherited step `DRIFT` times slower is wrong."""
+        if self._inherited_step > DRIFT * seconds > 0:
+            self.forget_inherited(f"a drafter step took {seconds:.3g} s, not {self._inherited_step:.3g} s")
+
+    def _check(self, expected: float | None, seconds: float, what: str) -> None:
+        """Forget the estimates read back where a timing contradicts their prediction `expected` (None or 0:
+        they predict nothing here): at once where it is `DRIFT` times faster, at the `SLOWER_TIMES`-th time one
+        is `DRIFT` times slower."""
+        if not expected:
+            return
+        if expected > DRIFT * seconds:
+            self.forget_inherited(f"{what} took {seconds:.3g} s, not {expected:.3g} s")
+        elif seconds > DRIFT * expected:
+            self._slower += 1
+            if self._slower >= SLOWER_TIMES:
+                self.forget_inherited(f"{what} took {seconds:.3g} s, not {expected:.3g} s, {self._slower} times")
+
+    def _predicted(self, tokens: int) -> float | None:
+        """Seconds of a forward over `tokens` tokens as the model predicts them, within the sizes read back
+        (beyond them the prior's shape predicts, not a measurement)."""
+        if not min(self._inherited) <= tokens <= max(self._inherited) or self.base_seconds <= 0:
+            return None
+        return self.forward(tokens) * self.base_seconds
+
+    def forget_inherited(self, why: str = "") -> None:
+        """Drop every estimate read back (`from_dict`), keeping this process's own observations."""
+        if not (self._inherited or self._inherited_step):
+            return
+        logger.info("Learnt costs read back dropped (%s): learnt again", why)
+        for tokens, seconds in self._inherited.items():
+            seen = self._seen.get(tokens)
+            if seen is not None and seconds in seen:
+                seen.remove(seconds)
+                if not seen:
+                    del self._seen[tokens]
+        if self._inherited_step in self._draft_seen:
+            self._draft_seen.remove(self._inherited_step)
+        self._inherited, self._inherited_step, self._slower = {}, 0.0, 0
+        self._memo.clear()
+        if self._seen:
+            self._update_base()
+        else:
+            self.base_seconds = self._given_base
 
     def _update_base(self) -> None:
         """The base forward in seconds: observed, or the smallest observed size scaled down along the prior."""
@@ -148,10 +225,47 @@ class CostModel:
                 "draft_step_seconds": min(self._draft_seen) if self._draft_seen else 0.0}
 
     @classmethod
-    def from_dict(cls, entry: dict) -> CostModel:
-        """A model that starts from what `as_dict` kept (its estimates count as one observation each)."""
-        model = cls(verify=list(entry["verify"]), draft_step=float(entry["draft_step"]))
-        for tokens, seconds in entry.get("seconds", {}).items():
-            model.observe_forward(int(tokens), float(seconds))
-        model.observe_draft_step(float(entry.get("draft_step_seconds", 0.0)))
+    def from_dict(cls, entry, prior: CostModel | None = None) -> CostModel:
+        """A model that starts from what `as_dict` kept (its estimates count as one observation each, and are
+        forgotten once this process's timings contradict them: `forget_inherited`). `prior`: the curve and
+        drafter step to start from (default: the entry's). Raises `CostEntryError` naming the first field that is not
+        what `as_dict` writes: a kept file is untrusted input."""
+        if not isinstance(entry, dict):
+            raise CostEntryError(f"the entry is {_kind(entry)}, not an object")
+        verify = entry.get("verify")
+        if not isinstance(verify, list) or not 1 <= len(verify) <= MAX_PRIOR_SIZES:
+            raise CostEntryError(f"verify is {_kind(verify)}, not a list of 1 to {MAX_PRIOR_SIZES} numbers")
+        verify = [_number(v, f"verify[{i}]", *RELATIVE_RANGE) for i, v in enumerate(verify)]
+        draft_step = _number(entry.get("draft_step"), "draft_step", 0.0, RELATIVE_RANGE[1])
+        seconds = entry.get("seconds", {})
+        if not isinstance(seconds, dict):
+            raise CostEntryError(f"seconds is {_kind(seconds)}, not an object of token counts")
+        timed = {}
+        for tokens, value in seconds.items():
+            if not (isinstance(tokens, str) and tokens.isascii() and tokens.isdigit() and 1 <= int(tokens) <= MAX_TOKENS):
+                raise CostEntryError(f"seconds has the key {tokens!r}, not a token count from 1 to {MAX_TOKENS}")
+            timed[int(tokens)] = _number(value, f"seconds[{tokens!r}]", *SECONDS_RANGE)
+        step = entry.get("draft_step_seconds", 0.0)
+        step = 0.0 if step == 0 and _is_number(step) else _number(step, "draft_step_seconds", *SECONDS_RANGE)
+        model = (cls(verify=list(prior.verify), draft_step=prior.draft_step) if prior is not None
+                 else cls(verify=verify, draft_step=draft_step))
+        for tokens, value in timed.items():
+            model.observe_forward(tokens, value)
+        model.observe_draft_step(step)
+        model._inherited, model._inherited_step = timed, step
         return model
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _kind(value) -> str:
+    return "missing" if value is None else f"a {type(value).__name__}"
+
+
+def _number(value, name: str, low: float, high: float) -> float:
+    """`value` as a float if it is a finite number within [low, high], else a `CostEntryError` naming `name`."""
+    if not _is_number(value) or not low <= value <= high:  # (NaN fails both comparisons)
+        raise CostEntryError(f"{name} is {value!r}, not a number from {low:g} to {high:g}")
+    return float(value)

@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import math
+import pickle
 import random
 import shutil
 import time
@@ -25,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "train_state.pt"
 LOG_FILE = "training_log.jsonl"
+#: what a training state holds (`save_state`, `load_state`)
+STATE_KEYS = ("drafter", "optimizer", "step", "torch_rng")
 
 
 @dataclass
@@ -283,7 +286,7 @@ def train(
     step = 0
     state_path = out / STATE_FILE
     if state_path.exists():
-        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        state = load_state(state_path)
         drafter.load_state_dict(state["drafter"])
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
@@ -416,6 +419,29 @@ def _truncate_log(path: Path, step: int) -> None:
     if path.exists():
         rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
         path.write_text("".join(r + "\n" for r in rows))
+
+
+def load_state(path: Path | str) -> dict:
+    """A run's training state (`save_state`): tensors and plain values only (``weights_only``). A file holding
+    anything else (a pickle can call any function as it loads) is refused before any of it runs."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"{path} holds objects other than tensors and plain values, which eagle_hf does not load: a crafted file "
+            "could run code as it loads. A training state eagle_hf wrote holds none; if this one is yours, delete it "
+            f"to train from the start, else delete it unread. ({str(err).splitlines()[0]})"
+        ) from err
+    except Exception as err:  # zip, EOF and torch's own errors differ in type
+        raise ValueError(
+            f"Cannot read the training state {path} ({type(err).__name__}: {err}); it is truncated or corrupt. "
+            "Delete it to train from the start."
+        ) from err
+    missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(f"{path} is not a training state eagle_hf wrote: it lacks {missing}. Delete it to train "
+                         "from the start.")
+    return state
 
 
 def save_state(path: Path, drafter, opt, step: int) -> None:
