@@ -394,7 +394,11 @@ def capture_records(
                     done_tokens / (time.perf_counter() - t0))
     for i, name, digest in todo:  # what the other processes captured
         manifest["shards"][name] = digest
-    procs.barrier()  # every process has written its shards
+    rows = sum(procs.gather(done_tokens))  # (waits for every process's shards)
+    if todo and procs.main:
+        seconds = time.perf_counter() - t0
+        logger.info("%s: captured %d rows in %.1f s, %.0f rows/s (%d process%s)", out.name, rows, seconds,
+                    rows / seconds, procs.world, "es" if procs.world > 1 else "")
     if procs.main:
         manifest["shards"] = {n: manifest["shards"][n] for n in names}
         _atomic_write_json(manifest_path, {**manifest, "num_records": len(records), "complete": True,

@@ -334,7 +334,7 @@ def train(
         logger.info("step 0 eval: tau %.3f, loss %.4f", row["eval_tau"], row["eval_loss"])
         log.write(json.dumps(row) + "\n")
         log.flush()
-    start, seen_tokens, seen_answer = time.perf_counter(), 0, 0
+    start, start_step, seen_tokens, seen_answer = time.perf_counter(), step, 0, 0
     bar = tqdm(total=total, initial=step, desc="training", unit="step", disable=not main)
     last: dict = {"step": step}
     while step < total:
@@ -365,6 +365,7 @@ def train(
                 "step_accuracy": step_accuracy,
                 "lr": opt.param_groups[0]["lr"],
                 "grad_norm": grad_norm,
+                "steps_per_s": (step - start_step) / elapsed,
                 "tokens_per_s": seen_tokens / elapsed,
                 "answer_tokens_per_s": seen_answer / elapsed,
             }
