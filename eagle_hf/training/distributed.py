@@ -33,7 +33,7 @@ def check_launcher() -> None:
         raise ValueError(
             f"eagle-hf train does not support {' or '.join(sharded)}: it trains data parallel, every process "
             "holding the whole drafter and summing gradients. Launch with `torchrun --nproc_per_node N` or "
-            "`accelerate launch --num_processes N` (multi-GPU / multi-CPU, without --use_fsdp / --use_deepspeed)."
+            "`accelerate launch --multi_gpu --num_processes N` (without --use_fsdp / --use_deepspeed)."
         )
 
 
