@@ -194,3 +194,22 @@ def test_the_drafters_random_start_follows_the_seed(tmp_path):
         weights.append(drafter.state_dict())
     for name, value in weights[0].items():
         assert torch.equal(value, weights[1][name]), name
+
+
+def test_a_rerun_skips_the_shards_any_process_of_an_interrupted_capture_finished(tmp_path):
+    from eagle_hf.training.data import CAPTURE_FILE, capture_records
+
+    target, tok = tiny_target("llama"), tiny_tokenizer()
+    records = [{"prompt": f"w{i}", "response": f"w{i % 11} w{i % 13}"} for i in range(8)]
+    folder = capture_records(target, tok, records, tmp_path / "c", [1, 2, 3], shard_size=4)
+    manifest = json.loads((folder / CAPTURE_FILE).read_text())
+    # as a crash leaves it: process 1 finished shard 1 (its part file says so), the merged manifest was not written
+    part = {**manifest, "shards": {"shard_00001.safetensors": manifest["shards"]["shard_00001.safetensors"]}}
+    (folder / "capture.part1.json").write_text(json.dumps(part))
+    (folder / CAPTURE_FILE).write_text(json.dumps({**manifest, "shards": {}, "complete": False}))
+    (folder / "shard_00000.safetensors").unlink()
+    kept = (folder / "shard_00001.safetensors").stat().st_mtime_ns
+    capture_records(target, tok, records, folder, [1, 2, 3], shard_size=4)
+    assert (folder / "shard_00001.safetensors").stat().st_mtime_ns == kept  # not captured again
+    assert json.loads((folder / CAPTURE_FILE).read_text()) == manifest
+    assert (folder / "shard_00000.safetensors").is_file() and not list(folder.glob("capture.part*"))
