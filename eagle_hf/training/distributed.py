@@ -112,8 +112,11 @@ def join_processes(device: torch.device | str = "cpu") -> Processes:
     import torch.distributed as dist
 
     check_launcher()
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # NCCL's object collectives use the current GPU
     if not dist.is_initialized():
-        backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+        backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend)
         logger.info("process %d of %d joined the %s group", dist.get_rank(), world, backend)
     return Processes(rank=dist.get_rank(), world=dist.get_world_size())
