@@ -4,6 +4,9 @@ Every stage is resumable: data shards are skipped when present (captures of answ
 unchanged), training resumes from ``train_state.pt``. ``init_from`` warm-starts from an existing drafter (its
 draft vocabulary, aux layers and EAGLE-3.1 flags are kept; no ridge init). The drafter with the best held-out
 acceptance length (``<out>/best``) becomes the final output.
+
+Under `torchrun` (or `accelerate launch --multi_gpu`) the processes share every stage: each makes its share of the
+data shards, computes its slice of every global batch, and the main process writes the outputs (distributed.py).
 """
 
 from __future__ import annotations
