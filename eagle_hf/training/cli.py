@@ -34,14 +34,19 @@ def add_train_parser(sub) -> None:
     p.add_argument("--epochs", type=float, default=2.0, help="passes over the data")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps (default: the epochs' steps)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop training (resumably) after this long")
+    p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                   help="stop training (resumably) after this step; the learning-rate schedule still runs to --max-steps")
     p.add_argument("--lr", type=float, default=3e-4, help="peak AdamW learning rate (warm-up, then cosine)")
     p.add_argument("--warmup-ratio", type=float, default=0.02, help="share of the steps spent warming up the learning rate")
-    p.add_argument("--tokens-per-batch", type=int, default=2048, help="padded tokens per optimizer step")
+    p.add_argument("--tokens-per-batch", type=int, default=2048,
+                   help="padded tokens per optimizer step, over all processes (torchrun / accelerate launch)")
     p.add_argument("--eval-every", type=int, default=200, help="evaluate on the held-out split every N steps (and keep the best drafter in <out>/best)")
     p.add_argument("--save-every", type=int, default=100, help="write the resumable checkpoint train_state.pt every N steps")
     p.add_argument("--eval-fraction", type=float, default=0.02, help="share of conversations held out (by prompt)")
     p.add_argument("--eval-tokens", type=int, default=20000, help="held-out answer tokens read by each evaluation")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--no-bf16", dest="bf16", action="store_false", default=None,
+                   help="train in float32 (default: bf16 autocast where the device computes bf16 natively)")
     p.add_argument("--compile", action="store_true", help="torch.compile the drafter's decoder layer (about 1.3x on this CPU after a minute or two of compiling; needs a C++ compiler)")
     p.add_argument("--feature-noise", type=float, default=0.0, metavar="SCALE",
                    help="uniform noise on the captured target states while training, half-width SCALE x each state's RMS "
@@ -56,6 +61,7 @@ def cmd_train(args) -> int:
 
     from ..devices import load_options
     from ..drafter.default import load_target
+    from .distributed import local_device
     from .pipeline import RunConfig, run_training, validate_run
     from .trainer import TrainConfig
 
@@ -66,7 +72,7 @@ def cmd_train(args) -> int:
         warmup_ratio=args.warmup_ratio, tokens_per_batch=args.tokens_per_batch, seed=args.seed,
         max_minutes=args.max_minutes, eval_every=args.eval_every, save_every=args.save_every,
         eval_fraction=args.eval_fraction, eval_tokens=args.eval_tokens, compile=args.compile,
-        feature_noise=args.feature_noise,
+        feature_noise=args.feature_noise, stop_after=args.stop_after, bf16=args.bf16,
     )
     data_dir = args.data_dir[0] if args.data_dir and len(args.data_dir) == 1 else args.data_dir
     responses = args.responses[0] if args.responses and len(args.responses) == 1 else args.responses
@@ -77,8 +83,14 @@ def cmd_train(args) -> int:
         temperature=args.temperature, seed=args.seed, responses=responses, init_from=args.init_from, train=tcfg,
     )
     init = validate_run(run)  # bad files, folders or flags fail here, before the target is loaded
+    args.device = local_device(args.device)  # under a launcher: this process's GPU
     target, tok = load_target(args.target, **load_options(args))
     drafter = run_training(target, tok, args.out, run, init=init)
+    if torch.distributed.is_initialized():
+        main = torch.distributed.get_rank() == 0
+        torch.distributed.destroy_process_group()
+        if not main:
+            return 0
     version = drafter.config.version
     print(f"Saved {version} drafter to {args.out}")
     return 0

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from ..drafter.capture import gather_aux, hidden_state_request
 from ..hf.version import cache_kwarg
+from .distributed import Processes
 
 logger = logging.getLogger(__name__)
 
@@ -142,10 +143,18 @@ def build_dataset(
     max_prompt_tokens: int = 256,
     temperature: float = 0.0,
     seed: int = 0,
+    procs: Processes | None = None,
 ) -> Path:
-    """Regenerate answers with the target and store hidden states, shard by shard (resumable)."""
+    """Regenerate answers with the target and store hidden states, shard by shard (resumable).
+
+    Shard i answers prompts ``[i * batch_size, (i + 1) * batch_size)``; with sampling it draws from its own seed
+    (`shard_seed`), so a shard's answers do not depend on which process made it or on the shards made before.
+    With several processes (`procs`) process r makes the missing shards i with ``i % N == r``; the main process
+    then lists every shard, with the process that made it, in ``data_meta.json``.
+    """
     from .prompts import render_chat
 
+    procs = procs or Processes()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -164,7 +173,10 @@ def build_dataset(
         changed = {k: (old.get(k), v) for k, v in meta.items() if k != "num_prompts" and old.get(k) != v}
         if changed:
             raise ValueError(f"{out} holds data generated with other settings {changed}; use a new folder.")
-    meta_path.write_text(json.dumps(meta, indent=2))
+    made = dict(old.get("shards", {})) if meta_path.exists() else {}
+    procs.barrier()  # every process has read the old manifest
+    if procs.main:
+        meta_path.write_text(json.dumps(meta, indent=2))
 
     encoded = [render_chat(tokenizer, p) for p in prompts]
     encoded = [e for e in encoded if len(e) <= max_prompt_tokens]
@@ -178,23 +190,35 @@ def build_dataset(
     pad = target.generation_config.pad_token_id
     pad = eos[0] if pad is None else pad
     n_shards = (len(encoded) + batch_size - 1) // batch_size
-    gen = torch.Generator(device=target.device).manual_seed(seed)
+    names = [f"shard_{shard:05d}.safetensors" for shard in range(n_shards)]
+    mine = {}
     made_tokens, t0 = 0, time.perf_counter()
-    bar = tqdm(range(n_shards), desc="regenerating", unit="shard")
+    bar = tqdm(range(procs.rank, n_shards, procs.world), desc="regenerating", unit="shard", disable=not procs.main)
     for shard in bar:
-        path = out / f"shard_{shard:05d}.safetensors"
+        path = out / names[shard]
         if path.exists():
             continue
         batch = encoded[shard * batch_size : (shard + 1) * batch_size]
+        gen = torch.Generator(device=target.device).manual_seed(shard_seed(seed, shard))
         samples = generate_with_capture(target, batch, aux_ids, max_new_tokens, eos, pad, temperature, gen)
-        tmp = path.with_suffix(".tmp")
-        save_file(pack_shard(samples), str(tmp))
-        tmp.rename(path)
+        _write_shard(path, samples)
+        mine[path.name] = {"process": procs.rank, "conversations": len(samples),
+                           "rows": sum(int(s["input_ids"].shape[0]) for s in samples)}
         made_tokens += sum(int(s["loss_mask"].sum()) for s in samples)
         rate = made_tokens / (time.perf_counter() - t0)
         bar.set_postfix(resp_tok=made_tokens, tok_per_s=f"{rate:.0f}")
         logger.info("shard %d: %d response tokens so far, %.0f tok/s", shard, made_tokens, rate)
+    for part in procs.gather(mine):
+        made.update(part)
+    if procs.main:
+        _atomic_write_json(meta_path, {**meta, "shards": {n: made.get(n, {}) for n in names}})
+    procs.barrier()  # the manifest and every shard are written before any process reads them
     return out
+
+
+def shard_seed(seed: int, shard: int) -> int:
+    """The sampling seed of one regenerated shard."""
+    return seed * 1_000_003 + shard
 
 
 def load_shards(data_dir: str | Path) -> list[dict[str, torch.Tensor]]:
@@ -276,6 +300,7 @@ def build_dataset_from_responses(
 
 
 CAPTURE_FILE = "capture.json"
+PART_GLOB = "capture.part*.json"  # one process's captured shards, until the main process merges them
 
 
 def records_digest(records: Sequence[dict]) -> str:
@@ -299,6 +324,7 @@ def capture_records(
     shard_size: int = 64,
     max_tokens: int = 1024,
     max_answer_tokens: int | None = None,
+    procs: Processes | None = None,
 ) -> Path:
     """Capture hidden states of answer records (`prompt`, `response`, optional `finished`) into `out_dir`.
 
@@ -306,7 +332,12 @@ def capture_records(
     shard is reused only when the records it was made from are unchanged (a growing ``.partial`` file recaptures
     just its last, grown shard), stale shards are recaptured and shards past the end removed. `meta` (source,
     kind) is stored in the manifest; a folder captured for another target or other aux layers is refused.
+
+    With several processes (`procs`) each captures every N-th shard still to do and records it in its own
+    ``capture.part<rank>.json``; the main process merges them into ``capture.json`` at the end (and a rerun after
+    a crash reads the parts, so it skips the shards any process finished).
     """
+    procs = procs or Processes()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / CAPTURE_FILE
@@ -324,11 +355,16 @@ def capture_records(
         if changed:
             raise ValueError(f"{out} holds a capture made with other settings {changed}; use another data root.")
         manifest["shards"] = dict(old.get("shards", {}))
+    for part in sorted(out.glob(PART_GLOB)):  # shards finished by the processes of an interrupted run
+        old = json.loads(part.read_text())
+        if all(old.get(k) == v for k, v in settings.items()):
+            manifest["shards"].update(old.get("shards", {}))
     n_shards = (len(records) + shard_size - 1) // shard_size
     names = [f"shard_{i:05d}.safetensors" for i in range(n_shards)]
     for extra in sorted(out.glob("shard_*.safetensors")):
         if extra.name not in names:  # the source shrank or was rewritten
-            extra.unlink()
+            if procs.main:
+                extra.unlink()
             manifest["shards"].pop(extra.name, None)
     request = hidden_state_request(aux_ids, with_final=True)
     todo = []
@@ -339,8 +375,11 @@ def capture_records(
         todo.append((i, name, digest))
     if todo:
         logger.info("%s: capturing %d of %d shards", out.name, len(todo), n_shards)
+    procs.barrier()  # every process has read the manifests and planned the same shards
+    progress = manifest_path if procs.world == 1 else out / f"capture.part{procs.rank}.json"
     t0, done_tokens = time.perf_counter(), 0
-    for i, name, digest in tqdm(todo, desc=f"capturing {out.name}", unit="shard"):
+    for i, name, digest in tqdm(todo[procs.rank :: procs.world], desc=f"capturing {out.name}", unit="shard",
+                                disable=not procs.main):
         chunk = records[i * shard_size : (i + 1) * shard_size]
         samples = [
             _capture_sample(target, tokenizer, request, aux_ids, r["prompt"], r["response"], r.get("finished"),
@@ -349,12 +388,24 @@ def capture_records(
         ]
         _write_shard(out / name, samples)
         manifest["shards"][name] = digest  # a crash before this is saved only costs a recapture of the shard
-        _atomic_write_json(manifest_path, {**manifest, "num_records": len(records), "complete": False})
+        _atomic_write_json(progress, {**manifest, "num_records": len(records), "complete": False})
         done_tokens += sum(int(s["input_ids"].shape[0]) for s in samples)
         logger.info("%s %s: %d records, %.0f captured tok/s", out.name, name, len(chunk),
                     done_tokens / (time.perf_counter() - t0))
-    manifest["shards"] = {n: manifest["shards"][n] for n in names}
-    _atomic_write_json(manifest_path, {**manifest, "num_records": len(records), "complete": True})
+    for i, name, digest in todo:  # what the other processes captured
+        manifest["shards"][name] = digest
+    rows = sum(procs.gather(done_tokens))  # (waits for every process's shards)
+    if todo and procs.main:
+        seconds = time.perf_counter() - t0
+        logger.info("%s: captured %d rows in %.1f s, %.0f rows/s (%d process%s)", out.name, rows, seconds,
+                    rows / seconds, procs.world, "es" if procs.world > 1 else "")
+    if procs.main:
+        manifest["shards"] = {n: manifest["shards"][n] for n in names}
+        _atomic_write_json(manifest_path, {**manifest, "num_records": len(records), "complete": True,
+                                           **({"processes": procs.world} if procs.world > 1 else {})})
+        for part in out.glob(PART_GLOB):
+            part.unlink()
+    procs.barrier()  # the merged manifest is written before any process reads the folder
     return out
 
 

@@ -4,6 +4,9 @@ Every stage is resumable: data shards are skipped when present (captures of answ
 unchanged), training resumes from ``train_state.pt``. ``init_from`` warm-starts from an existing drafter (its
 draft vocabulary, aux layers and EAGLE-3.1 flags are kept; no ridge init). The drafter with the best held-out
 acceptance length (``<out>/best``) becomes the final output.
+
+Under `torchrun` (or `accelerate launch --multi_gpu`) the processes share every stage: each makes its share of the
+data shards, computes its slice of every global batch, and the main process writes the outputs (distributed.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from ..drafter.capture import default_aux_layer_ids, num_decoder_layers, resolve_aux_layer_ids
 from ..drafter.modeling import EagleDrafter
 from .data import META_FILE, build_dataset, load_shards
+from .distributed import Processes, check_launcher, join_processes
 from .prompts import load_prompts
 from .sources import AnswerSource, DataFolder, capture_sources, check_folder_fits, describe_folder, parse_answer_specs
 from .trainer import BEST_DIR, TrainConfig, initialise_from_target, train
@@ -132,7 +136,8 @@ def resolve_run(run: RunConfig, init: EagleDrafter | None = None, num_layers: in
 
 
 def check_settings(run: RunConfig) -> None:
-    """Training settings out of range (before any compute)."""
+    """Training settings out of range, or a launcher that shards the model (before any compute)."""
+    check_launcher()
     noise = run.train.feature_noise
     if not 0 <= noise <= 1:  # also refuses NaN
         raise ValueError(f"--feature-noise {noise}: must be between 0 (off) and 1 (noise as large as the state); "
@@ -191,11 +196,9 @@ def run_training(target, tokenizer, out_dir: str | Path, run: RunConfig, prompts
     plan = plan_data(run, out)
     for folder in plan.folders:
         check_folder_fits(folder, aux_ids, text_cfg.hidden_size)
-    from accelerate import PartialState
-
-    dist = PartialState()
-    with dist.main_process_first():  # under `accelerate launch` only the main process writes the data
-        folders = _make_data(target, tokenizer, out, run, plan, aux_ids, prompts_source)
+    procs = join_processes(target.device)
+    procs.barrier()  # every process has checked the output folder before the main process writes to it
+    folders = _make_data(target, tokenizer, out, run, plan, aux_ids, prompts_source, procs)
     drafter, samples, vocab, head, info = prepare_drafter_for_training(target, folders, run, aux_ids, init)
     target_name = getattr(target, "name_or_path", None) or target.config.name_or_path
     result = train(
@@ -203,7 +206,7 @@ def run_training(target, tokenizer, out_dir: str | Path, run: RunConfig, prompts
         target_head=target.get_output_embeddings().weight.detach(), sources=info["sources"], greedy=info["greedy"],
         save_dtype=target.get_input_embeddings().weight.dtype, target_name=target_name,
     )
-    if dist.is_main_process:
+    if procs.main:
         drafter = finalize(drafter, target, out, result, vocab, info)
     return drafter
 
@@ -218,19 +221,23 @@ def check_init_fits_target(init: EagleDrafter, target, name) -> None:
         )
 
 
-def _make_data(target, tokenizer, out, run, plan: DataPlan, aux_ids, prompts_source) -> list[DataFolder]:
+def _make_data(target, tokenizer, out, run, plan: DataPlan, aux_ids, prompts_source,
+               procs: Processes | None = None) -> list[DataFolder]:
+    """Regenerate and capture what the run reads; with several processes each makes its share of the shards."""
+    procs = procs or Processes()
     out.mkdir(parents=True, exist_ok=True)
-    (out / RUN_FILE).write_text(json.dumps(asdict(run), indent=2))
+    if procs.main:
+        (out / RUN_FILE).write_text(json.dumps(asdict(run), indent=2))
     folders = list(plan.folders)
     if plan.regenerate_into is not None:
         prompts = load_prompts(prompts_source if prompts_source is not None else run.prompts, limit=run.num_prompts, seed=run.seed)
         build_dataset(
             target, tokenizer, prompts, plan.regenerate_into, aux_ids, run.batch_size, run.max_new_tokens,
-            run.max_prompt_tokens, run.temperature, run.seed,
+            run.max_prompt_tokens, run.temperature, run.seed, procs=procs,
         )
         folders.insert(0, DataFolder(plan.regenerate_into, greedy=run.temperature == 0, source=str(run.prompts)))
     if plan.answers:
-        folders += capture_sources(target, tokenizer, plan.answers, plan.data_root, aux_ids)
+        folders += capture_sources(target, tokenizer, plan.answers, plan.data_root, aux_ids, procs=procs)
     return folders
 
 
@@ -262,6 +269,7 @@ def prepare_drafter_for_training(target, folders, run: RunConfig, aux_ids, init:
     else:
         vocab = build_draft_vocab(counts, run.draft_vocab_size)
         default_ids = default_aux_layer_ids(num_decoder_layers(target))
+        torch.manual_seed(run.seed)  # the layer's random start (the same in every process of a data parallel run)
         drafter = EagleDrafter.for_target(
             target,
             draft_vocab_size=run.draft_vocab_size,

@@ -301,8 +301,9 @@ def capture_key(first_record: dict, settings: dict) -> str:
 
 def capture_sources(target, tokenizer, sources: list[AnswerSource], data_root: Path, aux_ids,
                     max_tokens: int = 1024, original_skip: list[str | Path] | None = None,
-                    exchanges_source="sharegpt") -> list[DataFolder]:
-    """Capture every answer source into its own keyed folder under `data_root` (reusing what is there)."""
+                    exchanges_source="sharegpt", procs=None) -> list[DataFolder]:
+    """Capture every answer source into its own keyed folder under `data_root` (reusing what is there); `procs`:
+    the processes of a data parallel run, each capturing its share (`capture_records`)."""
     from .data import capture_records
 
     folders = []
@@ -330,7 +331,7 @@ def capture_sources(target, tokenizer, sources: list[AnswerSource], data_root: P
         planned[folder] = src
         meta = {"source": str(src.path) if src.path else src.spec, "kind": src.kind}
         capture_records(target, tokenizer, src.records, folder, aux_ids, meta=meta, max_tokens=max_tokens,
-                        max_answer_tokens=src.max_answer_tokens)
+                        max_answer_tokens=src.max_answer_tokens, procs=procs)
         folders.append(DataFolder(folder, greedy=src.kind != "original", source=meta["source"],
                                   info={"records": len(src.records)}))
     return folders

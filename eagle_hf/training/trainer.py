@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 
 from ..devices import native_bf16
 from ..drafter.modeling import EagleDrafter
-from .ttt import add_feature_noise, ttt_evaluate, ttt_loss
+from .distributed import Processes, join_processes
+from .ttt import add_feature_noise, step_counts, ttt_evaluate, ttt_loss
 from .vocab import DraftVocab
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class TrainConfig:
     max_minutes: float | None = None  # stop (after a checkpoint) when the wall-clock budget is spent
     compile: bool = False  # torch.compile the decoder layer (dynamic shapes; needs a C++ compiler on CPU)
     feature_noise: float = 0.0  # uniform noise on the captured states, half-width x their RMS (0: off; training only)
+    stop_after: int | None = None  # stop (after a checkpoint) at this step; the schedule still runs to `max_steps`
     extra: dict = field(default_factory=dict)
 
 
@@ -266,21 +268,15 @@ def train(
         len(samples), len(train_idx), len(held), len(eval_idx), sum(int(samples[i]["loss_mask"].sum()) for i in eval_idx),
     )
     lengths = [min(samples[i]["input_ids"].shape[0], cfg.max_seq_len) for i in train_idx]
+    # the schedule counts global batches: the same for any number of processes
     per_epoch = len(make_batches(lengths, cfg.tokens_per_batch, 0))
-
-    from accelerate import Accelerator
-
-    # Under `accelerate launch` (DDP/FSDP) every process trains on its own slice of each global step's batches;
-    # in a single process this is a no-op wrapper.
-    acc = Accelerator(cpu=device.type == "cpu")
-    device = acc.device if acc.num_processes > 1 else device
-    world, rank = acc.num_processes, acc.process_index
-    per_epoch = max(1, per_epoch // world)
     total = cfg.max_steps if cfg.max_steps is not None else max(1, int(per_epoch * cfg.epochs))
+    procs = join_processes(device)
+    if procs.rank:  # feature noise: each process draws its own
+        torch.manual_seed(cfg.seed + procs.rank)
     drafter.to(device).train()
     if cfg.compile:  # in place: parameter names (checkpoints) are unchanged
         drafter.midlayer.compile(dynamic=True)
-    objective = TTTObjective(drafter, cfg)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     step = 0
@@ -290,13 +286,13 @@ def train(
         drafter.load_state_dict(state["drafter"])
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
-        torch.set_rng_state(state["torch_rng"])
+        restore_rng(state, procs, cfg)
         logger.info("Resuming from %s at step %d of %d", state_path, step, total)
-        if acc.is_main_process:
+        if procs.main:
             _truncate_log(out / LOG_FILE, step)  # steps after the checkpoint are redone
-    objective, opt = acc.prepare(objective, opt)
+    procs.broadcast_parameters(drafter)  # one drafter: every process starts from the main process's weights
     head_weight = head_weight.to(device)
-    main = acc.is_main_process
+    main = procs.main
     eval_targets = None
     if main and eval_idx and target_head is not None:
         t0 = time.perf_counter()
@@ -341,45 +337,48 @@ def train(
         logger.info("step 0 eval: tau %.3f, loss %.4f", row["eval_tau"], row["eval_loss"])
         log.write(json.dumps(row) + "\n")
         log.flush()
-    start, seen_tokens, seen_answer = time.perf_counter(), 0, 0
+    start, start_step, seen_tokens, seen_answer = time.perf_counter(), step, 0, 0
     bar = tqdm(total=total, initial=step, desc="training", unit="step", disable=not main)
     last: dict = {"step": step}
     while step < total:
         epoch, offset = divmod(step, per_epoch)
         batches = make_batches(lengths, cfg.tokens_per_batch, cfg.seed + epoch)
-        for batch in batches[offset * world + rank :: world]:
+        for batch in batches[offset:]:
             if step >= total:
                 break
-            ids, aux, final, mask, in_vocab = collate(samples, [train_idx[i] for i in batch], cfg.max_seq_len, head_weight, vocab.t2d, device)
-            if cfg.feature_noise:
-                aux = add_feature_noise(aux, cfg.feature_noise, aux.shape[-1] // final.shape[-1])
+            mine = [train_idx[i] for i in batch[procs.rank :: procs.world]]  # this process's slice of the batch
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, total, cfg)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                loss, step_losses, step_accuracy = objective(aux, final, head_weight, ids, mask, in_vocab)
             opt.zero_grad(set_to_none=True)
-            acc.backward(loss)
-            grad_norm = float(acc.clip_grad_norm_(params, cfg.max_grad_norm))
+            loss, step_losses, step_accuracy, tokens, answer = _train_step(
+                drafter, samples, mine, cfg, head_weight, vocab.t2d, device, procs)
+            if procs.world > 1:
+                procs.sum_gradients(params)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
             opt.step()
             step += 1
-            seen_tokens += int(ids.numel()) * world
-            seen_answer += int(mask.sum()) * world
+            seen_tokens += tokens
+            seen_answer += answer
             elapsed = time.perf_counter() - start
             last = {
                 "step": step,
                 "epoch": step / per_epoch,
-                "loss": float(loss.detach()),
+                "loss": loss,
                 "step_loss": step_losses,
                 "step_accuracy": step_accuracy,
                 "lr": opt.param_groups[0]["lr"],
                 "grad_norm": grad_norm,
+                "steps_per_s": (step - start_step) / elapsed,
                 "tokens_per_s": seen_tokens / elapsed,
                 "answer_tokens_per_s": seen_answer / elapsed,
             }
             bar.update(1)
             bar.set_postfix(loss=f"{last['loss']:.3f}", acc0=f"{step_accuracy[0]:.2f}" if step_accuracy else "-")
             out_of_time = cfg.max_minutes is not None and elapsed > 60 * cfg.max_minutes
-            if main and (step % cfg.eval_every == 0 or step == total or out_of_time) and eval_idx:
+            if procs.world > 1 and cfg.max_minutes is not None:  # the processes stop together
+                out_of_time = bool(procs.max(torch.tensor([float(out_of_time)], device=device)).item())
+            stop = out_of_time or (step == cfg.stop_after and step < total)
+            if main and (step % cfg.eval_every == 0 or step == total or stop) and eval_idx:
                 last.update(run_eval())
                 consider_best(last)
                 logger.info("step %d eval: tau %.3f (best %.3f at step %s), accuracy %s", step, last["eval_tau"],
@@ -387,32 +386,59 @@ def train(
             if main:
                 log.write(json.dumps(last) + "\n")
                 log.flush()
-                if step % cfg.save_every == 0 or step == total or out_of_time:
-                    save_state(state_path, drafter, opt, step)
-            if out_of_time:
-                logger.warning("Time budget of %.0f min spent at step %d of %d; resume to continue.", cfg.max_minutes, step, total)
+            if step % cfg.save_every == 0 or step == total or stop:
+                save_state(state_path, drafter, opt, step, procs)
+            if stop:
+                if out_of_time:
+                    logger.warning("Time budget of %.0f min spent at step %d of %d; resume to continue.",
+                                   cfg.max_minutes, step, total)
+                else:
+                    logger.info("Stopped after step %d of %d as asked; resume to continue.", step, total)
                 bar.close()
                 if log:
                     log.close()
+                procs.barrier()
                 return {**last, "finished": False, "total_steps": total, "best": best}
     bar.close()
     if log:
         log.close()
-    acc.wait_for_everyone()
+    procs.barrier()
     return {**last, "finished": True, "total_steps": total, "config": asdict(cfg), "best": best}
 
 
-class TTTObjective(torch.nn.Module):
-    """The drafter behind one `forward` per optimizer step, so that DDP / FSDP wrappers see the computation."""
+def _train_step(drafter, samples, members, cfg, head_weight, t2d, device, procs: Processes):
+    """Forward and backward over this process's slice `members` of a global batch (maybe empty); returns the global
+    batch's `(loss, step_losses, step_accuracy, padded_tokens, answer_tokens)`, the same in every process."""
+    steps = cfg.ttt_steps
+    if members:
+        ids, aux, final, mask, in_vocab = collate(samples, members, cfg.max_seq_len, head_weight, t2d, device)
+        if cfg.feature_noise:
+            aux = add_feature_noise(aux, cfg.feature_noise, aux.shape[-1] // final.shape[-1])
+        counts = step_counts(mask, in_vocab, steps)
+    else:
+        counts = [0] * steps
+    normalisers = None
+    if procs.world > 1:  # every slice's loss is divided by the global batch's rows: the slices' losses sum to it
+        normalisers = [int(c) for c in procs.sum(torch.tensor(counts, dtype=torch.float64, device=device)).tolist()]
+    if not members:
+        return _global_stats(procs, 0.0, [], [], 0, 0, 0, steps, device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+        out = ttt_loss(drafter, aux, final, head_weight, ids, mask, in_vocab, steps, cfg.step_decay, normalisers=normalisers)
+    out.loss.backward()
+    return _global_stats(procs, float(out.loss.detach()), out.step_losses, out.step_accuracy, int(ids.numel()),
+                         int(mask.sum()), ids.shape[1], steps, device)
 
-    def __init__(self, drafter: EagleDrafter, cfg: TrainConfig):
-        super().__init__()
-        self.drafter = drafter
-        self.cfg = cfg
 
-    def forward(self, aux, final, head_weight, ids, mask, in_vocab):
-        out = ttt_loss(self.drafter, aux, final, head_weight, ids, mask, in_vocab, self.cfg.ttt_steps, self.cfg.step_decay)
-        return out.loss, out.step_losses, out.step_accuracy
+def _global_stats(procs: Processes, loss, step_losses, step_accuracy, tokens, answer, length, steps, device):
+    """The global batch's logged figures: each process's share (already divided by the global rows) summed."""
+    if procs.world == 1:
+        return loss, step_losses, step_accuracy, tokens, answer
+    pad = [0.0] * (steps - len(step_losses))
+    stats = procs.sum(torch.tensor([loss, tokens, answer, *step_losses, *pad, *step_accuracy, *pad],
+                                   dtype=torch.float64, device=device)).tolist()
+    length = int(procs.max(torch.tensor([length], device=device)).item())  # the longest slice: its unrolled steps
+    unrolled = max(0, min(steps, length - 1))
+    return stats[0], stats[3 : 3 + unrolled], stats[3 + steps : 3 + steps + unrolled], int(stats[1]), int(stats[2])
 
 
 def _truncate_log(path: Path, step: int) -> None:
@@ -444,13 +470,34 @@ def load_state(path: Path | str) -> dict:
     return state
 
 
-def save_state(path: Path, drafter, opt, step: int) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(
-        {"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step, "torch_rng": torch.get_rng_state()},
-        tmp,
-    )
-    tmp.replace(path)
+def save_state(path: Path, drafter, opt, step: int, procs: Processes | None = None) -> None:
+    """The resumable state (tensors and plain containers only), written by the main process. With several processes
+    it also keeps every process's random state (feature noise) and their number."""
+    procs = procs or Processes()
+    state = {"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step, "torch_rng": torch.get_rng_state()}
+    if procs.world > 1:
+        state["processes"] = procs.world
+        state["torch_rng_by_process"] = procs.gather(torch.get_rng_state())
+    if procs.main:
+        tmp = path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        tmp.replace(path)
+
+
+def restore_rng(state: dict, procs: Processes, cfg: TrainConfig) -> None:
+    """Each process's random state from a checkpoint. Saved by another number of processes, the training itself
+    resumes exactly (the batches, the weights and the optimizer are global); only the feature noise draws
+    differ from an uninterrupted run."""
+    saved = state.get("processes", 1)
+    if saved == procs.world:
+        torch.set_rng_state(state["torch_rng_by_process"][procs.rank] if saved > 1 else state["torch_rng"])
+        return
+    if procs.main:
+        torch.set_rng_state(state["torch_rng"])
+    if cfg.feature_noise:
+        logger.warning("The checkpoint was written by %d processes, this run has %d: the training resumes at step "
+                       "%d, but its feature noise draws differ from an uninterrupted run's.", saved, procs.world,
+                       state["step"])
 
 
 @torch.no_grad()

@@ -122,9 +122,14 @@ def ttt_loss(
     steps: int = 7,
     decay: float = 0.8,
     fast: bool = True,
+    normalisers: list[int] | None = None,  # per step: rows to divide by (default: this batch's, `step_counts`)
 ) -> TTTOutput:
     """Weighted TTT loss. `fast` (default) computes the target's soft distribution once per batch and uses the
-    fused soft cross-entropy; `fast=False` is the plain reference (per step, autograd log-softmax)."""
+    fused soft cross-entropy; `fast=False` is the plain reference (per step, autograd log-softmax).
+
+    Each step's loss (and accuracy) is a mean over its rows; `normalisers` divides by the rows of a larger batch
+    instead, of which this one is a slice: data parallel processes pass the global batch's rows, so that their
+    losses sum to the global batch's loss."""
     t = aux.shape[1]
     device = aux.device
     total = aux.new_zeros((), dtype=torch.float32)
@@ -134,7 +139,7 @@ def ttt_loss(
         # targets: distribution at position t+k+1, valid where token t+k+2 is an assistant token in the draft vocab
         valid = loss_mask[:, k + 2 :].bool() & in_draft_vocab[:, k + 2 :]  # [B, T-k-2] for rows 0..T-k-3
         rows = out.normed[:, : t - k - 2][valid]  # [n, H] only rows that carry a loss
-        n = rows.shape[0]
+        n = rows.shape[0] if normalisers is None else normalisers[k]
         logits = drafter.lm_head(rows)
         if fast:
             idx = st.index[:, k + 1 : t - 1][valid]
@@ -154,6 +159,13 @@ def ttt_loss(
         step_acc.append(acc)
         step_counts.append(n)
     return TTTOutput(total, step_losses, step_acc, step_counts)
+
+
+def step_counts(loss_mask: torch.Tensor, in_draft_vocab: torch.Tensor, steps: int) -> list[int]:
+    """Rows that carry a loss at each of the `steps` unrolled steps of `ttt_loss` (its default normalisers)."""
+    t = loss_mask.shape[1]
+    valid = loss_mask.bool() & in_draft_vocab  # [B, T]
+    return [int(valid[:, k + 2 :].sum()) if k + 2 <= t else 0 for k in range(steps)]
 
 
 def chain_lengths(correct: torch.Tensor) -> torch.Tensor:
