@@ -9,7 +9,8 @@ JSON files. This script runs in the project's venv; `serve_with_vllm.py` runs in
     # 2. vLLM serves each drafter (its own venv, see serve_with_vllm.py)
     /path/to/vllm-venv/bin/python scripts/serve_with_vllm.py --work runs/vllm --name shipped \
         --drafter eagle_hf/assets/smollm2-135m-eagle3.1
-    # 3. the comparison: outputs against plain generate(), acceptance against eagle_hf's
+    # 3. the comparison: outputs against plain generate(), acceptance against eagle_hf's (--work repeatable:
+    #    folders prepared side by side, one drafter each, whose plain outputs must agree)
     .venv/bin/python scripts/vllm_comparison.py compare --work runs/vllm --out docs/results/vllm_serving.json
 
 `prepare` writes `<out>/target/` (the embedded SmolLM2-135M-Instruct de-quantized from its GGUF to float32, with
@@ -17,7 +18,7 @@ its tokenizer), `<out>/prompts.json` (the chat-template token ids of the first `
 stop tokens, the number of new tokens) and `<out>/reference.json` (plain greedy `generate()` tokens per prompt;
 per drafter, eagle_hf's greedy chain of `--num-draft-tokens` and its pooled acceptance; a rerun with the same
 settings keeps what reference.json holds and adds the drafters it lacks). `compare` reads those and
-`<work>/vllm_<name>.json` and writes one JSON with every figure (`compare_run`, tested on a saved run).
+each `<work>/vllm_<name>.json` and writes one JSON with every figure (`compare_run`, tested on a saved run).
 """
 
 from __future__ import annotations
@@ -175,12 +176,25 @@ def prepare(args) -> None:
     (out / "reference.json").write_text(json.dumps(reference, indent=1))
 
 
+def merge_references(references: list[dict]) -> dict:
+    """One reference from several `prepare` folders (e.g. one per drafter, run side by side): their settings and
+    plain generate() outputs must agree; their drafters are pooled."""
+    merged = {**references[0], "drafters": {}}
+    for ref in references:
+        differ = [k for k, v in merged.items() if k != "drafters" and ref.get(k) != v]
+        if differ:
+            raise ValueError(f"The reference folders disagree on {differ}: compare runs made with the same settings")
+        merged["drafters"].update(ref["drafters"])
+    return merged
+
+
 def compare(args) -> None:
-    work = Path(args.work)
-    reference = json.loads((work / "reference.json").read_text())
-    served = {p.stem.removeprefix("vllm_"): json.loads(p.read_text()) for p in sorted(work.glob("vllm_*.json"))}
+    works = [Path(w) for w in args.work]
+    reference = merge_references([json.loads((w / "reference.json").read_text()) for w in works])
+    served = {p.stem.removeprefix("vllm_"): json.loads(p.read_text())
+              for w in works for p in sorted(w.glob("vllm_*.json"))}
     if not served:
-        raise SystemExit(f"No vllm_<name>.json in {work}: run scripts/serve_with_vllm.py first")
+        raise SystemExit(f"No vllm_<name>.json in {', '.join(map(str, works))}: run scripts/serve_with_vllm.py first")
     result = compare_run(reference, served)
     result["reference"], result["served"] = reference, served  # the raw outputs, so the comparison can be redone
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -201,7 +215,8 @@ def main() -> None:
     a.add_argument("--num-draft-tokens", type=int, default=5, help="the chain's length")
     a.set_defaults(func=prepare)
     c = sub.add_parser("compare", help="vLLM's outputs and acceptance against the reference (project venv)")
-    c.add_argument("--work", required=True, help="the folder prepare and serve_with_vllm.py wrote")
+    c.add_argument("--work", required=True, action="append",
+                   help="a folder prepare and serve_with_vllm.py wrote; repeatable (their plain outputs must agree)")
     c.add_argument("--out", required=True, help="the JSON file to write")
     c.set_defaults(func=compare)
     args = p.parse_args()

@@ -57,3 +57,11 @@ def test_the_saved_run_compares_to_the_figures_it_reports():
     assert set(saved["drafters"]) >= {"shipped", "trained"}
     table = cmp.markdown(again)
     assert table in (ROOT / "docs" / "serving.md").read_text()
+
+
+def test_references_of_several_folders_merge_when_their_plain_outputs_agree():
+    a = {"max_new_tokens": 4, "plain": {"1": [3, 4]}, "drafters": {"x": {"outputs": {}}}}
+    b = {"max_new_tokens": 4, "plain": {"1": [3, 4]}, "drafters": {"y": {"outputs": {}}}}
+    assert set(cmp.merge_references([a, b])["drafters"]) == {"x", "y"}
+    with pytest.raises(ValueError, match="plain"):
+        cmp.merge_references([a, {**b, "plain": {"1": [3, 5]}}])
