@@ -162,18 +162,16 @@ class LevelGraphs:
             out += level.tensors()
         return out
 
-    def programs(self, keys: torch.Tensor, values: torch.Tensor, how: str):
-        """The draft programs over this storage (`eagle_hf.speculation.draft_programs.DraftPrograms`)."""
-        from ..speculation.draft_programs import DraftPrograms
-
-        key = ("programs", keys.data_ptr(), tuple(keys.shape), how, torch.is_inference_mode_enabled())
-        programs = self.levels.get(key)
-        if programs is None:
-            programs = self.levels[key] = DraftPrograms(self._drafter(), keys, values, how)
+    def kept(self, key: tuple, make):
+        """The fixed-shape object kept under `key` (a program over this drafter's storage: anything with a
+        ``tensors()`` method), made by ``make()`` the first time; the least recently used go first."""
+        kept = self.levels.get(key)
+        if kept is None:
+            kept = self.levels[key] = make()
             while len(self.levels) > MAX_GRAPHS:
                 self.levels.popitem(last=False)
         self.levels.move_to_end(key)
-        return programs
+        return kept
 
     def level(self, keys: torch.Tensor, values: torch.Tensor, rows: int, k: int) -> FixedLevel:
         key = (rows, k, keys.data_ptr(), tuple(keys.shape), torch.is_inference_mode_enabled())

@@ -176,7 +176,8 @@ class DraftState:
     def programs(self, drafter: EagleDrafter) -> DraftPrograms:
         """The draft programs over the cache's current storage (kept with the drafter's levels: a later call of
         the same shape reuses them)."""
-        return self.graphs.programs(self.keys, self.values, self.how)
+        key = ("programs", self.keys.data_ptr(), tuple(self.keys.shape), self.how, torch.is_inference_mode_enabled())
+        return self.graphs.kept(key, lambda: DraftPrograms(drafter, self.keys, self.values, self.how))
 
     def _extend_in_chunks(self, drafter: EagleDrafter, aux: torch.Tensor, next_tokens: torch.Tensor,
                           counts: list[int]):
