@@ -45,6 +45,12 @@ def test_every_block_runs_or_says_why_not():
     assert runnable(ROOT / "docs" / "usage.md", "python") and runnable(ROOT / "docs" / "quickstart.md", "python")
 
 
+def test_the_benchmarks_page_stays_a_reference():
+    """docs/benchmarks.md keeps within 400 lines: detail tables go to docs/results/, linked from the page."""
+    lines = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= 400, f"docs/benchmarks.md has {lines} lines; move a detail table to docs/results/ and link it"
+
+
 DOCS_WITH_PYTHON = [p for p in DOCS if runnable(p, "python")]
 DOCS_WITH_BASH = [p for p in DOCS if runnable(p, "bash")]
 
