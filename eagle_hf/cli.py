@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
+import traceback
 from pathlib import Path
+
+#: what a user's flags, files, folders or models cause: one line on stderr and exit status 2 (`-v`: the traceback
+#: too); anything else is a bug and keeps its traceback
+USER_ERRORS = (ValueError, OSError, ImportError)
 
 
 def _target(args):
@@ -13,6 +19,54 @@ def _target(args):
     from .drafter.default import load_target
 
     return load_target(args.target, **load_options(args))
+
+
+def check_target_name(name: str) -> None:
+    """A target that names a local folder must be a model folder (a Hub id is looked up when it loads)."""
+    from .drafter.default import GEMMA3_270M
+
+    if name in ("default", GEMMA3_270M):
+        return
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        if not path.is_dir():
+            raise FileNotFoundError(f"--target {name}: no such folder (pass a model folder, a Hub id or 'default').")
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"--target {name}: not a model folder (no config.json).")
+
+
+def _drafter_before_target(name: str):
+    """``(drafter, label)`` for a drafter that loads without its target (a folder, a Hub id, the shipped one),
+    loaded before the target so that a missing or bad one fails at once; None for one shaped for the target."""
+    from .drafter.default import DEFAULT_DRAFTER, load_drafter
+
+    if name == "random" or (name == "default" and not Path(DEFAULT_DRAFTER, "config.json").is_file()):
+        return None
+    return load_drafter(name)
+
+
+def _models(args):
+    """The target, its tokenizer and ``(drafter, label)``: the flags and the drafter checked before the target
+    loads."""
+    from .drafter.default import load_drafter
+
+    check_target_name(args.target)
+    early = _drafter_before_target(args.drafter)
+    target, tok = _target(args)
+    return target, tok, early or load_drafter(args.drafter, target)
+
+
+def check_counts(args, *names: str, optional: tuple[str, ...] = ()) -> None:
+    """Flags that count something: at least 1 (`optional`: or unset)."""
+    for name in names + optional:
+        value = getattr(args, name)
+        if (value is not None or name not in optional) and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: must be at least 1.")
+
+
+def check_temperature(args) -> None:
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ValueError(f"--temperature {args.temperature}: must be 0 (greedy) or a positive number (sampling).")
 
 
 def _check_target_options(args) -> str | None:
@@ -32,10 +86,13 @@ def cmd_generate(args) -> int:
 
     from . import last_stats
     from .devices import input_device
-    from .drafter.default import load_drafter
+    from .speculation.settings import MAX_DEPTH
 
-    target, tok = _target(args)
-    drafter, label = load_drafter(args.drafter, target)
+    check_counts(args, "max_new_tokens", optional=("num_draft_tokens",))
+    if args.num_draft_tokens is not None and args.num_draft_tokens > MAX_DEPTH:
+        raise ValueError(f"--num-draft-tokens {args.num_draft_tokens}: must be in 1..{MAX_DEPTH}.")
+    check_temperature(args)
+    target, tok, (drafter, label) = _models(args)
     enc = tok.apply_chat_template(
         [{"role": "user", "content": args.prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
     )
@@ -56,16 +113,31 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .drafter.default import load_drafter
-    from .tools.bench import custom_mode, parse_mode, results_markdown, run_benchmark, standard_modes, write_results
+    from .tools.bench import (
+        check_mode_names,
+        custom_mode,
+        parse_mode,
+        prepare_out_dir,
+        results_markdown,
+        run_benchmark,
+        standard_modes,
+        write_results,
+    )
+    from .tools.evaluation import load_prompt_set
 
-    try:
-        own = [parse_mode(spec) for spec in args.mode]  # a bad one fails before any model loads
-    except ValueError as e:
-        print(f"eagle-hf bench: {e}", file=sys.stderr)
-        return 2
-    target, tok = _target(args)
-    drafter, label = load_drafter(args.drafter, target)
+    # everything the flags name is checked before any model loads
+    own = [parse_mode(spec) for spec in args.mode]
+    check_counts(args, "max_new_tokens", "repeats", "batch_size", optional=("limit",))
+    check_temperature(args)
+    keep = [name.strip() for name in args.modes.split(",")] if args.modes else None
+    if keep is not None:
+        check_mode_names(keep, tuple(args.chain_lengths), assistant=bool(args.assistant),
+                         early_exit=args.early_exit_layer is not None)
+    prompt_sets = args.prompts.split(",")
+    for name in prompt_sets:
+        load_prompt_set(name, limit=1)  # a missing file or an unknown set name fails here
+    out = prepare_out_dir(args.out)
+    target, tok, (drafter, label) = _models(args)
     assistant = None
     if args.assistant:
         from transformers import AutoModelForCausalLM
@@ -75,8 +147,7 @@ def cmd_bench(args) -> int:
         assistant = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=target.dtype,
                                                          device_map=input_device(target)).eval()
     modes = standard_modes(drafter, assistant, tuple(args.chain_lengths), args.early_exit_layer)
-    if args.modes:
-        keep = set(args.modes.split(","))
+    if keep is not None:
         modes = [m for m in modes if m.name in keep or m.name == "plain"]
     modes += [custom_mode(name, kwargs, drafter) for name, kwargs in own]
     if args.batch_size > 1:  # transformers' assisted modes decode one sequence
@@ -85,11 +156,12 @@ def cmd_bench(args) -> int:
             print(f"note: {', '.join(single)} cannot run batched in transformers; left out at --batch-size {args.batch_size}")
         modes = [m for m in modes if m.name == "plain" or m.uses_drafter]
     results = run_benchmark(
-        target, tok, modes, args.prompts.split(","), args.max_new_tokens, args.limit, args.temperature, args.repeats,
+        target, tok, modes, prompt_sets, args.max_new_tokens, args.limit, args.temperature, args.repeats,
         batch_size=args.batch_size,
+        on_set=lambda so_far: write_results({**so_far, "drafter": label}, out),  # each set's, as it ends
     )
     results["drafter"] = label
-    out = write_results(results, args.out)
+    write_results(results, out)
     print(results_markdown(results))
     print(f"[drafter: {label}] results written to {out}/results.json, results.md, speedup.png")
     bad = {s: {m: e["mismatches"] for m, e in modes_.items() if e["mismatches"]} for s, modes_ in results["sets"].items()}
@@ -106,23 +178,19 @@ def cmd_bench(args) -> int:
 
 def cmd_diagnose(args) -> int:
     from .drafter.default import load_drafter
-    from .tools.diagnose import DiagnoseError, DiagnoseSettings, diagnose
+    from .tools.diagnose import DiagnoseSettings, diagnose
 
-    try:  # bad settings fail here, before the models load
-        settings = DiagnoseSettings(
-            prompts=args.prompts, limit=args.limit, conditions=args.conditions, depth=args.depth,
-            max_new_tokens=args.max_new_tokens, sink_tokens=args.sink_tokens,
-            long_context_tokens=args.long_context_tokens, system_mode=args.system_prompts,
-        ).validate()
-    except DiagnoseError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    settings = DiagnoseSettings(  # bad settings fail here, before the models load
+        prompts=args.prompts, limit=args.limit, conditions=args.conditions, depth=args.depth,
+        max_new_tokens=args.max_new_tokens, sink_tokens=args.sink_tokens,
+        long_context_tokens=args.long_context_tokens, system_mode=args.system_prompts,
+    ).validate()
+    others = [(name, _drafter_before_target(name)) for name in args.compare]
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    target, tok = _target(args)
-    drafter, label = load_drafter(args.drafter, target)
+    target, tok, (drafter, label) = _models(args)
     if not args.compare:
         report = diagnose(target, tok, drafter, settings, drafter_label=label)
         out = report.save(args.out)
@@ -134,8 +202,8 @@ def cmd_diagnose(args) -> int:
     from .tools.drift_comparison import compare_markdown, save_comparison
 
     drafters = {f"{drafter.config.version} ({label})": drafter}
-    for name in args.compare:
-        other, other_label = load_drafter(name, target)
+    for name, early in others:
+        other, other_label = early or load_drafter(name, target)
         other_label = f"{other.config.version} ({other_label})"
         while other_label in drafters:
             other_label += "'"
@@ -161,7 +229,7 @@ def cmd_demo(args) -> int:
     if not app.is_file():
         print("The demo lives in the repository's demo/ folder; run it from a clone: python demo/app.py", file=sys.stderr)
         return 2
-    sys.argv = [str(app), *args.demo_args]
+    sys.argv = [str(app), *args.demo_args]  # demo/app.py parses them (`python demo/app.py --help`)
     runpy.run_path(str(app), run_name="__main__")
     return 0
 
@@ -237,7 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--out", default="drift_results", help="folder for drift.json, drift.md and the PNGs")
     x.set_defaults(func=cmd_diagnose)
 
-    d = sub.add_parser("demo", help="the Gradio demo (demo/app.py); extra arguments are passed on")
+    d = sub.add_parser("demo", add_help=False,
+                       help="the Gradio demo (demo/app.py); its options (--target, --drafter, --device, --port, "
+                            "...; see eagle-hf demo --help) are passed on")
     d.add_argument("demo_args", nargs=argparse.REMAINDER, help="arguments for demo/app.py (see its --help)")
     d.set_defaults(func=cmd_demo)
 
@@ -248,14 +318,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "demo":  # (argparse leaves the demo's options out of REMAINDER when they come first)
+        args.demo_args = [*extra, *args.demo_args]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if hasattr(args, "device_map"):  # a command that loads a target: bad device options fail before any loading
         error = _check_target_options(args)
         if error:
             print(f"eagle-hf {args.command}: {error}", file=sys.stderr)
             return 2
-    return args.func(args)
+    try:
+        return args.func(args)
+    except USER_ERRORS as err:
+        if args.verbose:
+            traceback.print_exc()
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"eagle-hf {args.command}: {message}" + ("" if args.verbose else " (-v: the traceback)"),
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

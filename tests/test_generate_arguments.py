@@ -143,3 +143,88 @@ def test_the_usage_page_shows_the_table():
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
     assert table_markdown() in page, "docs/usage.md: paste eagle_hf.hf.arguments.table_markdown()"
+
+
+# ---------------------------------------------------------------------------- the prompt's tensors
+def _every_mode(target, drafter, ids, **call):
+    """Each mode's output (or the error it raised) for one call."""
+    outs = {}
+    for mode, extra in MODES.items():
+        assist = {} if mode == "copies alone" else dict(assistant_model=drafter)
+        try:
+            outs[mode] = target.generate(ids, **call, **assist, **extra)
+        except EagleCompatibilityError as err:
+            outs[mode] = err
+    return outs
+
+
+def _plain_everywhere(target, drafter, ids, **call):
+    plain = target.generate(ids, **call)
+    for mode, out in _every_mode(target, drafter, ids, **call).items():
+        assert isinstance(out, torch.Tensor), (mode, out)
+        assert out.dtype == plain.dtype and torch.equal(out, plain), mode
+
+
+def test_a_prompt_without_any_token_in_its_mask_gives_plain_output(setup):
+    """A batch of one whose attention_mask is all zeros: plain generate() takes it; the drafter has no context,
+    so the call drafts a chain in transformers' loop."""
+    _, target, drafter = setup
+    ids, _ = left_padded((7,), vocab=VOCAB)
+    _plain_everywhere(target, drafter, ids, attention_mask=torch.zeros_like(ids), max_new_tokens=10, do_sample=False)
+
+
+def test_a_batch_row_that_is_all_padding_gives_plain_output(setup):
+    """A left-padded batch with an empty prompt: not right padding, and every row as plain generate() writes it."""
+    _, target, drafter = setup
+    ids, mask = left_padded((7, 5, 1), vocab=VOCAB)
+    ids[2], mask[2] = 0, 0  # the third prompt: all padding
+    _plain_everywhere(target, drafter, ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    ids, mask = torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long)  # no row has a token
+    for mode, out in _every_mode(target, drafter, ids, attention_mask=mask, max_new_tokens=4).items():
+        if mode != "copies alone":  # (copies need no context: they run)
+            assert isinstance(out, EagleCompatibilityError) and "holds no token" in str(out), mode
+
+
+def test_int32_ids_give_plain_generates_int64_output(setup):
+    _, target, drafter = setup
+    for rows in (1, 2):
+        ids, mask = left_padded((9, 6)[:rows], vocab=VOCAB)
+        _plain_everywhere(target, drafter, ids.int(), attention_mask=mask, max_new_tokens=8, do_sample=False)
+
+
+def _refused_before_any_compute(target, drafter, monkeypatch, match, ids=None, **call):
+    monkeypatch.setattr(type(target), "forward", lambda *a, **k: pytest.fail("a forward ran"))
+    for mode, out in _every_mode(target, drafter, ids, max_new_tokens=5, **call).items():
+        assert isinstance(out, EagleCompatibilityError), mode
+        assert match in str(out), (mode, str(out))
+
+
+@pytest.mark.parametrize("mask", [torch.ones(1, 5, dtype=torch.long), torch.ones(7, dtype=torch.long),
+                                  torch.ones(2, 7, dtype=torch.long)], ids=["short", "1-D", "rows"])
+def test_an_attention_mask_that_does_not_fit_the_ids_is_refused_by_name(setup, monkeypatch, mask):
+    """Plain generate() fails deep inside (a size mismatch) or, in its tree loop, eagle_hf went on silently."""
+    _, target, drafter = setup
+    ids, _ = left_padded((7,), vocab=VOCAB)
+    _refused_before_any_compute(target, drafter, monkeypatch, "attention_mask has shape", ids, attention_mask=mask)
+
+
+def test_one_dimensional_ids_are_refused_by_name(setup, monkeypatch):
+    _, target, drafter = setup
+    _refused_before_any_compute(target, drafter, monkeypatch, "input_ids has shape (7,)", torch.arange(1, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.float32])
+def test_ids_the_embedding_cannot_take_are_refused_by_name(setup, monkeypatch, dtype):
+    """Plain generate() refuses them in its embedding; eagle_hf names them before any compute."""
+    _, target, drafter = setup
+    ids = torch.arange(1, 8)[None].to(dtype)
+    _refused_before_any_compute(target, drafter, monkeypatch, f"input_ids are {dtype}", ids)
+
+
+def test_inputs_embeds_without_ids_are_refused_by_name(setup, monkeypatch):
+    """The drafter reads the prompt's token ids: embeddings alone cannot be drafted from (eagle_hf's loop failed
+    on a size mismatch after the prefill)."""
+    _, target, drafter = setup
+    ids, _ = left_padded((7,), vocab=VOCAB)
+    embeds = target.get_input_embeddings()(ids).detach()
+    _refused_before_any_compute(target, drafter, monkeypatch, "inputs_embeds without input_ids", inputs_embeds=embeds)

@@ -151,8 +151,7 @@ def check_call(kwargs: dict, defaults=None) -> None:
             "The prompts are a Python list; generate() takes one left-padded tensor with its attention mask: "
             "tokenizer(prompts, padding=True, padding_side='left', return_tensors='pt')."
         )
-    if isinstance(inputs, torch.Tensor) and inputs.shape[-1] == 0:
-        raise EagleCompatibilityError("The prompt is empty: pass at least one token (e.g. the chat template's).")
+    check_prompt(kwargs, inputs)
     if (kwargs.get("num_beams") or getattr(kwargs.get("generation_config"), "num_beams", 1) or 1) > 1:
         raise EagleCompatibilityError("Beam search cannot be combined with speculative decoding; drop num_beams.")
     guidance = kwargs.get("guidance_scale", getattr(kwargs.get("generation_config") or defaults, "guidance_scale", None))
@@ -169,6 +168,49 @@ def check_call(kwargs: dict, defaults=None) -> None:
         )
     if batch_rows(kwargs) > 1:
         check_batch(kwargs, inputs, defaults)
+
+
+def check_prompt(kwargs: dict, inputs) -> None:
+    """The prompt's tensors: shapes plain generate() reads, or fails on deep inside; ids that drafting needs."""
+    mask = kwargs.get("attention_mask")
+    if inputs is None and kwargs.get("inputs_embeds") is not None:
+        raise EagleCompatibilityError(
+            "inputs_embeds without input_ids: the drafter reads the prompt's token ids beside the target's hidden "
+            "states; pass the input_ids the embeddings were made from too (input_ids=ids, inputs_embeds=embeds), "
+            "or drop assistant_model.")
+    if not isinstance(inputs, torch.Tensor):
+        return
+    if inputs.dim() != 2:
+        raise EagleCompatibilityError(
+            f"input_ids has shape {tuple(inputs.shape)}; generate() takes [batch, length] (a single prompt: "
+            "ids[None], or tokenizer(prompt, return_tensors='pt')).")
+    if inputs.shape[-1] == 0:
+        raise EagleCompatibilityError("The prompt is empty: pass at least one token (e.g. the chat template's).")
+    if inputs.dtype not in (torch.long, torch.int32):  # (what the embedding takes)
+        raise EagleCompatibilityError(f"input_ids are {inputs.dtype}; token ids are torch.long (or torch.int32).")
+    if isinstance(mask, torch.Tensor) and (mask.dim() != 2 or mask.shape[0] != inputs.shape[0]
+                                           or mask.shape[1] < inputs.shape[1]):
+        raise EagleCompatibilityError(
+            f"attention_mask has shape {tuple(mask.shape)} for input_ids of shape {tuple(inputs.shape)}: it needs "
+            "a row per prompt and a column per token (and per cached token before them, with past_key_values); "
+            "pass the attention_mask the tokenizer returned with these input_ids.")
+
+
+def normalise_inputs(kwargs: dict) -> None:
+    """int32 token ids as torch.long (in place), as plain generate() returns them: it appends its int64 tokens
+    to int32 ids, which promotes the output to int64."""
+    for key in ("inputs", "input_ids"):
+        ids = kwargs.get(key)
+        if isinstance(ids, torch.Tensor) and ids.dtype != torch.long:
+            kwargs[key] = ids.long()
+
+
+def empty_prompt_reason(kwargs: dict) -> str | None:
+    """Why the drafter has nothing to draft from: an attention_mask with no token at all (None: it has)."""
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() and not bool(mask.bool().any()):
+        return "the attention_mask holds no token (all zeros), so the drafter has no context"
+    return None
 
 
 def batch_rows(kwargs: dict) -> int:
@@ -190,7 +232,8 @@ def check_batch(kwargs: dict, inputs, defaults=None) -> None:
 
     mask = kwargs.get("attention_mask")
     if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and inputs.shape[0] > 1:
-        if mask is not None and bool((mask[:, -1] == 0).any()):
+        empty = mask.sum(-1) == 0 if mask is not None else None  # [B] rows all padding (plain generate() takes them)
+        if mask is not None and bool(((mask[:, -1] == 0) & ~empty).any()):
             raise EagleCompatibilityError(
                 "The batch is right-padded (its attention_mask ends in 0 on some rows); generation appends after the "
                 "last column, so pad on the left: tokenizer(prompts, padding=True, padding_side='left', "

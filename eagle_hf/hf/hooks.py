@@ -26,6 +26,7 @@ from .call import (
     batch_rows,
     check_call,
     check_compatible,
+    normalise_inputs,
     prepare_drafter,
     prompt_length,
     set_active_call,
@@ -56,6 +57,7 @@ def generate(self, *args, **kwargs):
     check_transformers_version()
     aux_ids = check_compatible(self, drafter) if drafter is not None else []
     check_call(kwargs, self.generation_config)
+    normalise_inputs(kwargs)
     saved = drafter.config.draft_settings if drafter is not None else None
     settings = DraftSettings.resolve(saved, kwargs.get("generation_config"),
                                      {k: kwargs.pop(k, None) for k in CALL_KEYWORDS})

@@ -17,7 +17,7 @@ from ..errors import EagleCompatibilityError
 from ..speculation.schedule import choose_tree_size
 from ..speculation.settings import DraftSettings
 from .cache import VERIFY_BUCKETS, cache_unsupported_reason, is_static, tree_unsupported_reason
-from .call import batch_rows, prompt_length
+from .call import batch_rows, empty_prompt_reason, prompt_length
 from .costs import cost_model
 from .indexed import indexed_unsupported_reason
 from .version import cache_in
@@ -41,7 +41,7 @@ class Route:
 
 def route(target, drafter, settings: DraftSettings, kwargs: dict) -> Route:
     """Decide the call's loop and settle `settings` for it (in place: the call's settings are these)."""
-    reason = unsupported_reason(target, kwargs)
+    reason = unsupported_reason(target, kwargs) or (empty_prompt_reason(kwargs) if drafter is not None else None)
     if reason:
         _fall_back(target, settings, reason, batch_rows(kwargs),
                    is_static(cache_in(kwargs), cache_implementation(target, kwargs)))

@@ -201,7 +201,7 @@ class TreeLoop:
             if aux is not None:
                 real = [i for i, m in enumerate(host_mask[b][cached:]) if m]  # the row's uncached real tokens
                 after = [*ids[b, cached + 1 :].tolist(), token]
-                index = torch.tensor(real, device=ids.device)
+                index = torch.tensor(real, dtype=torch.long, device=ids.device)
                 row.sp.commit(aux[b : b + 1].index_select(1, index),
                               torch.tensor([[after[i] for i in real]], device=ids.device),
                               position=sum(host_mask[b][:cached]))

@@ -59,6 +59,35 @@ def standard_modes(drafter, assistant=None, chain_lengths=(3, 5), early_exit_lay
     return modes
 
 
+def check_mode_names(names: list[str], chain_lengths=(3, 5), assistant: bool = False, early_exit: bool = False) -> None:
+    """`eagle-hf bench --modes`: every name is a standard mode that this run has (before any model loads)."""
+    known = ["plain", *(n for n in MODE_NAMES if n != "eagle chain K"), *(f"eagle chain {k}" for k in chain_lengths)]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"--modes: unknown mode(s) {unknown}; the modes of this run are: {', '.join(known)} "
+                         "(--chain-lengths sets the K of 'eagle chain K'; --mode NAME=JSON adds one of your own).")
+    needs = {"assisted (draft model)": (assistant, "--assistant MODEL"), "early-exit": (early_exit, "--early-exit-layer N")}
+    for name, (given, flag) in needs.items():
+        if name in names and not given:
+            raise ValueError(f"--modes {name!r} needs {flag}.")
+
+
+def prepare_out_dir(out_dir: str | Path) -> Path:
+    """The results folder, made and checked writable (before any model loads: a run's results are not lost at
+    its end)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--out {out}: a file, not a folder; name a folder for the results.")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".eagle_hf_write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise PermissionError(f"--out {out}: cannot write there ({err.strerror or err}).") from err
+    return out
+
+
 def parse_mode(spec: str) -> tuple[str, dict]:
     """``NAME=JSON`` (`eagle-hf bench --mode`): a mode's name and its generate() keywords (a JSON object)."""
     name, sep, text = spec.partition("=")
@@ -143,11 +172,13 @@ def run_benchmark(
     repeats: int = 1,
     seed: int = 0,
     batch_size: int = 1,
+    on_set=None,
 ) -> dict:
     """Run every mode on every prompt (or batch of `batch_size` prompts, left-padded), interleaved; return the
     results dict (see `write_results`). Speed is generated tokens per second (a batch's rows up to their EOS).
     Sampling: every mode draws a prompt's call from the same seed, a new one each repeat (a sampled text's speed
-    depends on the text drawn: repeats of the same draw would hide that noise from an A/A band)."""
+    depends on the text drawn: repeats of the same draw would hide that noise from an A/A band). `on_set`: called
+    with the results so far after each prompt set (`eagle-hf bench` writes them: a late failure loses nothing)."""
     results = {"settings": dict(max_new_tokens=max_new_tokens, limit=limit, temperature=temperature, repeats=repeats,
                                 prompt_sets=prompt_sets, modes=[m.name for m in modes], batch_size=batch_size),
                "machine": machine_info(target), "sets": {}}
@@ -189,7 +220,9 @@ def run_benchmark(
                             logger.log(level, "Output of %s differs from plain generate() on %s prompt %s",
                                        name, set_name, pid)
         results["sets"][set_name] = summarize(per_mode, len(prompts))
-    results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        if on_set is not None:
+            on_set(results)
     return results
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def add_train_parser(sub) -> None:
@@ -59,12 +60,18 @@ def add_train_parser(sub) -> None:
 def cmd_train(args) -> int:
     import torch
 
+    from ..cli import check_target_name, check_temperature
     from ..devices import load_options
     from ..drafter.default import load_target
     from .distributed import local_device
     from .pipeline import RunConfig, run_training, validate_run
     from .trainer import TrainConfig
 
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--out {out}: a file, not a folder; name the folder for the drafter.")
+    check_target_name(args.target)
+    check_temperature(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     tcfg = TrainConfig(
