@@ -53,37 +53,55 @@ def _body():
         _DEPTH -= 1
 
 
-class Program:
-    """`body()` over static buffers, launched as one unit. `how`: "graph" (CUDA graph capture on first launch),
-    "compile" (torch.compile, fullgraph), or "eager". The outputs of a launch are the body's return value, the same
-    tensors every launch when captured (read them before the next launch)."""
+#: torch.compile's recompile limit per function while programs compile (one graph per shape: rows, widths,
+#: buckets); its default 8 would run later shapes eagerly
+RECOMPILE_ROOM = 64
+#: the compiled bodies, one per function: programs of the same function and shapes share its graph
+_COMPILED: dict[Callable, Callable] = {}
 
-    def __init__(self, body: Callable[[], Any], how: str = "eager", name: str = "program"):
-        self.body, self.how, self.name = body, how, name
+
+class Program:
+    """``function(*args)`` over static buffers, launched as one unit. `function` is a plain function of its
+    arguments (tensors, lists of tensors, a module, numbers), so that programs of the same function and shapes
+    share one compiled graph. `how`: "graph" (CUDA graph capture on first launch), "compile" (torch.compile,
+    fullgraph), or "eager". The outputs of a launch are the function's return value, the same tensors every
+    launch when captured (read them before the next launch)."""
+
+    def __init__(self, function: Callable, args: tuple, how: str = "eager", name: str = "program"):
+        self.function, self.args, self.how, self.name = function, args, how, name
         self._run: Callable[[], Any] | None = None
         self._graph, self._out = None, None
 
-    def __call__(self) -> Any:
+    def body(self, *first) -> Any:
+        return self.function(*first, *self.args)
+
+    def __call__(self, *first) -> Any:
+        """A launch; `first`: arguments before the kept ones (a module held weakly elsewhere, the same each
+        launch where captured)."""
         global LAUNCHES
         LAUNCHES += 1
         with _body():
             if self.how == "graph":
-                return self._replay()
+                return self._replay(*first)
             if self.how == "compile":
-                return self._compiled()
-            return self.body()
+                return self._compiled(*first)
+            return self.body(*first)
 
-    def _compiled(self) -> Any:
-        first = self._run is None
-        if first:
+    def _compiled(self, *first) -> Any:
+        made = self._run is None
+        if made:
             global CAPTURES
             CAPTURES += 1
-            self._run = torch.compile(self.body, fullgraph=True, dynamic=False)
+            if self.function not in _COMPILED:
+                _COMPILED[self.function] = torch.compile(self.function, fullgraph=True, dynamic=False)
+            self._run = _COMPILED[self.function]
+            config = torch._dynamo.config
+            config.recompile_limit = max(config.recompile_limit, RECOMPILE_ROOM)
         try:
-            if not first:
-                return self._run()
+            if not made:
+                return self._run(*first, *self.args)
             graphs = _graphs()
-            out = self._run()  # (the first launch compiles, or reuses another program's graph of the same code)
+            out = self._run(*first, *self.args)  # (the first launch compiles, or reuses a graph of the same shapes)
             global GRAPHS
             GRAPHS += _graphs() - graphs
             return out
@@ -92,21 +110,21 @@ class Program:
             logger.warning("The %s could not be compiled (%s); it runs eagerly", self.name,
                            str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
             self.how = "eager"
-            return self.body()
+            return self.body(*first)
 
-    def _replay(self) -> Any:
+    def _replay(self, *first) -> Any:
         if self._graph is None:
             try:
-                self._capture()
+                self._capture(*first)
             except RuntimeError as err:
                 logger.warning("The %s could not be captured as a CUDA graph (%s); it runs eagerly", self.name,
                                str(err).splitlines()[0][:200])
                 self.how = "eager"
-                return self.body()
+                return self.body(*first)
         self._graph.replay()
         return self._out
 
-    def _capture(self) -> None:
+    def _capture(self, *first) -> None:
         """Two warm-up launches on a side stream, then the capture (a private memory pool: programs replay in
         any order; other threads' CUDA calls stay legal meanwhile)."""
         global CAPTURES
@@ -114,11 +132,11 @@ class Program:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.body()
+                self.body(*first)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._out = self.body()
+            self._out = self.body(*first)
         self._graph = graph
         CAPTURES += 1
 

@@ -81,7 +81,7 @@ class FixedLevel:
         self.steps = keys.new_ones(k, dtype=torch.long).cumsum(0) - 1  # [k] 0 .. k-1
         self.slots = keys.new_zeros(k, dtype=torch.long)  # [k] where the k new rows are written
         self.mask = keys.new_zeros(rows, 1, k, keys.shape[2], dtype=torch.bool)  # [B, 1, k, C]
-        self.program = Program(self._forward, "graph" if keys.device.type == "cuda" else "eager", "drafter's level")
+        self.program = Program(self._forward, (), "graph" if keys.device.type == "cuda" else "eager", "drafter's level")
 
     def tensors(self) -> list[torch.Tensor]:
         """The device tensors it keeps."""

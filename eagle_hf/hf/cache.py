@@ -438,23 +438,13 @@ class CommitProgram:
 
     def __init__(self, layers: list, rows: int, width: int, how: str):
         device = layers[0].keys.device
-        self.layers, self.width = list(layers), width
         self.ints = torch.zeros(3, dtype=torch.long, device=device)  # past, K, whether nodes move
         self.index = torch.zeros(rows, width, dtype=torch.long, device=device)  # [B, W]
         self.steps = torch.arange(width, device=device)  # [W]
-        self.program = Program(self._body, how, "cache commit")
-
-    def _body(self) -> None:
-        past, kept, moves = self.ints[0], self.ints[1], self.ints[2]
-        rows = self.index.shape[0]
-        place = torch.where((self.steps < kept) & (moves > 0), self.index, self.steps)  # [B, W] (the rest: stay)
-        source, target = place + past, self.steps + past  # [B, W], [W]
-        for layer in self.layers:
-            for buffer in (layer.keys, layer.values):
-                h, d = buffer.shape[1], buffer.shape[3]
-                moved = buffer.gather(2, source[:, None, :, None].expand(rows, h, self.width, d))  # [B, H, W, D]
-                buffer.index_copy_(2, target, moved)
-            layer.cumulative_length.copy_(past + kept)
+        buffers = [t for layer in layers for t in (layer.keys, layer.values)]
+        positions = [layer.cumulative_length for layer in layers]
+        self.program = Program(commit_kept, (buffers, positions, self.ints, self.index, self.steps), how,
+                               "cache commit")
 
     def __call__(self, past: int, index: torch.Tensor | None, kept: int) -> None:
         """index: [B, K] on the device (None: the first K nodes stay where they are)."""
@@ -462,3 +452,19 @@ class CommitProgram:
             self.index[:, : index.shape[1]].copy_(index)
         self.ints.copy_(to_device(torch.tensor([past, kept, int(index is not None)]), self.ints.device))
         self.program()
+
+
+def commit_kept(buffers: list[torch.Tensor], positions: list[torch.Tensor], ints: torch.Tensor, index: torch.Tensor,
+                steps: torch.Tensor) -> None:
+    """`CommitProgram`'s body: keys and values ``[B, H, C, D]`` of every layer, their write positions, and the
+    program's inputs."""
+    past, kept, moves = ints[0], ints[1], ints[2]
+    rows, width = index.shape
+    place = torch.where((steps < kept) & (moves > 0), index, steps)  # [B, W] (the rest: stay)
+    source, target = place + past, steps + past  # [B, W], [W]
+    for buffer in buffers:
+        h, d = buffer.shape[1], buffer.shape[3]
+        moved = buffer.gather(2, source[:, None, :, None].expand(rows, h, width, d))  # [B, H, W, D]
+        buffer.index_copy_(2, target, moved)
+    for position in positions:
+        position.copy_(past + kept)

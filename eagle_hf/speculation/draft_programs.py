@@ -196,10 +196,8 @@ class DraftPrograms:
     def tensors(self) -> list[torch.Tensor]:
         """The device tensors it keeps (its programs' buffers included)."""
         out = [self.keys, self.values, self.logits, self.hidden, self.columns]
-        for c in self.catch_ups.values():
-            out += [c.aux, c.tokens, c.ints, c.steps]
-        for level in self.levels.values():
-            out += [level.ints, level.steps]
+        for program in [*self.catch_ups.values(), *self.levels.values()]:
+            out += [t for t in program.program.args if isinstance(t, torch.Tensor)]
         return out
 
     def catch_up(self, aux: torch.Tensor, tokens: torch.Tensor, positions: list[int], at: int):
@@ -234,7 +232,7 @@ class CatchUp:
     the tokens after them [B, n] written at slots ``at .. at+n-1`` under a causal mask over all C columns, with
     `ints` = (each row's first position [B], `at`, the real rows a row `count`); the padding rows after the real
     ones are overwritten by the next pass, which never reads them. Writes the last real row's draft logits and
-    fed-back hidden state into the shared buffers."""
+    fed-back hidden state into the shared buffers (`catch_up_rows`)."""
 
     def __init__(self, shared: DraftPrograms, n: int):
         keys, drafter = shared.keys, shared._drafter()
@@ -244,70 +242,80 @@ class CatchUp:
         self.tokens = keys.new_zeros(rows, n, dtype=torch.long)  # [B, n]
         self.ints = keys.new_zeros(rows + 2, dtype=torch.long)  # positions [B], at, count
         self.steps = keys.new_ones(n, dtype=torch.long).cumsum(0) - 1  # [n] 0 .. n-1
-        self.program = Program(self._body, shared.how, "drafter's catch-up")
-
-    def _body(self) -> None:
-        s = self.shared
-        drafter, rows, n = s._drafter(), self.tokens.shape[0], self.tokens.shape[1]
-        positions, at, count = self.ints[:rows], self.ints[rows], self.ints[rows + 1]
-        slots = self.steps + at  # [n]
-        mask = (s.columns[None, :] <= slots[:, None])[None, None].expand(rows, 1, n, -1)  # [B, 1, n, C] causal
-        out = drafter.step(drafter.fuse(self.aux), self.tokens, positions[:, None] + self.steps,
-                           past=SlotWriter(s.keys, s.values, slots), mask=mask)
-        last = (count - 1).reshape(1, 1, 1)
-        s.logits.copy_(out.logits.gather(1, last.expand(rows, 1, out.logits.shape[-1]))[:, 0])  # [B, Vd]
-        s.hidden.copy_(out.hidden.gather(1, last.expand(rows, 1, out.hidden.shape[-1])))  # [B, 1, H]
+        self.program = Program(catch_up_rows, (shared.keys, shared.values, self.aux, self.tokens, self.ints, self.steps,
+                                          shared.columns, shared.logits, shared.hidden), shared.how,
+                               "drafter's catch-up")
 
     def __call__(self, aux: torch.Tensor, tokens: torch.Tensor, positions: list[int], at: int) -> None:
         m = tokens.shape[1]
         self.aux[:, :m].copy_(aux)
         self.tokens[:, :m].copy_(tokens)
         self.ints.copy_(to_device(torch.tensor([*positions, at, m]), self.ints.device))
-        self.program()
+        self.program(self.shared._drafter())
+
+
+def catch_up_rows(drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, aux: torch.Tensor,
+                  tokens: torch.Tensor, ints: torch.Tensor, steps: torch.Tensor, columns: torch.Tensor, logits: torch.Tensor,
+             hidden: torch.Tensor) -> None:
+    """`CatchUp`'s body: the drafter, its cache storage ``[B, kv_heads, C, d]``, the program's buffers, and the
+    shared outputs (logits [B, Vd], hidden [B, 1, H]) it writes."""
+    rows, n = tokens.shape
+    positions, at, count = ints[:rows], ints[rows], ints[rows + 1]
+    slots = steps + at  # [n]
+    mask = (columns[None, :] <= slots[:, None])[None, None].expand(rows, 1, n, -1)  # [B, 1, n, C] causal
+    out = drafter.step(drafter.fuse(aux), tokens, positions[:, None] + steps, past=SlotWriter(keys, values, slots),
+                       mask=mask)
+    last = (count - 1).reshape(1, 1, 1)
+    logits.copy_(out.logits.gather(1, last.expand(rows, 1, out.logits.shape[-1]))[:, 0])  # [B, Vd]
+    hidden.copy_(out.hidden.gather(1, last.expand(rows, 1, out.hidden.shape[-1])))  # [B, 1, H]
 
 
 class Levels:
     """A round's draft levels at fixed shapes (top-k k, `levels` levels; `grow_levels`) from the shared logits and
     hidden states, with `ints` = (each row's root position [B], its depth [B], the first tree slot `at`): the k
     nodes of level l are written at slots ``at + (l-1)k ..``; each reads every slot before `at` (no holes) and its
-    ancestors among the tree rows. Output: `flatten_kept`'s vector."""
+    ancestors among the tree rows (`grow_trees`). Output: `flatten_kept`'s vector, or the trees' layout."""
 
     def __init__(self, shared: DraftPrograms, k: int, levels: int, min_logp: float, prune: bool,
                  width: int | None = None):
         keys = shared.keys
         rows = keys.shape[0]
-        self.shared, self.k, self.levels, self.min_logp, self.prune = shared, k, levels, min_logp, prune
-        self.width = width  # the verify width of the trees' layout (None: no layout, the host selects)
+        self.shared = shared
         # root positions [B], depths [B], at; with a layout: root tokens [B], verify positions [B], sizes [B]
         self.ints = keys.new_zeros((5 if width else 2) * rows + 1, dtype=torch.long)
-        self.steps = keys.new_ones(levels * k, dtype=torch.long).cumsum(0) - 1  # [levels * k] 0 ..
-        self.program = Program(self._body, shared.how, "drafter's levels")
-
-    def _body(self) -> torch.Tensor:
-        s, k = self.shared, self.k
-        drafter, rows = s._drafter(), s.logits.shape[0]
-        base, depth, at = self.ints[:rows, None], self.ints[rows : 2 * rows, None], self.ints[2 * rows]
-        past = (s.columns < at)[None, None, :]  # [1, 1, C] the real rows
-        block = (s.columns - at)[None, None, :]  # [1, 1, C] each column's place among the tree rows
-
-        def forward(feed, tokens, level, tail, fed):
-            slots = self.steps[fed : fed + k] + at  # [k]
-            inside = (block >= 0) & (block < fed + k)
-            seen = tail.gather(2, block.clamp(0, fed + k - 1).expand(rows, k, -1)) & inside  # [B, k, C]
-            return drafter.step(feed, tokens, (base + level).expand(rows, k),
-                                past=SlotWriter(s.keys, s.values, slots), mask=(past | seen)[:, None])
-
-        kept = grow_levels(drafter, forward, s.logits, s.hidden, k, self.levels, depth, self.min_logp, self.prune)
-        if self.width is None:
-            return flatten_kept(kept)
-        tokens, position, sizes = (self.ints[2 * rows + 1 + i * rows : 2 * rows + 1 + (i + 1) * rows]
-                                   for i in range(3))
-        # (a chain's draft below the threshold is kept, only not expanded: every eligible candidate is a node)
-        layout = tree_layout(kept, tokens, k, self.width, self.min_logp if self.prune else -math.inf,
-                             torch.where(depth > 0, sizes[:, None], 1))
-        return layout, position[:, None] + layout.depths  # [B, W] the verify positions
+        steps = keys.new_ones(levels * k, dtype=torch.long).cumsum(0) - 1  # [levels * k] 0 ..
+        self.program = Program(grow_trees, (shared.keys, shared.values, shared.logits, shared.hidden, self.ints, steps,
+                                      shared.columns, k, levels, min_logp, prune, width), shared.how,
+                               "drafter's levels")
 
     def __call__(self, roots: list[int], depths: list[int], at: int, *layout: list[int]):
         values = [*roots, *depths, at] + [v for part in layout for v in part]
         self.ints.copy_(to_device(torch.tensor(values), self.ints.device))
-        return self.program()
+        return self.program(self.shared._drafter())
+
+
+def grow_trees(drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, logits: torch.Tensor,
+               hidden: torch.Tensor, ints: torch.Tensor, steps: torch.Tensor, columns: torch.Tensor, k: int, levels: int,
+               min_logp: float, prune: bool, width: int | None):
+    """`Levels`' body: `grow_levels` over the drafter's cache storage from the shared logits and hidden states;
+    `flatten_kept`'s vector, or (width W) the trees' `TreeLayout` and the verify positions [B, W]."""
+    rows = logits.shape[0]
+    base, depth, at = ints[:rows, None], ints[rows : 2 * rows, None], ints[2 * rows]
+    past = (columns < at)[None, None, :]  # [1, 1, C] the real rows
+    block = (columns - at)[None, None, :]  # [1, 1, C] each column's place among the tree rows
+
+    def forward(feed, tokens, level, tail, fed):
+        slots = steps[fed : fed + k] + at  # [k]
+        inside = (block >= 0) & (block < fed + k)
+        seen = tail.gather(2, block.clamp(0, fed + k - 1).expand(rows, k, -1)) & inside  # [B, k, C]
+        return drafter.step(feed, tokens, (base + level).expand(rows, k), past=SlotWriter(keys, values, slots),
+                            mask=(past | seen)[:, None])
+
+    kept = grow_levels(drafter, forward, logits, hidden, k, levels, depth, min_logp, prune)
+    if width is None:
+        return flatten_kept(kept)
+    tokens, position, sizes = (ints[2 * rows + 1 + i * rows : 2 * rows + 1 + (i + 1) * rows] for i in range(3))
+    # (a chain's draft below the threshold is kept, only not expanded: every eligible candidate is a node)
+    layout = tree_layout(kept, tokens, k, width, min_logp if prune else -math.inf,
+                         torch.where(depth > 0, sizes[:, None], 1))
+    return layout, position[:, None] + layout.depths  # [B, W] the verify positions
