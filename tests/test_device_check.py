@@ -173,3 +173,14 @@ def test_the_oracle_drafter_follows_the_cycle_on_every_path(monkeypatch):
                 target.generate(ids, max_new_tokens=13, do_sample=False, assistant_model=drafter, **mode)
             st = eagle_hf.last_stats()
             assert st.accepted == st.drafted == 10, (levels, mode)
+
+
+def test_the_training_stage_times_a_drafter_step(tmp_path):
+    """The training stage's rehearsal: one training step of the drafter alone on random features, timed at two
+    sequence lengths (small shapes on the CPU; on a GPU the Llama-3.1-8B shape, with its peak memory)."""
+    from benchmarks.device_check import cli
+
+    assert cli.main(["--device", "cpu", "--small", "--only", "training", "--out", str(tmp_path)]) == 0
+    stage = json.loads((tmp_path / "report.json").read_text())["stages"]["training"]
+    rows = stage["data"]["training step"]
+    assert [r["length"] for r in rows] == [256, 1024] and all(r["tokens_per_s"] > 0 for r in rows)

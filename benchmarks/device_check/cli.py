@@ -29,18 +29,20 @@ from .replay import stage_replay
 from .sampling import stage_sampling
 from .suite import stage_suite
 from .sync import stage_sync
+from .training import stage_training
 
 #: seconds per stage: (full shapes on a GPU, --small)
 #: (full shapes: a few stages at a time fit ten minutes, docs/gpu.md)
 BUDGETS = {"env": (30, 30), "suite": (540, 900), "equality": (200, 120), "replay": (300, 120), "compiled": (300, 240), "sync": (120, 90), "profile": (120, 60),
-           "memory": (130, 60), "kernels": (210, 120), "quant": (120, 90), "sampling": (120, 120)}
+           "memory": (130, 60), "kernels": (210, 120), "quant": (120, 90), "sampling": (120, 120),
+           "training": (120, 60)}
 
 
 STAGE_FUNCTIONS = {"env": stage_env, "suite": stage_suite, "equality": stage_equality, "replay": stage_replay,
                    "compiled": stage_compiled,
                    "profile": stage_profile,
                    "sync": stage_sync, "memory": stage_memory, "kernels": stage_kernels, "quant": stage_quant,
-                   "sampling": stage_sampling}
+                   "sampling": stage_sampling, "training": stage_training}
 
 
 # ============================================================================ main

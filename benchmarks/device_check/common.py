@@ -20,7 +20,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
-STAGES = ("env", "suite", "equality", "replay", "compiled", "sync", "profile", "memory", "kernels", "quant", "sampling")
+STAGES = ("env", "suite", "equality", "replay", "compiled", "sync", "profile", "memory", "kernels", "quant", "sampling",
+          "training")
 
 
 # ============================================================================ shapes
