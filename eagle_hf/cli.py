@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 import traceback
 from pathlib import Path
+
+from .cli_checks import check_target_name, check_temperature
 
 #: what a user's flags, files, folders or models cause: one line on stderr and exit status 2 (`-v`: the traceback
 #: too); anything else is a bug and keeps its traceback
@@ -19,20 +20,6 @@ def _target(args):
     from .drafter.default import load_target
 
     return load_target(args.target, **load_options(args))
-
-
-def check_target_name(name: str) -> None:
-    """A target that names a local folder must be a model folder (a Hub id is looked up when it loads)."""
-    from .drafter.default import GEMMA3_270M
-
-    if name in ("default", GEMMA3_270M):
-        return
-    path = Path(name).expanduser()
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
-        if not path.is_dir():
-            raise FileNotFoundError(f"--target {name}: no such folder (pass a model folder, a Hub id or 'default').")
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"--target {name}: not a model folder (no config.json).")
 
 
 def _drafter_before_target(name: str):
@@ -62,11 +49,6 @@ def check_counts(args, *names: str, optional: tuple[str, ...] = ()) -> None:
         value = getattr(args, name)
         if (value is not None or name not in optional) and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} {value}: must be at least 1.")
-
-
-def check_temperature(args) -> None:
-    if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise ValueError(f"--temperature {args.temperature}: must be 0 (greedy) or a positive number (sampling).")
 
 
 def _check_target_options(args) -> str | None:

@@ -60,7 +60,7 @@ def add_train_parser(sub) -> None:
 def cmd_train(args) -> int:
     import torch
 
-    from ..cli import check_target_name, check_temperature
+    from ..cli_checks import check_target_name, check_temperature
     from ..devices import load_options
     from ..drafter.default import load_target
     from .distributed import local_device
