@@ -256,7 +256,7 @@ def test_config_that_is_not_an_object(tmp_path, content):
     ("architectures", "LlamaForCausalLMEagle3"), ("eagle_config", []),
     ("eagle_config.eagle_aux_hidden_state_layer_ids", "1,2,3"),
     ("eagle_config.eagle_aux_hidden_state_layer_ids", [1, "2", 3]), ("torch_dtype", "int8"), ("target_model", 3),
-    ("draft_settings", "tree"), ("draft_settings", {"mode": "wide"}), ("vocab_size", None),
+    ("draft_settings", "tree"), ("vocab_size", None),
 ])
 def test_malformed_config_field_is_named(tmp_path, field, value):
     """Every field eagle_hf reads: a DrafterLoadError naming it and the file, not a failure deep in loading or
@@ -268,6 +268,17 @@ def test_malformed_config_field_is_named(tmp_path, field, value):
     name = re.escape(field if value is not None else "")
     with pytest.raises(DrafterLoadError, match=rf"{re.escape(str(folder / 'config.json'))}.*{name}"):
         EagleDrafter.from_pretrained(folder)
+
+
+def test_a_bad_draft_setting_in_config_is_named_before_compute(tmp_path, target, one_thread):
+    """A value of the drafter's `draft_settings` is checked where the settings are resolved, at the call, before
+    any compute: an error naming the setting and where it came from (the drafter's config.json)."""
+    from eagle_hf.speculation.settings import DraftSettingsError
+
+    drafter = tiny_drafter(target)
+    drafter.config.draft_settings = {"mode": "wide"}
+    with pytest.raises(DraftSettingsError, match=r"config\.json `draft_settings`"):
+        target.generate(prompt(), assistant_model=drafter, max_new_tokens=2, do_sample=False)
 
 
 def test_drafter_declared_for_another_target_warns(tmp_path, target, caplog, one_thread):

@@ -167,14 +167,6 @@ def check_fields(raw: dict[str, Any], path: Path) -> None:
                 raise bad(name, value, "a list of class names")
             if key == AUX_IDS and not (isinstance(value, list) and value and all(_is_int(i) and i >= 0 for i in value)):
                 raise bad(name, value, "a list of target layer numbers (e.g. [2, 16, 29])")
-    settings = raw.get("draft_settings")
-    if settings:
-        from ..speculation.settings import DraftSettings
-
-        try:
-            DraftSettings.resolve(settings)
-        except (ValueError, TypeError) as err:
-            raise DrafterLoadError(f"{path}: `draft_settings` {settings!r}: {err}") from err
 
 
 def _is_int(value) -> bool:
