@@ -11,7 +11,9 @@ gathers). Here both are programs over the drafter cache's whole storage ``[B, kv
 * the **levels program** (rows B, top-k k, `levels` levels): from those outputs, the root's children, then each
   level's forward over k frontier nodes a row, its top-k, the next frontier (the k best children by cumulative
   log-probability, float64, a stable sort), and the ancestors each node sees, all on the device; its choices in
-  one float64 vector that the host reads once and grows each row's tree from (`eagle_hf.speculation.drafting`).
+  one float64 vector that the host reads once and grows each row's tree from (`eagle_hf.speculation.drafting`),
+  or, for a greedy round, each row's tree laid out for the verify (`TreeLayout`: tokens, depths, ancestor mask),
+  which the verify forward reads as it is and the host reads with the target's choices, after the verify.
 
 The host writes each launch's integers (positions, depths, where the rows start, how many are real) in one copy
 and the target's taps in one; nothing inside reads the host. The levels' arithmetic is `grow_levels`, shared with
