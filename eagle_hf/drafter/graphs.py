@@ -14,7 +14,6 @@ the same shape reuses both the storage and the graphs.
 
 from __future__ import annotations
 
-import logging
 import os
 import weakref
 from collections import OrderedDict
@@ -24,8 +23,6 @@ import torch
 
 from ..programs import Program
 from .modeling import KV, DraftStep, EagleDrafter
-
-logger = logging.getLogger(__name__)
 
 #: environment variable: "off" runs draft levels eagerly; "on" at fixed shapes wherever the drafter runs (captured
 #: on CUDA); unset or "auto": at fixed shapes where the target's forward is compiled (a static cache on CUDA, or
