@@ -70,6 +70,7 @@ def host_ms_per_round(name: str, target, drafter, succ, calls: int, new_tokens: 
                     samples.append(1000 * (total - spent[0]) / rounds)
     finally:
         TreeLoop.forward = forward
+    print(name, " ".join(f"{x:.2f}" for x in samples), file=sys.stderr)
     return statistics.median(samples)
 
 

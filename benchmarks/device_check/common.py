@@ -431,9 +431,10 @@ def oracle_drafter(drafter, succ: torch.Tensor, corrupt: float = 0.0, seed: int 
 
     extend = DraftState.extend
 
-    def oracle_extend(state, draft_model, aux, next_tokens, counts=None):  # the catch-up's logits: the first level
+    def oracle_extend(state, draft_model, aux, next_tokens, counts=None, staged=None):  # the catch-up's logits:
+        # the first level
         positions = list(state.positions)
-        logits, hidden = extend(state, draft_model, aux, next_tokens, counts)
+        logits, hidden = extend(state, draft_model, aux, next_tokens, counts, staged)
         if draft_model is not drafter or (state.graphs is not None and state.keys is not None
                                           and logits is state.programs(draft_model).logits):
             return logits, hidden  # (the catch-up program's logits come from `oracle_step`: already the oracle's)

@@ -308,7 +308,7 @@ class TreeCache:
         """The call is over: the cache's layers are transformers' own again."""
         stop_growing_in_place(self.cache)
 
-    def _keep(self, past_len: int, index: torch.Tensor | None, width: int) -> None:
+    def _keep(self, past_len: int, index: torch.Tensor | None, width: int, written: int | None) -> None:
         """The accepted nodes into the slots after the committed ones; the cache ends after them."""
         commit_accepted(self.cache, past_len, index, width)
 
@@ -334,7 +334,7 @@ class TreeCache:
         to move or crop, as in a plain step)."""
         width = max(lengths)
         if index is not None or written != width:
-            self._keep(past_len, index, width)
+            self._keep(past_len, index, width, written)
         self.ragged.append(lengths, width, valid, device)
         self._mask.arrive(past_len, width, valid)  # the new slots' columns, for every query row
 
@@ -408,10 +408,16 @@ class StaticTreeCache(TreeCache):
         self._dirty = length + width
         return m[:, :, :width]
 
-    def _keep(self, past_len: int, index: torch.Tensor | None, width: int) -> None:
+    def _keep(self, past_len: int, index: torch.Tensor | None, width: int, written: int | None) -> None:
         """The accepted nodes moved in place and the write position set after them, in every layer at once (one
-        `CommitProgram` launch); layers with an indexer's keys (`eagle_hf.hf.indexed`) one by one."""
-        if any(type(layer) in STATIC_INDEXED for layer in self.cache.layers):
+        `CommitProgram` launch); layers with an indexer's keys (`eagle_hf.hf.indexed`) one by one. When the first
+        K nodes are kept (a chain, or a tree's greedy path: it comes first), nothing moves: every layer's write
+        position, `written` after the committed ones since the verify, steps back in one operation."""
+        indexed = any(type(layer) in STATIC_INDEXED for layer in self.cache.layers)
+        if index is None and written is not None and not indexed:
+            torch._foreach_sub_([layer.cumulative_length for layer in self.cache.layers], written - width)
+            return
+        if indexed:
             for layer in self.cache.layers:
                 if index is not None:
                     _move_accepted(layer, past_len, index, width)

@@ -85,7 +85,8 @@ def grow_levels(drafter: EagleDrafter, forward: LevelForward, logits: torch.Tens
         out = forward(feed, tokens, level, tail, fed)
         children = top_k_choice(drafter, out.logits, k)  # [B, k, k]
         scores = torch.where(grows[..., None], score[..., None] + children.logp.double(), -math.inf).flatten(1)
-        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]  # [B, k] into k*k
+        order = (torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k] if k > 1
+                 else torch.zeros_like(slot))  # [B, k] into k*k (a chain's one child)
         slot = order // k
         tokens = children.tokens.flatten(1).gather(1, order)
         own = children.logp.double().flatten(1).gather(1, order)
@@ -105,7 +106,8 @@ class TreeLayout:
 
     the tree's nodes are the best ``W - 1`` candidates by cumulative log-probability (a stable sort: ties go to
     the earlier candidate, so a parent, never below its child, always comes first: the choice is closed under
-    ancestors, as `eagle_hf.speculation.drafting._select`'s), in the order they were drafted."""
+    ancestors, as `eagle_hf.speculation.drafting._select`'s), the drafter's greedy chain first, then in the order
+    they were drafted (`_select`'s order too)."""
 
     tokens: torch.Tensor  # [B, W] the verify input (the roots first)
     depths: torch.Tensor  # [B, W] each node's depth (positions: the root's plus these)
@@ -125,6 +127,8 @@ def tree_layout(kept: list[tuple], roots: torch.Tensor, k: int, width: int, min_
     score = logp0.double()  # [B, k] the frontier's scores
     slot = tokens0.new_zeros(rows, k) + torch.arange(k, device=tokens0.device)  # [B, k] its candidates
     tokens, scores, parents, depths = [tokens0], [score], [torch.full_like(tokens0, -1)], [torch.ones_like(tokens0)]
+    first_born = torch.arange(k, device=tokens0.device) < 1  # [k] the first child drafted below a node
+    greedy = [first_born.expand(rows, k)]  # on the greedy chain (`eagle_hf.speculation.drafting.greedy_chain`)
     offset = k
     for level, (children, logp, grows, order) in enumerate(kept[1:], start=1):
         below = torch.where(grows[..., None], score[..., None] + logp.double(), -math.inf).flatten(1)  # [B, k*k]
@@ -132,22 +136,27 @@ def tree_layout(kept: list[tuple], roots: torch.Tensor, k: int, width: int, min_
         scores.append(below)
         parents.append(slot[..., None].expand(rows, k, k).flatten(1))
         depths.append(torch.full_like(tokens[-1], level + 1))
+        greedy.append((torch.cat(greedy, 1).gather(1, slot)[..., None] & first_born).flatten(1))
         slot, score = order + offset, below.gather(1, order)
         offset += k * k
-    tokens, scores, parents, depths = (torch.cat(t, 1) for t in (tokens, scores, parents, depths))  # [B, M]
-    m, n = tokens.shape[1], width - 1
+    tokens, scores, parents, depths, greedy = (torch.cat(t, 1) for t in (tokens, scores, parents, depths, greedy))
+    m, n = tokens.shape[1], width - 1  # [B, M] each
     eligible = (scores > -math.inf) & (scores >= min_logp)
     if m < n:  # (fewer candidates than room: padding candidates, never eligible)
         pad = n - m
-        tokens, scores, parents, depths = (torch.nn.functional.pad(t, (0, pad)) for t in (tokens, scores, parents,
-                                                                                          depths))
+        tokens, scores, parents, depths, greedy = (torch.nn.functional.pad(t, (0, pad)) for t in (tokens, scores,
+                                                                                                  parents, depths, greedy))
         eligible = torch.nn.functional.pad(eligible, (0, pad))
         m = n
-    best = torch.sort(torch.where(eligible, scores, -math.inf), dim=1, descending=True, stable=True).indices[:, :n]
+    if k > 1:
+        best = torch.sort(torch.where(eligible, scores, -math.inf), dim=1, descending=True, stable=True).indices[:, :n]
+    else:  # (a chain's candidates come best first: a score only falls with depth, and the eligible ones lead)
+        best = number_of(scores[:, :n]) - 1
     chosen = eligible.gather(1, best) & (number_of(best) < sizes)  # [B, n] real nodes, within the row's size
-    picked = torch.sort(torch.where(chosen, best, m), dim=1).values  # [B, n] candidates in drafting order, padding last
-    real = picked < m
-    picked = picked.clamp(max=m - 1)
+    order = torch.where(chosen, best + m * (~greedy.gather(1, best)).long(), 2 * m)  # the chain first, padding last
+    picked = torch.sort(order, dim=1).values if k > 1 else order  # [B, n] (a chain's: in order already)
+    real = picked < 2 * m
+    picked = picked % m
     number = number_of(picked)
     node_of = tokens.new_zeros(rows, m + 1).scatter_(1, torch.where(real, picked, m), number)  # candidate -> node
     parent = parents.gather(1, picked)
@@ -194,6 +203,7 @@ class DraftPrograms:
         self.columns = keys.new_ones(capacity, dtype=torch.long).cumsum(0) - 1  # [C] 0 .. C-1
         self.catch_ups: dict[int, CatchUp] = {}
         self.levels: dict[tuple, Levels] = {}
+        self.staged: CatchUp | None = None  # a catch-up written, not launched: it runs with the next levels
 
     def tensors(self) -> list[torch.Tensor]:
         """The device tensors it keeps (its programs' buffers included)."""
@@ -202,15 +212,28 @@ class DraftPrograms:
             out += [t for t in program.program.args if isinstance(t, torch.Tensor)]
         return out
 
-    def catch_up(self, aux: torch.Tensor, tokens: torch.Tensor, positions: list[int], at: int):
-        """The round's catch-up (`CatchUp`): aux [B, m, A*H_t], tokens [B, m], m real rows a row from slot `at`,
-        row b's first at ``positions[b]``. Returns the shared (logits [B, Vd], hidden [B, 1, H])."""
-        n = 1 << (tokens.shape[1] - 1).bit_length()
+    def catch_up(self, aux: torch.Tensor, tokens: torch.Tensor, positions: list[int], at: int, n: int,
+                 stage: bool = False):
+        """The round's catch-up (`CatchUp`, n rows a row: a power of two at least m): aux [B, m, A*H_t], tokens
+        [B, m], m real rows a row from slot `at`, row b's first at ``positions[b]``. Returns the shared (logits
+        [B, Vd], hidden [B, 1, H]), written by the launch, or with `stage` by the next `grow`'s launch (one
+        program: the catch-up, then the levels)."""
         program = self.catch_ups.get(n)
         if program is None:
             program = self.catch_ups[n] = CatchUp(self, n)
-        program(aux, tokens, positions, at)
+        program.write(aux, tokens, positions, at)
+        if stage:
+            self.staged = program
+        else:
+            self.launch_staged()
+            program.program(self._drafter())
         return self.logits, self.hidden
+
+    def launch_staged(self) -> None:
+        """The staged catch-up on its own (its outputs are read before any levels run)."""
+        if self.staged is not None:
+            staged, self.staged = self.staged, None
+            staged.program(self._drafter())
 
     def grow(self, logits: torch.Tensor, hidden: torch.Tensor, k: int, levels: int, min_logp: float, prune: bool,
              roots: list[int], depths: list[int], at: int, layout: tuple | None = None):
@@ -222,11 +245,12 @@ class DraftPrograms:
         program = self.levels.get(key)
         if program is None:
             program = self.levels[key] = Levels(self, *key)
-        if logits is not self.logits:
+        staged, self.staged = self.staged, None
+        if staged is None and logits is not self.logits:
             self.logits.copy_(logits)
-        if hidden is not self.hidden:
+        if staged is None and hidden is not self.hidden:
             self.hidden.copy_(hidden)
-        return program(roots, depths, at, *(layout[1:] if layout is not None else ()))
+        return program(roots, depths, at, *(layout[1:] if layout is not None else ()), after=staged)
 
 
 class CatchUp:
@@ -239,7 +263,7 @@ class CatchUp:
     def __init__(self, shared: DraftPrograms, n: int):
         keys, drafter = shared.keys, shared._drafter()
         rows = keys.shape[0]
-        self.shared = shared
+        self.shared, self.n = shared, n
         self.aux = keys.new_zeros(rows, n, drafter.fc.weight.shape[1], dtype=drafter.fc.weight.dtype)
         self.tokens = keys.new_zeros(rows, n, dtype=torch.long)  # [B, n]
         self.ints = keys.new_zeros(rows + 2, dtype=torch.long)  # positions [B], at, count
@@ -248,12 +272,12 @@ class CatchUp:
                                           shared.columns, shared.logits, shared.hidden), shared.how,
                                "drafter's catch-up")
 
-    def __call__(self, aux: torch.Tensor, tokens: torch.Tensor, positions: list[int], at: int) -> None:
+    def write(self, aux: torch.Tensor, tokens: torch.Tensor, positions: list[int], at: int) -> None:
+        """A launch's inputs into the buffers."""
         m = tokens.shape[1]
         self.aux[:, :m].copy_(aux)
         self.tokens[:, :m].copy_(tokens)
         self.ints.copy_(to_device(torch.tensor([*positions, at, m]), self.ints.device))
-        self.program(self.shared._drafter())
 
 
 def catch_up_rows(drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, aux: torch.Tensor,
@@ -270,6 +294,13 @@ def catch_up_rows(drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tenso
     last = (count - 1).reshape(1, 1, 1)
     logits.copy_(out.logits.gather(1, last.expand(rows, 1, out.logits.shape[-1]))[:, 0])  # [B, Vd]
     hidden.copy_(out.hidden.gather(1, last.expand(rows, 1, out.hidden.shape[-1])))  # [B, 1, H]
+
+
+def catch_up_then_grow(drafter: EagleDrafter, catch_up: tuple, levels: tuple):
+    """A round's whole drafting as one program: `catch_up_rows` over its arguments `catch_up`, then `grow_trees`
+    over `levels` (reading the shared logits and hidden states the catch-up wrote)."""
+    catch_up_rows(drafter, *catch_up)
+    return grow_trees(drafter, *levels)
 
 
 class Levels:
@@ -289,11 +320,20 @@ class Levels:
         self.program = Program(grow_trees, (shared.keys, shared.values, shared.logits, shared.hidden, self.ints, steps,
                                       shared.columns, k, levels, min_logp, prune, width), shared.how,
                                "drafter's levels")
+        self.after: dict[int, Program] = {}  # catch-up rows n -> the catch-up and these levels, one program
 
-    def __call__(self, roots: list[int], depths: list[int], at: int, *layout: list[int]):
+    def __call__(self, roots: list[int], depths: list[int], at: int, *layout: list[int],
+                 after: CatchUp | None = None):
+        """A launch (`after`: a catch-up written to run first, in the same program)."""
         values = [*roots, *depths, at] + [v for part in layout for v in part]
         self.ints.copy_(to_device(torch.tensor(values), self.ints.device))
-        return self.program(self.shared._drafter())
+        program = self.program
+        if after is not None:
+            program = self.after.get(after.n)
+            if program is None:
+                program = self.after[after.n] = Program(catch_up_then_grow, (after.program.args, self.program.args),
+                                                        self.program.how, "drafter's catch-up and levels")
+        return program(self.shared._drafter())
 
 
 def grow_trees(drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, logits: torch.Tensor,

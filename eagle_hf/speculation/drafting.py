@@ -100,7 +100,18 @@ class DraftState:
             allocate = new_buffers if self.graphs is None else _graphs_storage(self.graphs, weakref.ref(self))
             self.slots = SlotBuffers.holding((empty, empty), extra, allocate=allocate)
         else:
+            if self.length + extra > self.slots.capacity:
+                self.launch_staged(drafter)  # (its rows belong in the storage the new one copies)
             self.slots.reserve(self.length, extra)
+
+    def staged(self, drafter: EagleDrafter) -> bool:
+        """Whether a catch-up waits to run with the next levels (`extend`'s `staged`)."""
+        return self.graphs is not None and self.keys is not None and self.programs(drafter).staged is not None
+
+    def launch_staged(self, drafter: EagleDrafter) -> None:
+        """Run a catch-up staged for the next levels (`extend`'s `staged`) now, on its own."""
+        if self.graphs is not None and self.keys is not None:
+            self.programs(drafter).launch_staged()
 
     def level_forward(self, drafter: EagleDrafter, feed: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
                       at: int, mask: torch.Tensor | None) -> DraftStep:
@@ -117,13 +128,15 @@ class DraftState:
         return KVWriter(self.keys, self.values, at)
 
     def extend(self, drafter: EagleDrafter, aux: torch.Tensor, next_tokens: torch.Tensor,
-               counts: list[int] | None = None):
+               counts: list[int] | None = None, staged: int | None = None):
         """Add real rows: row b reads ``aux[b, :counts[b]]`` (target taps [B, n, A*H_t]), each with the token after
         it (``next_tokens`` [B, n]); default: all n. One drafter forward for the batch (a long prompt: one per
         `CATCH_UP_CHUNK` rows), one host-to-device copy.
 
         Returns each row's last new row's draft logits ``[B, Vd]`` and fed-back hidden state ``[B, 1, H]``
-        (meaningless for a row that read nothing)."""
+        (meaningless for a row that read nothing). `staged` = m: a catch-up at fixed shapes (`_extend_fixed`) is
+        padded to m rows a row at least and written, not launched: the next draft levels run it first, in their
+        program (`DraftPrograms.grow`), and only then are the returned buffers written."""
         rows, n = next_tokens.shape
         device = next_tokens.device
         counts = [n] * rows if counts is None else counts
@@ -131,7 +144,8 @@ class DraftState:
             return self._extend_in_chunks(drafter, aux, next_tokens, counts)
         full = all(c == n for c in counts)
         if self.graphs is not None and full and not self.ragged.holes and n <= FIXED_CATCH_UP:
-            return self._extend_fixed(drafter, aux, next_tokens)
+            return self._extend_fixed(drafter, aux, next_tokens, staged)
+        self.launch_staged(drafter)
         host = pack(device, positions=[[p + i for i in range(n)] for p in self.positions],
                     last=[max(c, 1) - 1 for c in counts],
                     **({} if full else {"new_valid": [[i < c for i in range(n)] for c in counts]}))
@@ -160,13 +174,16 @@ class DraftState:
         self.compact()
         return drafter.lm_head(normed[:, 0]), hidden
 
-    def _extend_fixed(self, drafter: EagleDrafter, aux: torch.Tensor, next_tokens: torch.Tensor):
+    def _extend_fixed(self, drafter: EagleDrafter, aux: torch.Tensor, next_tokens: torch.Tensor,
+                      staged: int | None = None):
         """`extend` for a round's catch-up at fixed shapes (`graphs`): every row reads its n rows (no holes), in one
-        program (`DraftPrograms.catch_up`: n padded to the next power of two, the padding rows written after the
-        real ones and overwritten by the next pass, which never reads them)."""
+        program (`DraftPrograms.catch_up`: n padded to the next power of two, `staged` rows at least, the padding
+        rows written after the real ones and overwritten by the next pass, which never reads them)."""
         rows, n = next_tokens.shape
-        self.reserve(drafter, 1 << (n - 1).bit_length(), drafter.fc.weight)
-        logits, hidden = self.programs(drafter).catch_up(aux, next_tokens, self.positions, self.length)
+        bucket = 1 << (max(n, staged or 1) - 1).bit_length()
+        self.reserve(drafter, bucket, drafter.fc.weight)
+        logits, hidden = self.programs(drafter).catch_up(aux, next_tokens, self.positions, self.length, bucket,
+                                                         stage=staged is not None)
         self._mask.arrive(self.length, n, None)
         self.ragged.append([n] * rows, n, None, next_tokens.device)
         self.positions = [p + n for p in self.positions]
@@ -379,6 +396,7 @@ def draft_trees(
         _grow_on_device(drafter, state, growth, logits, hidden, top_k, min_logp, prune)
         return [_select(growth[b].cands, root, total, min_logp if prune else -math.inf)
                 for b, root, total in zip(rows, roots, total_tokens)]
+    state.launch_staged(drafter)  # (the host chooses from the catch-up's logits)
     chosen = _choose(drafter, top_k, growth, {b: logits[b : b + 1] for b in drafting}, logits[:, None],
                      {b: [[]] for b in drafting})
     for b in drafting:
@@ -416,6 +434,7 @@ def _grow_on_device(drafter, state: DraftState, growth: list[_Growth], logits: t
     if not state.ragged.holes:
         flat = state.programs(drafter).grow(logits, hidden, k, levels, min_logp, prune, roots, depths, state.length)
     else:
+        state.launch_staged(drafter)
         host = pack(hidden.device, base=roots, depth=depths)
         base, real_len = host["base"][:, None], state.length  # [B, 1]
 
@@ -438,9 +457,8 @@ def settle_trees(layout, values: list[float], roots: list[int]) -> list[DraftTre
     for b in range(rows):
         row = values[b * per : (b + 1) * per]
         size = int(row[3 * n])
-        trees.append(DraftTree(torch.tensor([roots[b]] + [int(t) for t in row[:size]]),
-                               torch.tensor([-1] + [int(p) for p in row[n : n + size]]),
-                               torch.tensor([0.0] + row[2 * n : 2 * n + size])))
+        trees.append(DraftTree.of_lists([roots[b]] + [int(t) for t in row[:size]],
+                                        [-1] + [int(p) for p in row[n : n + size]], [0.0] + row[2 * n : 2 * n + size]))
     return trees
 
 
@@ -559,8 +577,20 @@ def _ancestors(c: int, cand_parent: list[int]) -> list[int]:
     return out[::-1]
 
 
+def greedy_chain(cand_parent: list[int]) -> list[bool]:
+    """Which candidates lie on the drafter's greedy chain: each the first child drafted below the root or below
+    another on the chain (children are drafted best first). Laid out first, the chain's accepted drafts are the
+    tree's first nodes, whose keys and values the target's cache keeps where the verify wrote them."""
+    on, first_below = [], set()
+    for p in cand_parent:
+        on.append(p not in first_below and (p == 0 or on[p - 1]))
+        first_below.add(p)
+    return on
+
+
 def _select(cands: Candidates, root_token: int, total_tokens: int, min_logp: float) -> DraftTree:
-    """The best ``total_tokens - 1`` candidates, closed under ancestors, parents before children."""
+    """The best ``total_tokens - 1`` candidates, closed under ancestors, the drafter's greedy chain first
+    (`greedy_chain`), then in drafting order: parents before children, siblings in the order drafted."""
     cand_tokens, cand_parent, cand_score, cand_q = cands.tokens, cands.parent, cands.score, cands.q
     n_keep = min(total_tokens - 1, len(cand_tokens))
     # a path's score only falls with depth, so dropping low scores keeps the selection closed under ancestors
@@ -572,7 +602,8 @@ def _select(cands: Candidates, root_token: int, total_tokens: int, min_logp: flo
         chain = [c] + [a for a in _ancestors(c, cand_parent) if a not in keep]
         if len(keep) + len(chain) <= n_keep:
             keep.update(chain)
-    kept = sorted(keep)
+    chain = greedy_chain(cand_parent)
+    kept = sorted(keep, key=lambda c: (not chain[c], c))
     new_id = {c: i + 1 for i, c in enumerate(kept)}
     tokens = [root_token] + [cand_tokens[c] for c in kept]
     parents = [-1] + [0 if cand_parent[c] == 0 else new_id[cand_parent[c] - 1] for c in kept]

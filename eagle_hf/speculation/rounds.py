@@ -127,13 +127,19 @@ class RoundTiming:
     @classmethod
     def from_marks(cls, at: dict[str, float], **facts) -> RoundTiming:
         """From the seconds of a round's named marks (`Timer.measure_marks`): ``start``, then where present
-        ``draft``, ``caught_up``, ``drafted`` (the drafter), ``verify``, ``verified`` (the target), ``end``."""
+        ``draft``, ``caught_up``, ``drafted`` (the drafter), ``verify``, ``verified`` (the target), ``end``. Where
+        the catch-up and the levels ran as one program (no ``caught_up`` mark), its time is split evenly over its
+        drafter forwards: the catch-up's one and the `levels`."""
 
         def between(a: str, b: str) -> float | None:
             return at[b] - at[a] if a in at and b in at else None
 
-        return cls(seconds=between("start", "end"), catch_up=between("draft", "caught_up"),
-                   draft=between("caught_up", "drafted"), verify=between("verify", "verified"), **facts)
+        catch_up, draft = between("draft", "caught_up"), between("caught_up", "drafted")
+        if catch_up is None and draft is None and (whole := between("draft", "drafted")) is not None:
+            catch_up = whole / (facts.get("levels", 0) + 1)
+            draft = whole - catch_up
+        return cls(seconds=between("start", "end"), catch_up=catch_up, draft=draft,
+                   verify=between("verify", "verified"), **facts)
 
     @property
     def wide(self) -> bool:

@@ -253,12 +253,14 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
     first = speculators[0]
     state, timer, s = first.state, first.timer, first.settings
     drafting = [i for i, sp in enumerate(speculators) if sp.this_round.kind == Round.DRAFT and depths[i] > 0]
-    trees = [DraftTree.root(r) for r in roots]
     if drafting:
         if marks is not None:
             marks["draft"] = timer.mark()
-        logits, hidden = _catch_up(speculators)  # [B, Vd], [B, 1, H]
-        if marks is not None:
+        # the catch-up and the levels as one program where the levels run as one (no host choice, no holes): the
+        # catch-up padded to a regular round's rows (depth + 1), so that its rounds share one
+        staged = max(depths) + 1 if state.graphs is not None and not any(choosers or []) else None
+        logits, hidden = _catch_up(speculators, staged)  # [B, Vd], [B, 1, H]
+        if marks is not None and not state.staged(first.drafter):  # (a staged catch-up's time is the levels')
             marks["caught_up"] = timer.mark()
         steps = state.steps
         slots = [speculators[i].cache_row.slot for i in drafting]
@@ -280,9 +282,10 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
                 sp.this_round.eagle_depth = depths[i] if i in drafting else 0
                 sp.this_round.drafter_levels = state.steps - steps if i in drafting else 0
             return PendingTrees(speculators, roots, *grown)
-        for i, tree in zip(drafting, grown):
-            trees[i] = tree
-            speculators[i].this_round.drafter_levels = state.steps - steps
+    trees = [DraftTree.root(r) for r in roots]  # (a laid-out round has none to build)
+    for i, tree in zip(drafting, grown if drafting else []):
+        trees[i] = tree
+        speculators[i].this_round.drafter_levels = state.steps - steps
     for i, sp in enumerate(speculators):
         r = sp.this_round
         r.eagle_depth = depths[i] if i in drafting else 0
@@ -325,10 +328,11 @@ class PendingTrees:
         return trees
 
 
-def _catch_up(speculators: Sequence[Speculator]) -> tuple[torch.Tensor, torch.Tensor]:
+def _catch_up(speculators: Sequence[Speculator], staged: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows' pending real rows through the drafter in one forward (padded to the longest): each row's last
     row's draft logits [B, Vd] and fed-back hidden state [B, 1, H]. Rows that each hold one piece of the same
-    length are joined as they are (a round after a drafting round: no padding, no copy for a single row)."""
+    length are joined as they are (a round after a drafting round: no padding, no copy for a single row).
+    `staged`: see `DraftState.extend`."""
     w = speculators[0].drafter.fc.weight
     pending = [sp.cache_row.pending for sp in speculators]
     counts = [sum(t.shape[1] for _, t in queued) for queued in pending]
@@ -337,7 +341,8 @@ def _catch_up(speculators: Sequence[Speculator]) -> tuple[torch.Tensor, torch.Te
         pieces = [queued.pop() for queued in pending]
         aux = pieces[0][0] if len(pieces) == 1 else torch.cat([a for a, _ in pieces])  # [B, n, A*H_t]
         tokens = pieces[0][1] if len(pieces) == 1 else torch.cat([t for _, t in pieces])  # [B, n]
-        return speculators[0].state.extend(speculators[0].drafter, aux.to(w.device, w.dtype), tokens.to(w.device), counts)
+        return speculators[0].state.extend(speculators[0].drafter, aux.to(w.device, w.dtype), tokens.to(w.device), counts,
+                                           staged)
     aux = w.new_zeros(len(speculators), width, speculators[0].drafter.fc.weight.shape[1])  # [B, n, A*H_t]
     tokens = torch.zeros(len(speculators), width, dtype=torch.long, device=w.device)  # [B, n]
     for b, queued in enumerate(pending):
@@ -345,7 +350,7 @@ def _catch_up(speculators: Sequence[Speculator]) -> tuple[torch.Tensor, torch.Te
             aux[b, : counts[b]] = torch.cat([a for a, _ in queued], 1)[0].to(w.device, w.dtype)
             tokens[b, : counts[b]] = torch.cat([t for _, t in queued], 1)[0].to(w.device)
             queued.clear()
-    return speculators[0].state.extend(speculators[0].drafter, aux, tokens, counts)
+    return speculators[0].state.extend(speculators[0].drafter, aux, tokens, counts, staged)
 
 
 def _keywords(listener) -> set[str]:

@@ -40,6 +40,13 @@ class DraftTree:
         tree.__dict__["host"] = _HostTree([token], [-1], [0.0], [EAGLE], [[]], [0])
         return tree
 
+    @classmethod
+    def of_lists(cls, tokens: list[int], parents: list[int], scores: list[float]) -> DraftTree:
+        """A deterministic EAGLE tree from host lists (node 0 the root, parents before children)."""
+        tree = cls(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores))
+        tree.__dict__["host"] = _HostTree.of_lists(tokens, parents, tree.scores.tolist())  # (as a tree's own)
+        return tree
+
     @functools.cached_property
     def host(self) -> _HostTree:
         """The tree as Python lists (a tree lives on the host; its tensors are read once, here)."""
@@ -145,14 +152,18 @@ class _HostTree:
 
     @classmethod
     def of(cls, tree: DraftTree) -> _HostTree:
-        parents = tree.parents.tolist()
+        return cls.of_lists(tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist(),
+                            None if tree.sources is None else tree.sources.tolist())
+
+    @classmethod
+    def of_lists(cls, tokens: list[int], parents: list[int], scores: list[float],
+                 sources: list[int] | None = None) -> _HostTree:
         children: list[list[int]] = [[] for _ in parents]
         depths = [0] * len(parents)
         for i in range(1, len(parents)):  # parents before children
             children[parents[i]].append(i)
             depths[i] = depths[parents[i]] + 1
-        sources = [EAGLE] * len(parents) if tree.sources is None else tree.sources.tolist()
-        return cls(tree.tokens.tolist(), parents, tree.scores.tolist(), sources, children, depths)
+        return cls(tokens, parents, scores, [EAGLE] * len(parents) if sources is None else sources, children, depths)
 
     def path(self, node: int) -> list[int]:
         """Node ids from the root down to `node`."""
