@@ -799,3 +799,13 @@ def test_costs_read_back_that_this_process_contradicts_are_learnt_again():
     cost.observe_forward(16, 0.2)  # every forward ten times slower now (another load): the file's costs go
     assert cost.forward(16) == pytest.approx(2.0) and cost.base_seconds == pytest.approx(0.1)
     assert cost.draft_step_cost == pytest.approx(0.1)
+
+
+def test_a_draft_program_s_time_is_split_over_its_drafter_forwards():
+    """The catch-up and the levels as one program leave no mark between them: the catch-up's share is one of its
+    drafter forwards (the catch-up's and each level's); marks between them are read as they are."""
+    marks = {"start": 0.0, "draft": 1.0, "drafted": 6.0, "verify": 6.5, "verified": 9.0, "end": 9.5}
+    t = RoundTiming.from_marks(marks, levels=4)
+    assert (t.catch_up, t.draft, t.verify, t.seconds) == (1.0, 4.0, 2.5, 9.5)
+    t = RoundTiming.from_marks(dict(marks, caught_up=3.0), levels=4)
+    assert (t.catch_up, t.draft) == (2.0, 3.0)

@@ -139,6 +139,43 @@ def test_trees_grown_on_the_device_are_the_trees_grown_level_by_level(top_k, thr
     assert levels["device"] == 4 and levels["host"] <= 4  # (the device runs to the deepest row's depth)
 
 
+@pytest.mark.parametrize("top_k", [1, 3])
+@pytest.mark.parametrize("threshold,prune", [(0.0, True), (0.3, True), (0.6, False)])
+def test_trees_laid_out_on_the_device_are_the_host_s_trees(top_k, threshold, prune):
+    """The trees a greedy round lays out for the verify on the device (`tree_layout`, read with the verify's
+    result) are the host's trees (`_select`): the same nodes in the same order, the drafter's greedy chain first;
+    a row that drafts nothing keeps its root alone."""
+    from eagle_hf.speculation.drafting import draft_trees, greedy_chain, settle_trees
+
+    drafter, aux, ids = _drafter_over_prompts(3)
+    roots, sizes = [int(ids[b, -1]) for b in range(3)], [12, 1, 9]
+    trees = {}
+    for where in ("device", "host"):
+        state = DraftState(positions=[0, 0, 0], graphs=LevelGraphs.for_drafter(drafter))
+        with torch.no_grad():
+            logits, hidden = state.extend(drafter, aux, ids[:, 1:])
+            layout = (16, roots, [8, 8, 8], sizes) if where == "device" else None
+            trees[where] = draft_trees(drafter, state, [roots[0], roots[2]], logits, hidden, [5, 3], top_k,
+                                       [sizes[0], sizes[2]], threshold, None, prune, rows=[0, 2], layout=layout)
+    laid_out, positions = trees["device"]
+    settled = settle_trees(laid_out, laid_out.host.flatten().tolist(), roots)
+    assert settled[1].size == 1 and positions[1].tolist() == [8] * 16
+    for got, want in zip([settled[0], settled[2]], trees["host"]):
+        assert got.tokens.tolist() == want.tokens.tolist()
+        assert got.parents.tolist() == want.parents.tolist()
+        assert got.scores.tolist() == pytest.approx(want.scores.tolist())
+        chain = [n for n in range(1, want.size) if greedy_chain([p for p in want.parents.tolist()[1:]])[n - 1]]
+        assert chain == list(range(1, len(chain) + 1))  # the greedy chain leads
+
+
+def test_the_greedy_chain_is_each_first_child_below_the_chain():
+    from eagle_hf.speculation.drafting import greedy_chain
+
+    # candidates' parents as node ids (0: the root; candidate c is node c + 1), drafted best child first
+    assert greedy_chain([0, 0, 1, 1, 2, 3, 3]) == [True, False, True, False, False, True, False]
+    assert greedy_chain([0, 1, 2]) == [True, True, True]  # a chain
+
+
 def test_a_call_in_inference_mode_leaves_storage_a_later_call_can_write(levels_run):
     target = tiny_target("llama")
     drafter = tiny_drafter(target)

@@ -48,7 +48,9 @@ class Choice:
 def top_k_choice(drafter: EagleDrafter, logits: torch.Tensor, top_k: int) -> Choice:
     """The deterministic choice of EAGLE-2 trees (and greedy chains): the top_k drafts by probability, for logits
     of any leading shape ``[..., Vd]`` (a batch's frontiers at once)."""
-    top = torch.topk(torch.log_softmax(logits.float(), dim=-1), top_k, dim=-1)  # [..., top_k]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = logp.max(dim=-1, keepdim=True) if top_k == 1 else torch.topk(logp, top_k, dim=-1)  # [..., top_k] (a
+    # chain's: a reduction that compiles into the kernels around it)
     return Choice(drafter.draft_to_target(top.indices), top.values)
 
 
