@@ -3,9 +3,11 @@ compile forced on (a static cache, as tests/test_static_cache.py does), the devi
 tiny widths) and its oracle drafter (every draft accepted), one thread, warm calls (the compiles and the first
 calls' set-up left out). The target's forward (`TreeLoop.forward`) is timed and taken out; what is left is what
 the host spends on everything else a round: planning, drafting (the drafter's programs or eager passes), the
-verify's set-up, acceptance, the commit, the bookkeeping.
+verify's set-up, acceptance, the commit, the bookkeeping. Two figures: per round of a 48-token call (its own
+work, the prompt's catch-up among it, shared by its rounds), and the steady state (the slope between calls of 48
+and 96 new tokens: what one more round costs).
 
-    python scripts/round_host_time.py                   # chain 5 and a depth-5 tree, median of 7 calls
+    python scripts/round_host_time.py                   # chain 5 and a depth-5 tree, medians of 7 calls
     PYTHONPATH=/path/to/other/checkout python scripts/round_host_time.py --json other.json   # another version
 
 To compare two versions, run both in turn on a quiet machine (farm-bench pairs whole commands). Times are
@@ -32,8 +34,10 @@ import round_ops  # (the same target, drafter and prompts)
 SCENARIOS = {name: round_ops.SCENARIOS[name] for name in ("chain 5", "tree, depth 5")}
 
 
-def host_ms_per_round(name: str, target, drafter, succ, calls: int, new_tokens: int) -> float:
-    """Median over `calls` warm calls of (call time - the target's forwards) / rounds, in ms."""
+def host_ms(name: str, target, drafter, succ, calls: int, new_tokens: int) -> tuple[float, float]:
+    """(ms a round, steady ms a round): the median over `calls` warm calls of (call time - the target's forwards)
+    / rounds, and the slope of the host ms a call between `new_tokens` and twice as many (the call's own work,
+    the prefill's catch-up among it, taken out), calls of the two lengths alternating."""
     from transformers import CompileConfig
 
     import eagle_hf
@@ -55,23 +59,26 @@ def host_ms_per_round(name: str, target, drafter, succ, calls: int, new_tokens: 
         finally:
             spent[0] += time.perf_counter() - start
 
-    samples = []
+    samples = {new_tokens: [], 2 * new_tokens: []}  # per length: (host ms, rounds) a call
     TreeLoop.forward = timed
     try:
         with oracle_drafter(drafter, succ, rows=rows):
-            for call in range(calls + 3):  # (three warm-ups: compiles, first shapes)
+            for call in range(2 * calls + 6):  # (three warm-ups of each length: compiles, first shapes)
+                length = new_tokens * (1 + call % 2)
                 spent[0] = 0.0
                 start = time.perf_counter()
-                target.generate(**round_ops.prompt(rows, succ), **run)
+                target.generate(**round_ops.prompt(rows, succ), **dict(run, max_new_tokens=length))
                 total = time.perf_counter() - start
                 s = eagle_hf.last_stats()
-                rounds = max(s.cycles + s.fallback_steps + s.final_steps, 1)
-                if call >= 3:
-                    samples.append(1000 * (total - spent[0]) / rounds)
+                if call >= 6:
+                    samples[length].append((1000 * (total - spent[0]), s.cycles + s.fallback_steps + s.final_steps))
     finally:
         TreeLoop.forward = forward
-    print(name, " ".join(f"{x:.2f}" for x in samples), file=sys.stderr)
-    return statistics.median(samples)
+    short, long = (samples[n] for n in sorted(samples))
+    per_round = statistics.median(ms / max(r, 1) for ms, r in short)
+    more = statistics.median(r for _, r in long) - statistics.median(r for _, r in short)
+    steady = (statistics.median(ms for ms, _ in long) - statistics.median(ms for ms, _ in short)) / max(more, 1)
+    return per_round, steady
 
 
 def main():
@@ -87,8 +94,9 @@ def main():
     target, drafter, succ = round_ops.pair()
     out = {"eagle_hf": str(Path(eagle_hf.__file__).parent)}
     for name in SCENARIOS:
-        out[name] = host_ms_per_round(name, target, drafter, succ, args.calls, args.new_tokens)
-        print(f"{name}: {out[name]:.2f} host ms a round outside the target's forward")
+        out[name], out[f"{name}, steady"] = host_ms(name, target, drafter, succ, args.calls, args.new_tokens)
+        print(f"{name}: {out[name]:.2f} host ms a round outside the target's forward ({args.new_tokens} new "
+              f"tokens); steady state {out[f'{name}, steady']:.2f} ms a round")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 
