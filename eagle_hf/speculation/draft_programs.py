@@ -15,6 +15,10 @@ gathers). Here both are programs over the drafter cache's whole storage ``[B, kv
   or, for a greedy round, each row's tree laid out for the verify (`TreeLayout`: tokens, depths, ancestor mask),
   which the verify forward reads as it is and the host reads with the target's choices, after the verify.
 
+A round's catch-up is *staged* (its inputs written, `DraftPrograms.catch_up`) and runs first in the levels' launch
+(`catch_up_then_grow`): one program a drafting round. It stands alone where its outputs are read before any level
+(the host choosing the children: sampling) or the storage grows under it.
+
 The host writes each launch's integers (positions, depths, where the rows start, how many are real) in one copy
 and the target's taps in one; nothing inside reads the host. The levels' arithmetic is `grow_levels`, shared with
 the eager per-level path (a cache with holes, where the kept masks say which slots each row reads): the same
