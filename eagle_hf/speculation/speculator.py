@@ -282,7 +282,7 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
                 sp.this_round.eagle_depth = depths[i] if i in drafting else 0
                 sp.this_round.drafter_levels = state.steps - steps if i in drafting else 0
             return PendingTrees(speculators, roots, *grown)
-    trees = [DraftTree.root(r) for r in roots]  # (a laid-out round has none to build)
+    trees = [DraftTree.root(r) for r in roots]  # (the rows that drafted replace theirs)
     for i, tree in zip(drafting, grown if drafting else []):
         trees[i] = tree
         speculators[i].this_round.drafter_levels = state.steps - steps
