@@ -252,10 +252,10 @@ class DraftPrograms:
         if program is None:
             program = self.levels[key] = Levels(self, *key)
         staged, self.staged = self.staged, None
-        if staged is None and logits is not self.logits:
-            self.logits.copy_(logits)
-        if staged is None and hidden is not self.hidden:
-            self.hidden.copy_(hidden)
+        if staged is None:  # (a staged catch-up writes them in the launch)
+            for given, shared in ((logits, self.logits), (hidden, self.hidden)):
+                if given is not shared:
+                    shared.copy_(given)
         return program(roots, depths, at, *(layout[1:] if layout is not None else ()), after=staged)
 
 
@@ -269,7 +269,7 @@ class CatchUp:
     def __init__(self, shared: DraftPrograms, n: int):
         keys, drafter = shared.keys, shared._drafter()
         rows = keys.shape[0]
-        self.shared, self.n = shared, n
+        self.n = n
         self.aux = keys.new_zeros(rows, n, drafter.fc.weight.shape[1], dtype=drafter.fc.weight.dtype)
         self.tokens = keys.new_zeros(rows, n, dtype=torch.long)  # [B, n]
         self.ints = keys.new_zeros(rows + 2, dtype=torch.long)  # positions [B], at, count
@@ -319,7 +319,7 @@ class Levels:
                  width: int | None = None):
         keys = shared.keys
         rows = keys.shape[0]
-        self.shared = shared
+        self._drafter = shared._drafter  # (a weak reference: the programs and their owner form no cycle)
         # root positions [B], depths [B], at; with a layout: root tokens [B], verify positions [B], sizes [B]
         self.ints = keys.new_zeros((5 if width else 2) * rows + 1, dtype=torch.long)
         steps = keys.new_ones(levels * k, dtype=torch.long).cumsum(0) - 1  # [levels * k] 0 ..
@@ -339,7 +339,7 @@ class Levels:
             if program is None:
                 program = self.after[after.n] = Program(catch_up_then_grow, (after.program.args, self.program.args),
                                                         self.program.how, "drafter's catch-up and levels")
-        return program(self.shared._drafter())
+        return program(self._drafter())
 
 
 def grow_trees(drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, logits: torch.Tensor,

@@ -602,8 +602,8 @@ def _select(cands: Candidates, root_token: int, total_tokens: int, min_logp: flo
         chain = [c] + [a for a in _ancestors(c, cand_parent) if a not in keep]
         if len(keep) + len(chain) <= n_keep:
             keep.update(chain)
-    chain = greedy_chain(cand_parent)
-    kept = sorted(keep, key=lambda c: (not chain[c], c))
+    greedy = greedy_chain(cand_parent)
+    kept = sorted(keep, key=lambda c: (not greedy[c], c))
     new_id = {c: i + 1 for i, c in enumerate(kept)}
     tokens = [root_token] + [cand_tokens[c] for c in kept]
     parents = [-1] + [0 if cand_parent[c] == 0 else new_id[cand_parent[c] - 1] for c in kept]

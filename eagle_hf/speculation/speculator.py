@@ -260,7 +260,8 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
         # catch-up padded to a regular round's rows (depth + 1), so that its rounds share one
         staged = max(depths) + 1 if state.graphs is not None and not any(choosers or []) else None
         logits, hidden = _catch_up(speculators, staged)  # [B, Vd], [B, 1, H]
-        if marks is not None and not state.staged(first.drafter):  # (a staged catch-up's time is the levels')
+        if marks is not None and not (staged and state.staged(first.drafter)):  # (a staged catch-up's time is
+            # the levels')
             marks["caught_up"] = timer.mark()
         steps = state.steps
         slots = [speculators[i].cache_row.slot for i in drafting]
