@@ -1,4 +1,5 @@
-"""`eagle-hf`: EAGLE-3 / EAGLE-3.1 speculative decoding in transformers' generate(): generate, bench, demo, train, diagnose."""
+"""`eagle-hf`: EAGLE-3 / EAGLE-3.1 speculative decoding in transformers' generate(): generate, bench, demo, train, diagnose,
+serve."""
 
 from __future__ import annotations
 
@@ -63,16 +64,22 @@ def _check_target_options(args) -> str | None:
     return None
 
 
+def _check_draft_length(args) -> None:
+    from .speculation.settings import MAX_DEPTH
+
+    check_counts(args, optional=("num_draft_tokens",))
+    if args.num_draft_tokens is not None and args.num_draft_tokens > MAX_DEPTH:
+        raise ValueError(f"--num-draft-tokens {args.num_draft_tokens}: must be in 1..{MAX_DEPTH}.")
+
+
 def cmd_generate(args) -> int:
     import torch
 
     from . import last_stats
     from .devices import input_device
-    from .speculation.settings import MAX_DEPTH
 
-    check_counts(args, "max_new_tokens", optional=("num_draft_tokens",))
-    if args.num_draft_tokens is not None and args.num_draft_tokens > MAX_DEPTH:
-        raise ValueError(f"--num-draft-tokens {args.num_draft_tokens}: must be in 1..{MAX_DEPTH}.")
+    check_counts(args, "max_new_tokens")
+    _check_draft_length(args)
     check_temperature(args)
     target, tok, (drafter, label) = _models(args)
     enc = tok.apply_chat_template(
@@ -204,6 +211,27 @@ def cmd_diagnose(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    _check_draft_length(args)
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port {args.port}: must be in 0..65535.")
+    from .hf import serving  # noqa: F401  (the serve extra is checked before any model loads)
+    from .serving import serve
+
+    if args.drafter == "none":
+        check_target_name(args.target)
+        (target, tok), drafter, label = _target(args), None, "none (plain decoding)"
+    else:
+        target, tok, (drafter, label) = _models(args)
+    options = {"num_assistant_tokens": args.num_draft_tokens, "draft_sources": args.draft_sources}
+    name = args.served_model_name or args.target
+    print(f"[drafter: {label}] serving {name!r} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
+    serve(target, tok, drafter, name=name, host=args.host, port=args.port,
+          draft_options={k: v for k, v in options.items() if v is not None and drafter is not None},
+          log_level="info" if args.verbose else "warning")
+    return 0
+
+
 def cmd_demo(args) -> int:
     import runpy
 
@@ -286,6 +314,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "--drafter (e.g. a matched EAGLE-3 drafter), written as compare.md and comparison.png")
     x.add_argument("--out", default="drift_results", help="folder for drift.json, drift.md and the PNGs")
     x.set_defaults(func=cmd_diagnose)
+
+    s = sub.add_parser("serve", formatter_class=fmt,
+                       help="an OpenAI-compatible server (transformers' own) whose every request speculates")
+    s.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct, offline) or a Hub id / folder")
+    s.add_argument("--drafter", default="default",
+                   help="'default' (the shipped drafter), 'random', a folder, a Hub id, or 'none' (plain decoding)")
+    s.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="a fixed chain length (transformers' num_assistant_tokens); default: the adaptive schedule")
+    s.add_argument("--draft-sources", default="auto", choices=["auto", "eagle", "copy", "eagle+copy"],
+                   help="who drafts: the drafter, copies from the prompt and output, or both (auto: both in tree mode)")
+    s.add_argument("--served-model-name", default=None, help="the model name requests give (default: --target)")
+    s.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    add_device_arguments(s)
+    s.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", add_help=False,
                        help="the Gradio demo (demo/app.py); its options (--target, --drafter, --device, --port, "

@@ -169,6 +169,34 @@ def tiny_drafter(target=None, *, vocab: int = VOCAB, draft_vocab: int | None = N
     return drafter.float().eval().to(test_device())
 
 
+#: a chat template for the tiny tokenizers: "<|im_start|>role content<|im_end|>" per message
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{% endif %}"
+)
+
+
+def word_tokenizer():
+    """A byte-level word tokenizer (96 ids, as the tiny targets): "wa wb" encodes as "wa", "Ġwb"; about a third
+    of the ids hold line breaks or spaces, so random models draft (and get rejected) whitespace; "Ã" "©" are the
+    two bytes of "é"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<|im_start|>", "<|im_end|>", "user", "assistant"]
+    letters = [f"w{chr(97 + i)}" for i in range(24)]  # "wa" ... ("w1" would split: digits are their own pre-token)
+    words += letters + [f"Ġ{w}" for w in letters]
+    words += ["Ċ", "ĊĊ", ".Ċ", ",Ċ", "ĠĊ", "ĉ", "ĠĠ", ",", ".", "Ã", "©", "ĠÃ©"]
+    words += [f"Ċ{w}" for w in letters[: VOCAB - len(words)]]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="wa"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """The tiny models are dominated by thread-pool overhead; one intra-op thread is ~4x faster on a busy CPU."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_drafter, tiny_target
-from test_training import CHAT_TEMPLATE
+from conftest import word_tokenizer as demo_tokenizer  # (the demo's tests name it so)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "demo"))
@@ -35,27 +35,6 @@ from eagle_hf.tools.visualize import (
     legend_html,
     token_span,
 )
-
-
-def demo_tokenizer():
-    """A byte-level word tokenizer (96 ids, as the tiny targets): "wa wb" encodes as "wa", "Ġwb"; about a third
-    of the ids hold line breaks or spaces, so random models draft (and get rejected) whitespace; "Ã" "©" are the
-    two bytes of "é"."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<pad>", "<|im_start|>", "<|im_end|>", "user", "assistant"]
-    letters = [f"w{chr(97 + i)}" for i in range(24)]  # "wa" ... ("w1" would split: digits are their own pre-token)
-    words += letters + [f"Ġ{w}" for w in letters]
-    words += ["Ċ", "ĊĊ", ".Ċ", ",Ċ", "ĠĊ", "ĉ", "ĠĠ", ",", ".", "Ã", "©", "ĠÃ©"]
-    words += [f"Ċ{w}" for w in letters[: 96 - len(words)]]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="wa"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
-                                   additional_special_tokens=["<|im_start|>"])
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_drafter, tiny_target
+from conftest import CHAT_TEMPLATE, VOCAB, tiny_drafter, tiny_target
 
 from eagle_hf import EagleDrafter
 from eagle_hf.training.data import generate_with_capture, load_shards
@@ -14,11 +14,6 @@ from eagle_hf.training.prompts import PromptFormatError, first_user_turn, load_p
 from eagle_hf.training.trainer import TrainConfig, load_state
 from eagle_hf.training.ttt import ttt_loss, ttt_mask
 from eagle_hf.training.vocab import build_draft_vocab
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant{% endif %}"
-)
 
 
 def tiny_tokenizer(vocab=VOCAB, chat_template=CHAT_TEMPLATE):
