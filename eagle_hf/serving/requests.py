@@ -5,7 +5,8 @@ The settings mean what they mean in transformers' own server without a drafter (
 `top_p`, `stop`, `frequency_penalty`, `logit_bias` become the call's generation config there), with two
 differences that make a request mean one thing whatever else the server is doing: ``temperature > 0`` samples
 (transformers' server samples only where the model's generation config already does), and ``seed`` seeds the
-call itself, just before it runs, not the process when the request arrives.
+call itself, just before it runs, not the process when the request arrives (and drafts a fixed chain, so that
+its rounds, and the random numbers they draw, repeat: `eagle_hf.hf.serving.SpeculativeCall`).
 """
 
 from __future__ import annotations
