@@ -215,8 +215,7 @@ def cmd_serve(args) -> int:
     _check_draft_length(args)
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port {args.port}: must be in 0..65535.")
-    from .hf import serving  # noqa: F401  (the serve extra is checked before any model loads)
-    from .serving import serve
+    from .hf.serving import serve  # (an ImportError naming the serve extra, before any model loads)
 
     if args.drafter == "none":
         check_target_name(args.target)

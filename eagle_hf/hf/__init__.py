@@ -12,6 +12,7 @@
 - `models`: what is read from transformers' model classes and utilities (compiled graphs and their warm-up, the
   logits head on real nodes, Llama 4's query-scale step);
 - `version`: the supported transformers versions and their name for the KV cache; `hub`: the Hub-hostable `custom_generate/` folder.
+- `serving`: `eagle-hf serve` on transformers' own server (imported on its own use: it needs the `serve` extra).
 
 Tested against transformers 5.23 and 5.24 (``SUPPORTED_TRANSFORMERS``; `version` speaks either's name for the
 KV cache); other versions raise a clear error on use.

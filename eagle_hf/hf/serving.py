@@ -359,3 +359,16 @@ async def _with_speculation(chunks, served: ServedRequest, requests: dict, rid: 
     finally:
         requests.pop(rid, None)
         await chunks.aclose()
+
+
+def serve(target, tokenizer, drafter=None, *, name: str = "default", host: str = "127.0.0.1", port: int = 8000,
+          draft_options: dict | None = None, log_level: str = "warning") -> None:
+    """Serve `target` under `name` on ``http://host:port/v1`` until interrupted (Ctrl-C), every request speculating
+    with `drafter` (None: plain decoding) and `draft_options` (generate()'s draft keywords)."""
+    import uvicorn
+
+    app = build_app(target, tokenizer, drafter, name=name, draft_options=draft_options)
+    if log_level != "info":  # (transformers' server logs every request as a warning)
+        logging.getLogger("transformers.cli.serving").setLevel(logging.ERROR)
+    logger.info("Serving %s on http://%s:%d/v1", name, host, port)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
