@@ -264,3 +264,24 @@ def test_the_streamer_gets_one_token_at_a_time_and_none_past_plain_generates_sto
         assert not inner.ended  # (held until the call's stats are in)
         streamer.finish()
         assert inner.ended
+
+
+def test_the_load_generator_summarises_its_requests():
+    from benchmarks.serve_load import Reply, compare_with_plain, markdown, summary
+
+    spec = {"num_drafts": 2, "num_accepted_tokens": 2, "num_plain_steps": 2}
+    replies = [Reply(0, sent=0.0, times=[1.0, 1.5, 1.5, 2.0], text="a", tokens=4, speculation=spec),
+               Reply(1, sent=0.0, times=[2.0, 3.5], text="b", tokens=2, speculation=spec),
+               Reply(0, sent=0.0, error="APIConnectionError: gone")]
+    s = summary(replies, wall=4.0, left_out=1)
+    assert (s["ok"], s["errors"], s["left_out"]) == (2, 1, 1)
+    assert s["per_user_tok_s"] == pytest.approx((3 / 1.0 + 1 / 1.5) / 2)  # (the median of two)
+    assert s["ttft_p50_s"] == 1.0 and s["ttft_p95_s"] == 2.0
+    assert s["itl_p50_ms"] == 500 and s["itl_p95_ms"] == 1500
+    assert s["aggregate_tok_s"] == 1.5
+    assert s["mean_acceptance_length"] == 2.0 and s["plain_step_share"] == 0.5
+    results = {"servers": {"eagle-hf": {1: {**s, "server_mb": 700.0}}, "plain": {"error": "exited"}}}
+    compare_with_plain(results, {"eagle-hf": {1: replies}, "plain": {1: [Reply(0, 0.0, text="a"), Reply(1, 0.0, text="c")]}})
+    assert results["servers"]["eagle-hf"][1]["differ_from_plain"] == 1
+    table = markdown(results)
+    assert "| eagle-hf | 1 | 2 / 1 (1 left out) | 1.8 |" in table and "did not start: exited" in table
