@@ -201,17 +201,16 @@ class SpeculativeCall:
         if extra and request.seed is not None:  # a fixed chain: the same rounds, so the same random draws
             extra.setdefault("num_assistant_tokens", DraftSettings().depth)
         manager.counters.started()
-        new_tokens = None
         try:
             if request.seed is not None:
                 torch.manual_seed(request.seed)  # here, on the inference thread, just before the call
             out = self._target.generate(**inputs, streamer=plain, generation_config=generation_config,
                                         tokenizer=tokenizer, **extra)
-            new_tokens = int(out.shape[-1] - inputs["input_ids"].shape[-1])
-            request.stats = last_stats() if manager.drafter is not None else None
-        finally:
-            request.cancelled = new_tokens is None
-            manager.counters.finished(new_tokens, request.stats)
+        except BaseException:
+            manager.counters.finished("cancelled" if plain is not None and plain.cancelled else "failed")
+            raise
+        request.stats = last_stats() if manager.drafter is not None else None
+        manager.counters.finished("success", int(out.shape[-1] - inputs["input_ids"].shape[-1]), request.stats)
         if plain is not None and plain.ended:
             plain.finish()
         return out
@@ -231,21 +230,28 @@ class PlainStreamer:
         stops = generation_config.stop_strings
         self.stop = StopStringCriteria(tokenizer, stops) if stops and tokenizer is not None else None
         self.ids: list[int] | None = None  # the prompt and the tokens passed on
-        self.done = self.ended = False
+        self.done = self.ended = self.cancelled = False
 
     def put(self, value: torch.Tensor) -> None:
         tokens = value.reshape(-1).tolist()  # [n] or [1, n] -> n ids
         if self.ids is None:  # the prompt (the streamer skips it)
             self.ids = tokens
-            self.inner.put(value.reshape(1, -1))
+            self._hand(value.reshape(1, -1))
             return
         for token in tokens:
             if self.done:
                 return
-            self.inner.put(torch.tensor([token]))  # (raises when the client went away: the call stops)
+            self._hand(torch.tensor([token]))
             self.ids.append(token)
             self.left = None if self.left is None else self.left - 1
             self.done = self.left == 0 or token in self.eos or self._stop_string()
+
+    def _hand(self, value: torch.Tensor) -> None:
+        try:
+            self.inner.put(value)
+        except Exception:  # the client went away: transformers' streamer raises to stop the call
+            self.cancelled = True
+            raise
 
     def _stop_string(self) -> bool:
         if self.stop is None:

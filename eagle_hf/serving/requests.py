@@ -22,8 +22,6 @@ UNSUPPORTED_FIELDS = {
              "web_search_options", "generation_config"),
     "completion": ("best_of", "echo", "logprobs", "presence_penalty", "generation_config"),
 }
-#: fields that only describe the request (who sent it, what to keep): accepted and left unused
-BOOKKEEPING_FIELDS = ("user", "metadata", "store", "service_tier", "stream_options")
 #: the most stop strings a request may give (OpenAI's limit)
 MAX_STOP_STRINGS = 4
 
@@ -54,7 +52,6 @@ class ServedRequest:
     sample: bool | None = None  # True: temperature > 0 asked to sample; None: the model's generation config decides
     seed: int | None = None
     stats: object | None = None  # the call's `SpecDecodeStats` (None without a drafter, or before the call returns)
-    cancelled: bool = False
 
 
 def parse_body(raw: bytes) -> dict:
