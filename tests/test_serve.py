@@ -153,6 +153,41 @@ def test_a_cancelled_stream_stops_its_call_and_the_next_request_runs(server):
     assert ask(client, PROMPTS[0], False, max_tokens=4)[1].completion_tokens == 4
 
 
+def test_sixteen_concurrent_users_each_get_their_plain_text(models):
+    """32 requests from 16 users at once (streamed and not): none lost, each equal to plain generate()'s text."""
+    import asyncio
+
+    target, tok, drafter = models
+    prompts = [*PROMPTS, "wk wl", "wm wn wo wp wq"]
+    want = [plain(models, p, max_new_tokens=8)[0] for p in prompts]
+
+    async def user(client, index: int) -> str:
+        messages = [{"role": "user", "content": prompts[index % len(prompts)]}]
+        if index % 2:
+            r = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+            return r.choices[0].message.content
+        stream = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                                      stream=True)
+        return "".join([c.delta.content or "" async for chunk in stream for c in chunk.choices])
+
+    async def run(url: str) -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        users = asyncio.Semaphore(16)
+
+        async def one(i):
+            async with users:
+                return await user(client, i)
+
+        return await asyncio.gather(*(one(i) for i in range(32)))
+
+    with running(serving.build_app(target, tok, drafter, name="tiny")) as url:
+        got = asyncio.run(run(url))
+        assert got == [want[i % len(prompts)] for i in range(32)]
+        after = metrics(url)
+        assert after["eagle_hf:request_success_total"] == 32
+        assert after["eagle_hf:num_requests_running"] == after["eagle_hf:num_requests_waiting"] == 0
+
+
 BAD = [  # (what is wrong, the request's JSON body or raw bytes, the status, a piece of the message)
     ("malformed JSON", b'{"model": "tiny", "messages": [', 400, "not valid JSON"),
     ("not an object", b"[1, 2]", 400, "JSON object"),
