@@ -126,6 +126,31 @@ def test_stop_strings_end_the_text_where_plain_generate_ends_it(server, models, 
         assert (text, usage.completion_tokens, finish) == (want, count, "stop")
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_rounds_that_accept_several_tokens_count_as_plain_decoding(models, stream):
+    """transformers' assisted loop (a chain) puts a round's accepted tokens into the streamer as one [1, n] chunk,
+    and a round can run past a stop string: with an oracle drafter (the true continuation, wrong at a few
+    positions) the text, `usage` and `finish_reason` are still plain generate()'s."""
+    from test_generate import oracle
+
+    target, tok, drafter = models
+    enc = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    start = enc["input_ids"].shape[1]
+    reference = target.generate(**enc, max_new_tokens=40, do_sample=False)  # [1, start + 40]: what the oracle drafts
+    full, count = plain(models, PROMPTS[0], max_new_tokens=24)
+    stop = full[len(full) // 2:][:3]
+    want = plain(models, PROMPTS[0], max_new_tokens=24, stop_strings=stop, tokenizer=tok)
+    app = serving.build_app(target, tok, drafter, name="tiny", draft_options=SETTINGS["chain"])
+    with running(app) as url, oracle(reference, wrong_positions={start + 5, start + 13}):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        text, usage, finish, spec = ask(client, PROMPTS[0], stream, max_tokens=24, temperature=0)
+        assert (text, usage.completion_tokens, finish) == (full, count, "length")
+        assert spec["num_accepted_tokens_per_pos"][1] > 0  # (rounds that accepted two drafts or more)
+        text, usage, finish, _ = ask(client, PROMPTS[0], stream, max_tokens=24, stop=stop, temperature=0)
+        assert (text, usage.completion_tokens, finish) == (*want, "stop")
+
+
 def test_a_seeded_sampled_request_repeats(server):
     _, client = server
     runs = [ask(client, PROMPTS[1], stream, max_tokens=16, temperature=1.0, seed=7)[0] for stream in (False, True, False)]
