@@ -268,6 +268,16 @@ def test_legacy_completions_equal_plain_generate(server, models):
     assert r.model_extra["speculation"]["num_drafts"] > 0
 
 
+def test_without_a_drafter_the_server_decodes_plainly(models):
+    target, tok, _ = models
+    with running(serving.build_app(target, tok, None, name="tiny")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        for stream in (False, True):
+            text, usage, _, spec = ask(client, PROMPTS[1], stream, max_tokens=12, temperature=0)
+            assert (text, usage.completion_tokens, spec) == (*plain(models, PROMPTS[1], max_new_tokens=12), None)
+        assert metrics(url)["eagle_hf:spec_decode_num_drafts_total"] == 0
+
+
 def test_the_parts_of_transformers_server_used_are_pinned(monkeypatch):
     serving.check_server_internals()
     changed = {**serving.PINNED, serving.GenerateManager: {"generate_streaming": ("model", "inputs")}}
