@@ -323,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a fixed chain length (transformers' num_assistant_tokens); default: the adaptive schedule")
     s.add_argument("--draft-sources", default="auto", choices=["auto", "eagle", "copy", "eagle+copy"],
                    help="who drafts: the drafter, copies from the prompt and output, or both (auto: both in tree mode)")
-    s.add_argument("--served-model-name", default=None, help="the model name requests give (default: --target)")
+    s.add_argument("--served-model-name", default=None, help="the model name requests give (default: --target)%(default).0s")
     s.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000, help="the port to listen on")
     add_device_arguments(s)
