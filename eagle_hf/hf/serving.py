@@ -134,7 +134,7 @@ class SpeculativeGenerateManager(GenerateManager):
         super().__init__()
         self.drafter, self.draft_options = drafter, dict(draft_options or {})
         self.counters = counters or ServerCounters("")
-        self.requests: dict[str, ServedRequest] = {}  # the routes' requests in flight, by request id
+        self.requests: dict[str, ServedRequest] = {}  # the routes' requests not yet called, by request id
 
     def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
         call = self._call(model, inputs, gen_config, request_id)
@@ -146,7 +146,7 @@ class SpeculativeGenerateManager(GenerateManager):
 
     def _call(self, target, inputs, gen_config, request_id: str) -> SpeculativeCall:
         """The request's call, its length checked against the target's context (a 400 otherwise)."""
-        request = self.requests.get(request_id) or ServedRequest()
+        request = self.requests.pop(request_id, None) or ServedRequest()  # (the route keeps its own reference)
         context = context_length(target)
         prompt = int(inputs["input_ids"].shape[-1])
         room = context - prompt
@@ -299,21 +299,15 @@ def build_app(target, tokenizer, drafter=None, *, name: str = "default", draft_o
         body = parse_body(await request.body())
         served = check_request(body, kind, name)
         rid = request.state.request_id
-        if rid in manager.requests:
-            raise RequestError(f"A request with the id {rid!r} ({X_REQUEST_ID}) is running: send another id.",
-                               status=409)
-        manager.requests[rid] = served
-        streaming = False
+        manager.requests[rid] = served  # (the manager takes it when the handler asks it for the call)
         try:
             response = await handlers[kind].handle_request(body, rid)
-            streaming = isinstance(response, StreamingResponse)
         except (ValueError, TypeError) as err:  # a setting that generate() refused (before any token)
             raise RequestError(" ".join(str(err).split()) or type(err).__name__) from None
         finally:
-            if not streaming:
-                manager.requests.pop(rid, None)
-        if streaming:
-            response.body_iterator = _with_speculation(response.body_iterator, served, manager.requests, rid)
+            manager.requests.pop(rid, None)  # (refused before its call)
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = _with_speculation(response.body_iterator, served)
             return response
         return _json_with_speculation(response, served)
 
@@ -350,7 +344,7 @@ def _json_with_speculation(response: JSONResponse, served: ServedRequest) -> JSO
     return JSONResponse(body, status_code=response.status_code)
 
 
-async def _with_speculation(chunks, served: ServedRequest, requests: dict, rid: str):
+async def _with_speculation(chunks, served: ServedRequest):
     """The stream's chunks, its last one (the one with `usage`) with the request's `speculation` beside it."""
     import json
 
@@ -362,8 +356,7 @@ async def _with_speculation(chunks, served: ServedRequest, requests: dict, rid: 
                     data["speculation"] = request_speculation(served.stats)
                     chunk = f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
             yield chunk
-    finally:
-        requests.pop(rid, None)
+    finally:  # (a client gone mid-stream: transformers' generator cancels the call)
         await chunks.aclose()
 
 
