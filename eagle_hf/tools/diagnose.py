@@ -554,8 +554,7 @@ def diagnose_drafters(target, tokenizer, drafters: dict[str, EagleDrafter], sett
             f"The longest run has {longest} prompt tokens; with max_new_tokens={settings.max_new_tokens} it exceeds "
             f"the target's context window of {window}. Lower long_context_tokens or max_new_tokens."
         )
-    for drafter in drafters.values():
-        prepare_drafter(target, drafter)
+    drafters = {label: prepare_drafter(target, d) for label, d in drafters.items()}  # (in the target's dtype)
     eos = target.generation_config.eos_token_id
     eos_ids = set([eos] if isinstance(eos, int) else list(eos or []))
     if tokenizer.eos_token_id is not None:
