@@ -26,6 +26,9 @@ class WriteError(OSError):
     """A file eagle_hf could not write (a full disk, a read-only folder): the message names the path and what to
     do; the previous file at that path is unchanged."""
 
+    def __str__(self) -> str:  # the message alone (an OSError's would start with "[Errno 28]")
+        return str(self.strerror)
+
 
 def write_file(path: str | os.PathLike, content: str | bytes | Callable[[Path], object], *,
                size: int | None = None) -> Path:

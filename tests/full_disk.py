@@ -2,7 +2,7 @@
 
 Where the test runs as root and may mount a tmpfs (and asks for one), the folder is a real one of a few MB that
 `fill()` fills to the last byte. Elsewhere `fill()` patches the writers eagle_hf uses so that, inside the folder, they fail as they do on
-a full disk (measured on a full tmpfs): a file opened for writing takes half of what is written and then raises
+a full disk (measured on a full tmpfs): no free space is left, a file opened for writing takes half of what is written and then raises
 ``OSError(28)``; ``torch.save`` leaves a partial file and raises torch's ``RuntimeError('[enforce fail at
 inline_container.cc:672] . unexpected pos ...')``; safetensors leaves a partial file and raises ``SafetensorError('Error
 while serializing: I/O error: No space left on device (os error 28)')``.
@@ -106,6 +106,13 @@ class FullDisk:
                 raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
             return real_st(tensors, filename, *args, **kwargs)
 
+        real_usage = shutil.disk_usage
+
+        def disk_usage(path):
+            usage = real_usage(path)
+            return usage._replace(used=usage.total, free=0) if inside(path) else usage
+
+        mp.setattr(shutil, "disk_usage", disk_usage)
         mp.setattr(builtins, "open", open_)
         mp.setattr(io, "open", open_)
         mp.setattr(torch, "save", torch_save)

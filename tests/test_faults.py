@@ -100,6 +100,20 @@ def test_training_on_a_full_disk_is_one_line_and_keeps_the_previous_state(some_f
     assert (out / "training_log.jsonl").read_text() == log_before  # whole lines only: a cut line is taken back
 
 
+def test_a_training_state_that_does_not_fit_leaves_the_previous_one(disk):
+    from eagle_hf.training.trainer import load_state, save_state
+
+    drafter = tiny_drafter()
+    opt = torch.optim.AdamW(drafter.parameters())
+    path = disk.folder / "train_state.pt"
+    save_state(path, drafter, opt, 10)
+    disk.fill()
+    with pytest.raises(WriteError, match=r"train_state\.pt: no space left on its disk \(.* free there, about .* "
+                                         r"needed\).* The previous train_state\.pt is unchanged\."):
+        save_state(path, drafter, opt, 20)
+    assert leftovers(disk.folder) == [] and load_state(path)["step"] == 10
+
+
 def test_a_log_line_that_does_not_fit_is_taken_back(disk):
     from eagle_hf.files import append_line
 

@@ -247,7 +247,9 @@ def _make_data(target, tokenizer, out, run, plan: DataPlan, aux_ids, prompts_sou
     procs = procs or Processes()
     out.mkdir(parents=True, exist_ok=True)
     if procs.main:
-        write_file(out / RUN_FILE, json.dumps(run_record(run), indent=2))
+        record = json.dumps(run_record(run), indent=2)
+        if not (out / RUN_FILE).is_file() or (out / RUN_FILE).read_text() != record:  # (a resume writes nothing)
+            write_file(out / RUN_FILE, record)
     folders = list(plan.folders)
     if plan.regenerate_into is not None:
         prompts = load_prompts(prompts_source if prompts_source is not None else run.prompts, limit=run.num_prompts, seed=run.seed)
