@@ -61,6 +61,7 @@ def write_folder(path: str | os.PathLike, fill: Callable[[Path], object], *, siz
     which then takes its place (a previous folder is kept until then, as ``<name>.old``)."""
     path = Path(path)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    recover_folder(path)  # (a previous folder left between the renames is the one to keep)
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
     with failing_write(path, tmp, size):

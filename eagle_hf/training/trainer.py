@@ -249,10 +249,11 @@ def read_best(out: Path) -> dict | None:
 
 
 def _best_from_log(out: Path) -> dict:
-    """The best step the log records last (each row after an evaluation names it), for a lost best.json."""
+    """The best step the log records last (each row after an evaluation names it; None: none does), for a lost
+    best.json."""
     rows = read_log(out / LOG_FILE)
     marked = [r for r in rows if "best_step" in r]
-    return {"step": marked[-1]["best_step"]} if marked else {}
+    return {"step": marked[-1]["best_step"] if marked else None}
 
 
 def train(
