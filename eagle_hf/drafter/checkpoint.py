@@ -16,6 +16,8 @@ import json
 import logging
 import math
 import os
+import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -87,10 +89,32 @@ def _cached_snapshot(repo_id: str, revision: str | None, cache_dir) -> Path | No
     return Path(found).parent if isinstance(found, str) else None
 
 
+def present(path: Path) -> bool:
+    """Whether a drafter's file `path` is there: a regular file, or a link to one. Anything else under that name
+    (a FIFO, a socket, a device, a folder, a link to nothing) is a `DrafterLoadError` naming it, found before
+    anything reads it: reading a FIFO would wait for a writer forever."""
+    if not os.path.lexists(path):
+        return False
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        raise DrafterLoadError(
+            f"{path} is a link to {os.readlink(path) if os.path.islink(path) else '?'}, which does not exist "
+            f"({err.strerror}); fetch the drafter again, or restore the file it points to."
+        ) from err
+    if not stat.S_ISREG(mode):
+        kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else
+                "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "not a file")
+        raise DrafterLoadError(f"{path} is {kind}, not a regular file; eagle_hf does not read it. Put the drafter's "
+                               "file there (or fetch the drafter again).")
+    return True
+
+
 def read_config(folder: Path) -> dict[str, Any]:
     """A drafter folder's config.json, each field eagle_hf reads checked (`check_fields`)."""
     path = folder / "config.json"
-    if not path.is_file():
+    if not present(path):
         raise DrafterLoadError(f"{folder} has no config.json; it is not a drafter checkpoint folder.")
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
@@ -182,6 +206,7 @@ def _kind(value) -> str:
 
 
 def _load_file(path: Path) -> dict[str, torch.Tensor]:
+    present(path)
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -195,34 +220,42 @@ def _load_file(path: Path) -> dict[str, torch.Tensor]:
         ) from err
 
 
-def load_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint folder: single file or sharded (index json), safetensors or torch pickle."""
+def load_weights(folder: Path, origins: dict[str, Path] | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder: single file or sharded (index json), safetensors or torch pickle.
+    `origins`, when given, receives the file each tensor came from (for messages about a tensor)."""
+    origins = {} if origins is None else origins
+
+    def read(path: Path) -> dict[str, torch.Tensor]:
+        tensors = _load_file(path)
+        origins.update(dict.fromkeys(tensors, path))
+        return tensors
+
     for index_name in INDEX_FILES:
         index = folder / index_name
-        if index.is_file():
+        if present(index):
             try:
                 shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (json.JSONDecodeError, KeyError) as err:
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as err:
                 raise DrafterLoadError(f"{index} is not a valid shard index: {err}") from err
             state = {}
             for shard in shards:
-                if not (folder / shard).is_file():
+                if not present(folder / shard):
                     raise DrafterLoadError(f"{index} lists shard {shard}, which is missing from {folder}.")
-                state.update(_load_file(folder / shard))
+                state.update(read(folder / shard))
             return state
     for name in WEIGHT_FILES:
-        if (folder / name).is_file():
-            return _load_file(folder / name)
-    others = sorted(folder.glob("*.safetensors"))
+        if present(folder / name):
+            return read(folder / name)
+    others = sorted(p for p in folder.glob("*.safetensors") if present(p))
     if len(others) == 1:
-        return _load_file(others[0])
+        return read(others[0])
     raise DrafterLoadError(
         f"No weights in {folder}: expected model.safetensors, pytorch_model.bin or a sharded index."
     )
 
 
 # ---------------------------------------------------------------------------------------------- config
-def detect_layout(raw: dict[str, Any]) -> str:
+def detect_layout(raw: dict[str, Any], where: Path | str = "config.json") -> str:
     archs = raw.get("architectures") or []
     if "speculators_model_type" in raw or "transformer_layer_config" in raw or set(archs) & set(SPECULATORS_ARCHITECTURES):
         return "speculators"
@@ -232,10 +265,10 @@ def detect_layout(raw: dict[str, Any]) -> str:
         return "eagle"
     if any(a.startswith("Eagle3Deepseek") for a in archs):
         raise DrafterLoadError(
-            f"{archs[0]} drafters use multi-head latent attention (MLA), which eagle_hf does not implement yet."
+            f"{where}: {archs[0]} drafters use multi-head latent attention (MLA), which eagle_hf does not implement yet."
         )
     raise DrafterLoadError(
-        f"This config.json is not an EAGLE-3 drafter (architectures={archs}, model_type={raw.get('model_type')}). "
+        f"{where}: this config.json is not an EAGLE-3 drafter (architectures={archs}, model_type={raw.get('model_type')}). "
         "Pass the drafter's repo (e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B), not the target model."
     )
 
@@ -247,7 +280,8 @@ def _first(*values):
     return None
 
 
-def normalize_config(raw: dict[str, Any], layout: str) -> tuple[dict[str, Any], list[int] | None, str]:
+def normalize_config(raw: dict[str, Any], layout: str,
+                     where: Path | str = "config.json") -> tuple[dict[str, Any], list[int] | None, str]:
     """EagleConfig kwargs from a raw config, plus the raw aux ids and their convention."""
     if layout == "speculators":
         layer = raw.get("transformer_layer_config") or {}
@@ -267,7 +301,7 @@ def normalize_config(raw: dict[str, Any], layout: str) -> tuple[dict[str, Any], 
         ours = raw.get("eagle_hf") or {}
         convention = ours.get("aux_layer_convention") or guess_convention(ids or [], layout)
         if eagle.get("use_aux_hidden_state") is False:
-            raise DrafterLoadError("Drafters with `use_aux_hidden_state: false` (EAGLE-1 style) are not supported.")
+            raise DrafterLoadError(f"{where}: drafters with `use_aux_hidden_state: false` (EAGLE-1 style) are not supported.")
     keys = ["hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "num_hidden_layers", "vocab_size", "draft_vocab_size", "target_hidden_size", "rms_norm_eps", "hidden_act",
             "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "attention_bias", "bias",
@@ -285,33 +319,40 @@ def normalize_config(raw: dict[str, Any], layout: str) -> tuple[dict[str, Any], 
 
 
 # ---------------------------------------------------------------------------------------------- weights
-def normalize_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Map ``model.`` prefixes and ``layers.0.`` onto our (= the EAGLE reference) names."""
+def normalize_keys(state: dict[str, torch.Tensor], origins: dict[str, Path] | None = None,
+                   where: Path | str = "the checkpoint") -> dict[str, torch.Tensor]:
+    """Map ``model.`` prefixes and ``layers.0.`` onto our (= the EAGLE reference) names (`origins`, the file of each
+    tensor, follows them)."""
+    origins = {} if origins is None else origins
     out = {}
     for key, value in state.items():
         name = key.removeprefix("model.")
         if name.startswith("layers.0."):
             name = "midlayer." + name[len("layers.0.") :]
         elif name.startswith("layers."):
-            raise DrafterLoadError(f"Tensor {key} belongs to a second decoder layer; multi-layer drafters are not supported.")
+            raise DrafterLoadError(f"Tensor {key} in {origins.get(key, where)} belongs to a second decoder layer; "
+                                   "multi-layer drafters are not supported.")
         if name.startswith(TRAINING_ONLY_PREFIXES):
             logger.info("Dropping training-only tensor %s", key)
             continue
         if name in out:
-            raise DrafterLoadError(f"The checkpoint holds {name} twice (as {key} and another spelling).")
+            raise DrafterLoadError(f"The checkpoint {where} holds {name} twice (as {key} and another spelling).")
         out[name] = value
+        if key in origins:
+            origins[name] = origins[key]
     return out
 
 
-def validate_d2t(d2t: torch.Tensor, vocab_size: int) -> None:
+def validate_d2t(d2t: torch.Tensor, vocab_size: int, where: Path | str = "the checkpoint") -> None:
     target_ids = torch.arange(d2t.shape[0]) + d2t.long().cpu()
     if bool((target_ids < 0).any()) or bool((target_ids >= vocab_size).any()):
         raise DrafterLoadError(
-            f"d2t maps draft ids outside the target vocabulary (0..{vocab_size - 1}); the checkpoint is corrupt or "
+            f"{where}: d2t maps draft ids outside the target vocabulary (0..{vocab_size - 1}); the checkpoint is corrupt or "
             "its config's vocab_size is wrong."
         )
     if d2t.shape[0] > 1 and not bool((target_ids[1:] > target_ids[:-1]).all()):
-        raise DrafterLoadError("d2t does not map draft ids to strictly increasing target ids; the checkpoint is corrupt.")
+        raise DrafterLoadError(f"{where}: d2t does not map draft ids to strictly increasing target ids; the checkpoint "
+                               "is corrupt.")
 
 
 def load_drafter(
@@ -327,8 +368,8 @@ def load_drafter(
 ):
     folder = resolve_folder(name_or_path, revision=revision, **hub_kwargs)
     raw = read_config(folder)
-    layout = detect_layout(raw)
-    kwargs, raw_ids, convention = normalize_config(raw, layout)
+    layout = detect_layout(raw, folder / "config.json")
+    kwargs, raw_ids, convention = normalize_config(raw, layout, folder / "config.json")
     missing = [key for key in REQUIRED if key not in kwargs]
     if missing:
         raise DrafterLoadError(
@@ -342,57 +383,83 @@ def load_drafter(
     elif aux_layer_convention is not None:
         convention = aux_layer_convention
     if convention not in CONVENTIONS:
-        raise DrafterLoadError(f"aux_layer_convention must be one of {CONVENTIONS}, got {convention!r}.")
+        raise DrafterLoadError(f"aux_layer_convention must be one of {CONVENTIONS}, got {convention!r} (drafter {folder}).")
     boundary_ids = None if raw_ids is None else [i + (1 if convention == "output" else 0) for i in raw_ids]
     logger.info(
         "Drafter %s: layout %s, aux layer ids %s (%s convention) -> target hidden_states indices %s",
         name_or_path, layout, raw_ids, convention, boundary_ids if boundary_ids is not None else "default [2, L//2, L-3]",
     )
-    state = normalize_keys(load_weights(folder))
+    origins: dict[str, Path] = {}
+    state = normalize_keys(load_weights(folder, origins), origins, folder)
     kwargs["own_embedding"] = "embed_tokens.weight" in state
     kwargs.update(config_overrides or {})
     ckpt_dtype = kwargs.pop("torch_dtype", None) or kwargs.pop("dtype", None)
     kwargs.pop("dtype", None)
     try:
         config = EagleConfig(aux_layer_ids=boundary_ids, **kwargs)
+    except KeyError as err:  # transformers' RoPE validation: a scaled RoPE type without a field it needs
+        raise _rope_error(folder / "config.json", kwargs, err) from err
     except (ValueError, NotImplementedError) as err:
-        raise DrafterLoadError(f"Drafter {name_or_path}: {err}") from err
+        raise DrafterLoadError(f"Drafter {folder}: {err}") from err
     config.name_or_path = str(name_or_path)
     if config.draft_vocab_size == config.vocab_size:
         for name in ("d2t", "t2d"):
             if name in state and name == "d2t" and bool(state[name].any()):
-                raise DrafterLoadError("draft_vocab_size equals vocab_size but d2t is not the identity.")
+                raise DrafterLoadError(f"{origins.get('d2t', folder)}: draft_vocab_size equals vocab_size but d2t is "
+                                       "not the identity.")
             state.pop(name, None)
     elif "d2t" not in state:
         raise DrafterLoadError(
             f"The drafter's draft vocabulary ({config.draft_vocab_size}) is smaller than the target's "
-            f"({config.vocab_size}) but the checkpoint has no d2t map."
+            f"({config.vocab_size}) but the checkpoint has no d2t map ({folder})."
         )
     else:
-        validate_d2t(state["d2t"], config.vocab_size)
+        validate_d2t(state["d2t"], config.vocab_size, origins.get("d2t", folder))
         state.setdefault("t2d", _t2d_from_d2t(state["d2t"], config.vocab_size))
-    model = cls(config)
+    try:
+        model = cls(config)
+    except KeyError as err:
+        raise _rope_error(folder / "config.json", kwargs, err) from err
     model.eval()
     expected = set(model.state_dict().keys())
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:
         raise DrafterLoadError(
-            f"Drafter {name_or_path} ({layout} layout) does not match its config: missing tensors "
+            f"Drafter {folder} ({layout} layout) does not match its config: missing tensors "
             f"{sorted(missing)[:8]}, unexpected tensors {sorted(unexpected)[:8]}. Check that config.json belongs to "
             "these weights; if the checkpoint uses a variant eagle_hf does not know yet, please report it."
         )
+    own = model.state_dict()
     for key, tensor in state.items():
-        want = model.state_dict()[key].shape
-        if tuple(tensor.shape) != tuple(want):
+        want, where = own[key], origins.get(key, folder)
+        if tuple(tensor.shape) != tuple(want.shape):
             raise DrafterLoadError(
-                f"Tensor {key} has shape {tuple(tensor.shape)} but the config implies {tuple(want)}; "
+                f"Tensor {key} in {where} has shape {tuple(tensor.shape)} but the config implies {tuple(want.shape)}; "
                 "config.json and the weights do not belong together."
+            )
+        if want.is_floating_point() and not tensor.is_floating_point():  # (never cast to a weight silently)
+            raise DrafterLoadError(
+                f"Tensor {key} in {where} is {tensor.dtype}, not a floating-point weight; the file is damaged or "
+                "was written by a quantizer eagle_hf does not read. Fetch the drafter again."
             )
     model.load_state_dict({k: v for k, v in state.items()}, strict=True)
     target_dtype = dtype or _as_dtype(ckpt_dtype) or next(iter(v for v in state.values() if v.is_floating_point())).dtype
     model.to(target_dtype)
     model._eagle_layout = layout
     return model
+
+
+def _rope_error(path: Path, kwargs: dict, err: KeyError) -> DrafterLoadError:
+    """The error of RoPE settings that lack a field their type needs (transformers raises a KeyError)."""
+    rope = kwargs.get("rope_parameters") or kwargs.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "?")) if isinstance(rope, dict) else "?"
+    text = str(err.args[0]) if err.args else str(err)
+    names = re.findall(r"'([A-Za-z_]+)'", text.rsplit(":", 1)[-1]) if ":" in text else []
+    fields = ", ".join(f"`{n}`" for n in names) or text
+    return DrafterLoadError(
+        f"{path}: `rope_parameters` (or `rope_scaling`) of rope_type {kind!r} lacks {fields}, which that RoPE type "
+        f"needs ({text}). Add it from the target model's config.json, or fetch the drafter again."
+    )
 
 
 def _t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:

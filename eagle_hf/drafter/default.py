@@ -107,10 +107,15 @@ def _load_gguf(folder: str, name: str, dtype: torch.dtype):
 
 def _write_copy(model, tokenizer, target: Path, gguf_path: Path) -> None:
     """Save `model` (already in the copy's dtype) and `tokenizer` to `target`, atomically: everything is written
-    into a temporary folder beside it, which is then renamed; a copy another process finished first wins."""
+    into a temporary folder beside it, which is then renamed; a copy another process finished first wins. A write
+    that fails (a full disk) removes the temporary folder and raises `WriteError`, naming `target` and the space
+    needed; older copies are removed only once this one is complete."""
+    from ..files import failing_write, tensor_bytes
+
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    try:
+    # the weights, and a few MB for the tokenizer
+    with failing_write(target, tmp, size=tensor_bytes(model.state_dict()) + 5_000_000):
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         st = gguf_path.stat()
@@ -125,8 +130,7 @@ def _write_copy(model, tokenizer, target: Path, gguf_path: Path) -> None:
             if not (target / "config.json").is_file():
                 raise
             logger.info("Another process wrote %s first; using that copy", target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
     # older copies of the same file (an earlier wheel or transformers) are never read again
     prefix = target.name.rsplit("-", 1)[0] + "-"
     for old in target.parent.glob(prefix + "*"):
@@ -171,9 +175,10 @@ def load_gguf_target(gguf_path: str | os.PathLike, dtype: torch.dtype = torch.bf
     model = model.to(dtype)
     try:
         _write_copy(model, tokenizer, copy, path)
-    except OSError as err:
-        logger.warning("Could not write the converted copy to %s (%s); the GGUF is de-quantized at every start. "
-                       "Set %s to a writable folder.", copy, err, CACHE_ENV)
+    except OSError as err:  # a full disk, a read-only folder: the model in memory is whole
+        logger.warning("Could not write the converted copy to %s (%s); the model is loaded from memory, and the GGUF "
+                       "is de-quantized at every start until a copy is written. Set %s to a writable folder with "
+                       "space.", copy, getattr(err, "reason", None) or err, CACHE_ENV)
     return model, tokenizer
 
 

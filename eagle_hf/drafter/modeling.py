@@ -266,8 +266,8 @@ class EagleDrafter(PreTrainedModel):
                 (``"boundary"``: id k = input of layer k, as vLLM; ``"output"``: id k = output of layer k, as SpecForge).
             fc_norm / norm_output: override the EAGLE-3.1 flags, e.g. ``norm_output=False`` for drafters trained by
                 SpecForge <= 0.2.0, which fed back the pre-norm state whatever their config says.
-            dtype: cast the weights (by default they keep the checkpoint's dtype until `generate()` moves them to the
-                target's).
+            dtype: cast the weights (by default they keep the checkpoint's dtype; `generate()` drafts with a copy in
+                the target's dtype and device where they differ, and leaves this drafter as it is).
             hub_kwargs: passed to ``huggingface_hub.snapshot_download`` (``cache_dir``, ``token``, ``local_files_only``...).
         """
         from .checkpoint import load_drafter

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import threading
@@ -267,18 +268,73 @@ def prompt_length(kwargs: dict) -> int | None:
     return int(inputs.shape[-1]) if isinstance(inputs, torch.Tensor) else None
 
 
-def prepare_drafter(target, drafter: EagleDrafter) -> None:
-    """Put the drafter on the target's device and dtype and give it the target's embedding when it has none."""
+#: per drafter passed to generate() (weakly): its copies in other dtypes / on other devices, with the weights'
+#: version each was made from (`_weights_version`), and its views bound to other targets' embeddings
+_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PLACING = threading.Lock()
+
+
+def prepare_drafter(target, drafter: EagleDrafter) -> EagleDrafter:
+    """The drafter a call on `target` drafts with: on the target's device, in its dtype, reading the target's
+    embedding when it ships none. The drafter passed in is never changed under another call that shares it:
+
+    * In the target's dtype and device it is used itself; otherwise a copy there is made once and kept as long
+      as the drafter lives (made again when the drafter's weights change, e.g. by more training). So one drafter
+      serves a float32 and a bf16 target at once, each call with weights in its target's dtype (converting the
+      shared drafter in place would change it under the other call, and round a float32 drafter to bf16 for good).
+    * An embedding-less drafter is bound to the first target's embedding; a call on another target drafts with a
+      view of it (its weights shared, not copied) bound to that target's embedding, kept while both live.
+    """
     emb = target.get_input_embeddings()
     device, dtype = emb.weight.device, emb.weight.dtype
     if not dtype.is_floating_point:  # quantized embeddings
         dtype = getattr(target, "dtype", torch.float32)
-    if drafter.fc.weight.device != device or drafter.fc.weight.dtype != dtype:
-        logger.info("Moving the drafter to %s / %s to match the target", device, dtype)
-        drafter.to(device=device, dtype=dtype)
-    if drafter.embed_tokens is None:
-        drafter.bind_target_embedding(emb)
-    drafter.eval()
+    with _PLACING:
+        placed = drafter
+        if drafter.fc.weight.device != device or drafter.fc.weight.dtype != dtype:
+            copies = _COPIES.setdefault(drafter, {})
+            version = _weights_version(drafter)
+            kept = copies.get((dtype, device))
+            if kept is None or kept[1] != version:
+                logger.info("Drafting with a copy of the drafter on %s in %s, the target's (the drafter passed in "
+                            "stays on %s in %s)", device, dtype, drafter.fc.weight.device, drafter.fc.weight.dtype)
+                # the bound embedding is the target's (not copied); the config is the drafter's own (shared)
+                bound = drafter._target_embedding
+                made = copy_module(drafter, keep=[drafter.config] + ([bound] if bound is not None else []))
+                object.__setattr__(made, "_target_embedding", None)
+                kept = copies[(dtype, device)] = (made.to(device=device, dtype=dtype).eval(), version)
+            placed = kept[0]
+        if placed.embed_tokens is None:
+            if placed._target_embedding is None:
+                placed.bind_target_embedding(emb)
+            elif placed._target_embedding is not emb:  # another target's: a view bound to this one's
+                views = _VIEWS.setdefault(placed, weakref.WeakKeyDictionary())
+                view = views.get(emb)
+                if view is None:
+                    view = views[emb] = copy.copy(placed)  # (the same modules and tensors)
+                    # held weakly: the view must not keep the embedding it is filed under alive
+                    object.__setattr__(view, "_target_embedding", weakref.proxy(emb))
+                placed = view
+    placed.eval()
+    return placed
+
+
+def _weights_version(drafter: EagleDrafter) -> tuple:
+    """Where the drafter's tensors are and how often they were written in place (an optimizer step, a
+    load_state_dict): a copy made from another version is stale."""
+    def version(t: torch.Tensor) -> int:
+        try:
+            return t._version
+        except RuntimeError:  # an inference-mode tensor: it cannot be written in place outside inference mode
+            return 0
+
+    return tuple((t.data_ptr(), version(t)) for t in (*drafter.parameters(), *drafter.buffers()))
+
+
+def copy_module(module, keep=()):
+    """A deep copy of `module` that shares the objects in `keep` instead of copying them."""
+    return copy.deepcopy(module, {id(obj): obj for obj in keep})
 
 
 def speculators_for(target, rows: int = 1, stop_tokens=(), compiled: bool = False) -> tuple[EagleCall, list[Speculator]]:

@@ -61,10 +61,12 @@ def generate(self, *args, **kwargs):
     saved = drafter.config.draft_settings if drafter is not None else None
     settings = DraftSettings.resolve(saved, kwargs.get("generation_config"),
                                      {k: kwargs.pop(k, None) for k in CALL_KEYWORDS})
+    if drafter is not None:  # in the target's dtype and device: itself, or a copy (never converted in place)
+        drafter = prepare_drafter(self, drafter)
+        if "assistant_model" in kwargs:
+            kwargs["assistant_model"] = drafter
     call = EagleCall(drafter, aux_ids, settings, listeners=list(kwargs.pop("draft_listeners", None) or []),
                      streamer=kwargs.get("streamer"), sampling=_samples(self, kwargs))
-    if drafter is not None:
-        prepare_drafter(self, drafter)
     call.route = route(self, drafter, settings, kwargs)  # which loop runs the call, decided once
     call.controller = controller_for(self, drafter, settings, sampling=call.sampling)
     if call.route.loop == "eagle_hf":

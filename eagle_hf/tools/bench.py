@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..devices import input_device
+from ..files import save_figure, write_file
 from ..hf.stopping import eos_ids
 from ..speculation.stats import last_stats, merge_stats
 from .evaluation import batch_chat_inputs, chat_inputs, load_prompt_set
@@ -360,15 +361,17 @@ def plot_results(results: dict, path: Path) -> Path | None:
         ax2.text(0.5, 0.5, "no mode recorded acceptance per position", ha="center", va="center",
                  transform=ax2.transAxes)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, dpi=110)
+    finally:
+        plt.close(fig)
     return path
 
 
 def write_results(results: dict, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "results.md").write_text(results_markdown(results))
+    write_file(out / "results.json", json.dumps(results, indent=2))
+    write_file(out / "results.md", results_markdown(results))
     plot_results(results, out / "speedup.png")
     return out

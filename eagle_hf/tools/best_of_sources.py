@@ -43,6 +43,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..files import write_file
+
 DEFAULT_MODE = "eagle default"
 SINGLE_SOURCES = ("prompt-lookup", "copy alone", "eagle alone")
 #: random swaps drawn per pair of runs for the swap band (seeded: the same files give the same band)
@@ -417,7 +419,7 @@ def compare_files(paths: list[str], out: str | Path | None = None) -> str:
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        out.with_suffix(".json").write_text(json.dumps(
+        write_file(out, text)
+        write_file(out.with_suffix(".json"), json.dumps(
             [dict(v.__dict__, verdict=v.verdict, relative=v.relative) for v in verdicts], indent=1))
     return text

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from ..devices import input_device
 from ..drafter.capture import gather_aux, hidden_state_request
 from ..drafter.modeling import EagleDrafter
+from ..files import save_figure, write_file
 from ..hf.call import check_compatible, prepare_drafter
 from ..hf.version import cache_kwarg
 from ..speculation.drafting import DraftState, draft_tree
@@ -214,8 +215,8 @@ class DriftReport:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         data = self.to_dict()
-        (out / "drift.json").write_text(json.dumps(data, indent=2, ensure_ascii=False))
-        (out / "drift.md").write_text(drift_markdown(data))
+        write_file(out / "drift.json", json.dumps(data, indent=2, ensure_ascii=False))
+        write_file(out / "drift.md", drift_markdown(data))
         plot_drift(data, out)
         logger.info("Drift diagnostic written to %s", out)
         return out
@@ -296,8 +297,10 @@ def plot_drift(data: dict, out_dir: str | Path) -> list[Path]:
         ax.legend(fontsize=8)
         fig.tight_layout()
         paths.append(out / f"{name}.png")
-        fig.savefig(paths[-1], dpi=100)
-        plt.close(fig)
+        try:
+            save_figure(fig, paths[-1], dpi=100)
+        finally:
+            plt.close(fig)
     # the fused inputs: one group per condition, bars per captured state (raw, after fc_norm) and the fc output
     fig, ax = plt.subplots(figsize=(8, 4))
     bars = [(f"layer {i} raw", "tap_norm", j) for j, i in enumerate(ids)]
@@ -318,8 +321,10 @@ def plot_drift(data: dict, out_dir: str | Path) -> list[Path]:
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     paths.append(out / "fused_inputs.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    try:
+        save_figure(fig, paths[-1], dpi=100)
+    finally:
+        plt.close(fig)
     return paths
 
 
@@ -549,8 +554,7 @@ def diagnose_drafters(target, tokenizer, drafters: dict[str, EagleDrafter], sett
             f"The longest run has {longest} prompt tokens; with max_new_tokens={settings.max_new_tokens} it exceeds "
             f"the target's context window of {window}. Lower long_context_tokens or max_new_tokens."
         )
-    for drafter in drafters.values():
-        prepare_drafter(target, drafter)
+    drafters = {label: prepare_drafter(target, d) for label, d in drafters.items()}  # (in the target's dtype)
     eos = target.generation_config.eos_token_id
     eos_ids = set([eos] if isinstance(eos, int) else list(eos or []))
     if tokenizer.eos_token_id is not None:

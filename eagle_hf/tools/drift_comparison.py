@@ -13,6 +13,8 @@ import math
 import statistics
 from pathlib import Path
 
+from ..files import save_figure, write_file
+
 #: per-depth panels of the comparison figure: JSON key -> (title, y label)
 PANELS = {
     "acceptance": ("P(draft accepted | depth reached)", "probability"),
@@ -131,8 +133,10 @@ def plot_comparison(datas: dict[str, dict], path: str | Path) -> Path:
                  fontsize=11)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, dpi=90)
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -140,8 +144,8 @@ def save_comparison(datas: dict[str, dict], out_dir: str | Path) -> Path:
     """compare.json, compare.md and comparison.png in `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.json").write_text(json.dumps(compare(datas), indent=2, ensure_ascii=False))
-    (out / "compare.md").write_text(compare_markdown(datas))
+    write_file(out / "compare.json", json.dumps(compare(datas), indent=2, ensure_ascii=False))
+    write_file(out / "compare.md", compare_markdown(datas))
     plot_comparison(datas, out / "comparison.png")
     return out
 

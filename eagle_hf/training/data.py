@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ..drafter.capture import gather_aux, hidden_state_request
+from ..files import tensor_bytes, write_file
 from ..hf.version import cache_kwarg
 from .distributed import Processes
 
@@ -176,7 +177,7 @@ def build_dataset(
     made = dict(old.get("shards", {})) if meta_path.exists() else {}
     procs.barrier()  # every process has read the old manifest
     if procs.main:
-        meta_path.write_text(json.dumps(meta, indent=2))
+        write_file(meta_path, json.dumps(meta, indent=2))
 
     encoded = [render_chat(tokenizer, p) for p in prompts]
     encoded = [e for e in encoded if len(e) <= max_prompt_tokens]
@@ -211,7 +212,7 @@ def build_dataset(
     for part in procs.gather(mine):
         made.update(part)
     if procs.main:
-        _atomic_write_json(meta_path, {**meta, "shards": {n: made.get(n, {}) for n in names}})
+        write_file(meta_path, json.dumps({**meta, "shards": {n: made.get(n, {}) for n in names}}, indent=1))
     procs.barrier()  # the manifest and every shard are written before any process reads them
     return out
 
@@ -262,9 +263,8 @@ def _capture_sample(target, tokenizer, request, aux_ids, prompt: str, response: 
 
 
 def _write_shard(path: Path, samples) -> None:
-    tmp = path.with_suffix(".tmp")
-    save_file(pack_shard(samples), str(tmp))
-    tmp.rename(path)
+    packed = pack_shard(samples)
+    write_file(path, lambda tmp: save_file(packed, str(tmp)), size=tensor_bytes(packed))
 
 
 @torch.no_grad()
@@ -388,7 +388,7 @@ def capture_records(
         ]
         _write_shard(out / name, samples)
         manifest["shards"][name] = digest  # a crash before this is saved only costs a recapture of the shard
-        _atomic_write_json(progress, {**manifest, "num_records": len(records), "complete": False})
+        write_file(progress, json.dumps({**manifest, "num_records": len(records), "complete": False}, indent=1))
         done_tokens += sum(int(s["input_ids"].shape[0]) for s in samples)
         logger.info("%s %s: %d records, %.0f captured tok/s", out.name, name, len(chunk),
                     done_tokens / (time.perf_counter() - t0))
@@ -401,15 +401,10 @@ def capture_records(
                     rows / seconds, procs.world, "es" if procs.world > 1 else "")
     if procs.main:
         manifest["shards"] = {n: manifest["shards"][n] for n in names}
-        _atomic_write_json(manifest_path, {**manifest, "num_records": len(records), "complete": True,
-                                           **({"processes": procs.world} if procs.world > 1 else {})})
+        write_file(manifest_path, json.dumps({**manifest, "num_records": len(records), "complete": True,
+                                              **({"processes": procs.world} if procs.world > 1 else {})}, indent=1))
         for part in out.glob(PART_GLOB):
             part.unlink()
     procs.barrier()  # the merged manifest is written before any process reads the folder
     return out
 
-
-def _atomic_write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(path)

@@ -11,8 +11,10 @@ data shards, computes its slice of every global batch, and the main process writ
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import os
 import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -21,6 +23,7 @@ import torch
 
 from ..drafter.capture import default_aux_layer_ids, num_decoder_layers, resolve_aux_layer_ids
 from ..drafter.modeling import EagleDrafter
+from ..files import tensor_bytes, write_file, write_folder
 from .data import META_FILE, build_dataset, load_shards
 from .distributed import Processes, check_launcher, join_processes
 from .prompts import load_prompts
@@ -69,14 +72,31 @@ def _as_list(value) -> list[str]:
     return [str(value)] if isinstance(value, (str, Path)) else [str(v) for v in value]
 
 
+def _same_file_names(value):
+    """A setting that names an existing file or folder, as its absolute path (`./x.jsonl` and `x.jsonl` are one
+    file); anything else (a prompt set's name, a Hub id) unchanged."""
+    if isinstance(value, str) and value and Path(value).expanduser().exists():
+        return str(Path(value).expanduser().resolve())
+    return value
+
+
+def run_record(run: RunConfig) -> dict:
+    """What ``train_run.json`` holds: the run's settings, its file names as absolute paths."""
+    record = json.loads(json.dumps(asdict(run)))
+    for key in ("prompts", "init_from"):
+        record[key] = _same_file_names(record.get(key))
+    return record
+
+
 def check_output_dir(out: Path, run: RunConfig) -> None:
-    """Refuse an output folder that already holds a different drafter or run, before any compute."""
+    """Refuse an output folder that already holds a different drafter or run, before any compute (files compared
+    by where they are, not how they are spelt)."""
     run_file = out / RUN_FILE
     if run_file.exists():
         old = json.loads(run_file.read_text())
-        new = json.loads(json.dumps(asdict(run)))
+        new = run_record(run)
         keep = ("draft_vocab_size", "eagle31", "aux_layer_ids", "prompts", "init_from")
-        diff = {k: (old.get(k), new.get(k)) for k in keep if old.get(k) != new.get(k)}
+        diff = {k: (old.get(k), new.get(k)) for k in keep if _same_file_names(old.get(k)) != new.get(k)}
         if diff:
             raise ValueError(f"{out} holds a training run with other settings {diff}; pick a new --out folder.")
     elif (out / "config.json").exists():
@@ -227,7 +247,9 @@ def _make_data(target, tokenizer, out, run, plan: DataPlan, aux_ids, prompts_sou
     procs = procs or Processes()
     out.mkdir(parents=True, exist_ok=True)
     if procs.main:
-        (out / RUN_FILE).write_text(json.dumps(asdict(run), indent=2))
+        record = json.dumps(run_record(run), indent=2)
+        if not (out / RUN_FILE).is_file() or (out / RUN_FILE).read_text() != record:  # (a resume writes nothing)
+            write_file(out / RUN_FILE, record)
     folders = list(plan.folders)
     if plan.regenerate_into is not None:
         prompts = load_prompts(prompts_source if prompts_source is not None else run.prompts, limit=run.num_prompts, seed=run.seed)
@@ -302,8 +324,9 @@ def finalize(drafter: EagleDrafter, target, out: Path, result: dict, vocab, info
     best_dir = out / BEST_DIR
     notes = ""
     if best and (best_dir / "model.safetensors").is_file():
-        for name in ("config.json", "model.safetensors"):
-            shutil.copyfile(best_dir / name, out / name)
+        for name in ("config.json", "model.safetensors"):  # (each whole or not at all)
+            write_file(out / name, functools.partial(shutil.copyfile, best_dir / name),
+                       size=(best_dir / name).stat().st_size)
         device = next(drafter.parameters()).device  # the saved best comes back where training ran
         drafter = EagleDrafter.from_pretrained(out).to(device)
         notes = (
@@ -312,8 +335,12 @@ def finalize(drafter: EagleDrafter, target, out: Path, result: dict, vocab, info
             f"{result.get('config', {}).get('eval_chain', 5)}, TTT-style on held-out conversations; "
             "`training_log.jsonl` has every evaluation)."
         )
-    else:
-        drafter.to(dtype).save_pretrained(out, target_model=target_name)
+    else:  # written beside, then moved in: a full disk leaves no half-written drafter in `out`
+        staged = write_folder(out / ".drafter", lambda tmp: drafter.to(dtype).save_pretrained(tmp, target_model=target_name),
+                              size=tensor_bytes(drafter.state_dict()))
+        for f in staged.iterdir():
+            os.replace(f, out / f.name)
+        staged.rmdir()
     if info:
         notes += (f"\n\nTraining data: {info['conversations']} conversations, {info['answer_tokens']} answer tokens, "
                   "from " + ", ".join(f"`{f}`" for f in info["folders"]) + ".")

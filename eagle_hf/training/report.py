@@ -7,19 +7,38 @@ import json
 import logging
 from pathlib import Path
 
+from ..files import save_figure, write_file
+
 logger = logging.getLogger(__name__)
 
 
 def read_log(out: Path) -> list[dict]:
     """The rows of a run's log: ``out`` is the run folder (its ``training_log.jsonl``) or the log file itself (or
-    a gzipped copy, ``.jsonl.gz``)."""
+    a gzipped copy, ``.jsonl.gz``). A last line cut short (a full disk, a crash while appending) is dropped with a
+    warning; a damaged line before it is an error naming the file and the line."""
     path = Path(out)
     if path.is_dir():
         path = path / "training_log.jsonl"
     if not path.exists():
         return []
-    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    lines = [line for line in raw.decode("utf-8", errors="replace").splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            row, why = None, str(err)
+        else:
+            why = "" if isinstance(row, dict) and isinstance(row.get("step"), int) else "no step"
+        if why and number == len(lines):
+            logger.warning("The last line of %s is cut short (%s); it is dropped.", path, why)
+            break
+        if why:
+            raise ValueError(f"{path}, line {number}: not a row of a training log ({why}). Delete that line, or "
+                             "the file (the log restarts from the resumed step).")
+        rows.append(row)
+    return rows
 
 
 def plot_curve(out: Path, name: str = "training_curve.png") -> Path | None:
@@ -62,8 +81,10 @@ def plot_curve(out: Path, name: str = "training_curve.png") -> Path | None:
     ax3.set_title("held-out acceptance length (greedy chain)")
     fig.tight_layout()
     path = Path(out) / name
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, dpi=110)
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -114,5 +135,5 @@ out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256)
 {notes}
 """
     path = Path(out) / "README.md"
-    path.write_text(card)
+    write_file(path, card)
     return path

@@ -9,7 +9,6 @@ import logging
 import math
 import pickle
 import random
-import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -19,7 +18,9 @@ from tqdm.auto import tqdm
 
 from ..devices import native_bf16
 from ..drafter.modeling import EagleDrafter
+from ..files import append_line, recover_folder, tensor_bytes, write_file, write_folder
 from .distributed import Processes, join_processes
+from .report import read_log
 from .ttt import add_feature_noise, step_counts, ttt_evaluate, ttt_loss
 from .vocab import DraftVocab
 
@@ -214,25 +215,45 @@ BEST_FILE = "best.json"
 
 
 def save_best(out: Path, drafter: EagleDrafter, info: dict, dtype: torch.dtype, target_name: str | None) -> None:
-    """Write a full drafter (`save_pretrained`, EAGLE-3 layout, `dtype`) to ``out/best`` atomically."""
-    best, tmp, old = out / BEST_DIR, out / (BEST_DIR + ".tmp"), out / (BEST_DIR + ".old")
-    shutil.rmtree(tmp, ignore_errors=True)
+    """Write a full drafter (`save_pretrained`, EAGLE-3 layout, `dtype`) to ``out/best`` atomically (the previous
+    best stays whole when the write fails: `write_folder`)."""
     copy = type(drafter)(drafter.config)
     copy.load_state_dict(drafter.state_dict())
-    copy.to(dtype).save_pretrained(tmp, target_model=target_name)
-    (tmp / BEST_FILE).write_text(json.dumps(info, indent=1))
-    if best.exists():
-        best.rename(old)
-    tmp.rename(best)
-    shutil.rmtree(old, ignore_errors=True)
+    copy.to(dtype)
+
+    def fill(tmp: Path) -> None:
+        copy.save_pretrained(tmp, target_model=target_name)
+        (tmp / BEST_FILE).write_text(json.dumps(info, indent=1))
+
+    write_folder(out / BEST_DIR, fill, size=tensor_bytes(copy.state_dict()))
 
 
 def read_best(out: Path) -> dict | None:
-    best, old = out / BEST_DIR, out / (BEST_DIR + ".old")
-    if not best.exists() and old.exists():  # interrupted between the two renames of save_best
-        old.rename(best)
-    path = best / BEST_FILE
-    return json.loads(path.read_text()) if path.exists() else None
+    """The kept best's record (``best/best.json``); None when there is none. An empty or unreadable record (a
+    full disk, a crash while writing) is replaced by `{}` with a warning: the run then scores the kept drafter
+    again (or starts a fresh best when that does not load either)."""
+    recover_folder(out / BEST_DIR)  # interrupted between the two renames of save_best
+    path = out / BEST_DIR / BEST_FILE
+    if not path.exists():
+        return None
+    try:
+        best = json.loads(path.read_text())
+    except (OSError, ValueError) as err:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        best, why = None, str(err).splitlines()[0] if str(err) else type(err).__name__
+    else:
+        why = "" if isinstance(best, dict) and isinstance(best.get("eval_tau"), (int, float)) else "no eval_tau"
+    if why:
+        logger.warning("%s is empty or unreadable (%s); the kept best drafter is scored again.", path, why)
+        return {}
+    return best
+
+
+def _best_from_log(out: Path) -> dict:
+    """The best step the log records last (each row after an evaluation names it; None: none does), for a lost
+    best.json."""
+    rows = read_log(out / LOG_FILE)
+    marked = [r for r in rows if "best_step" in r]
+    return {"step": marked[-1]["best_step"] if marked else None}
 
 
 def train(
@@ -309,17 +330,25 @@ def train(
     best_tau = float("-inf")
     if best is not None and best.get("eval_set") == eval_set:
         best_tau = best["eval_tau"]
-    elif best is not None and eval_idx:  # the held-out split changed (more data): score the kept drafter again
-        from ..drafter.modeling import EagleDrafter as _Drafter
+    elif best is not None and eval_idx:  # the held-out split changed (more data), or best.json was lost: score
+        from ..drafter.checkpoint import DrafterLoadError  # the kept drafter again
 
-        kept = _Drafter.from_pretrained(out / BEST_DIR, dtype=torch.float32).to(device)
-        kept.bind_target_embedding(drafter._target_embedding)
-        kept_eval = evaluate(kept, samples, eval_idx, cfg, head_weight, vocab.t2d, device, eval_targets, sources)
-        best_tau = kept_eval["eval_tau"]
-        best.update(eval_tau=best_tau, eval_set=eval_set)
-        (out / BEST_DIR / BEST_FILE).write_text(json.dumps(best, indent=1))
-        logger.info("held-out split changed; the kept best drafter (step %s) now scores tau %.3f", best.get("step"), best_tau)
-        del kept
+        if not best:
+            best = _best_from_log(out)
+        try:
+            kept = EagleDrafter.from_pretrained(out / BEST_DIR, dtype=torch.float32).to(device)
+        except DrafterLoadError as err:
+            logger.warning("The kept best drafter in %s does not load (%s); starting a fresh best.", out / BEST_DIR, err)
+            best = None
+        else:
+            kept.bind_target_embedding(drafter._target_embedding)
+            kept_eval = evaluate(kept, samples, eval_idx, cfg, head_weight, vocab.t2d, device, eval_targets, sources)
+            best_tau = kept_eval["eval_tau"]
+            best.update(eval_tau=best_tau, eval_set=eval_set)
+            write_file(out / BEST_DIR / BEST_FILE, json.dumps(best, indent=1))
+            logger.info("The kept best drafter (step %s) scores tau %.3f on this run's held-out split",
+                        best.get("step"), best_tau)
+            del kept
 
     def consider_best(row: dict) -> None:
         nonlocal best_tau, best
@@ -330,13 +359,11 @@ def train(
             save_best(out, drafter, best, save_dtype, target_name)
         row["best_step"], row["best_tau"] = best["step"], best_tau
 
-    log = (out / LOG_FILE).open("a") if main else None
     if main and step == 0 and eval_idx:  # the starting point (the init drafter when warm-starting) is a candidate
         row = {"step": 0, "epoch": 0.0, **run_eval()}
         consider_best(row)
         logger.info("step 0 eval: tau %.3f, loss %.4f", row["eval_tau"], row["eval_loss"])
-        log.write(json.dumps(row) + "\n")
-        log.flush()
+        append_line(out / LOG_FILE, json.dumps(row))
     start, start_step, seen_tokens, seen_answer = time.perf_counter(), step, 0, 0
     bar = tqdm(total=total, initial=step, desc="training", unit="step", disable=not main)
     last: dict = {"step": step}
@@ -384,8 +411,7 @@ def train(
                 logger.info("step %d eval: tau %.3f (best %.3f at step %s), accuracy %s", step, last["eval_tau"],
                             best_tau, last["best_step"], [round(a, 3) for a in last["eval_step_accuracy"]])
             if main:
-                log.write(json.dumps(last) + "\n")
-                log.flush()
+                append_line(out / LOG_FILE, json.dumps(last))
             if step % cfg.save_every == 0 or step == total or stop:
                 save_state(state_path, drafter, opt, step, procs)
             if stop:
@@ -395,13 +421,9 @@ def train(
                 else:
                     logger.info("Stopped after step %d of %d as asked; resume to continue.", step, total)
                 bar.close()
-                if log:
-                    log.close()
                 procs.barrier()
                 return {**last, "finished": False, "total_steps": total, "best": best}
     bar.close()
-    if log:
-        log.close()
     procs.barrier()
     return {**last, "finished": True, "total_steps": total, "config": asdict(cfg), "best": best}
 
@@ -442,9 +464,12 @@ def _global_stats(procs: Processes, loss, step_losses, step_accuracy, tokens, an
 
 
 def _truncate_log(path: Path, step: int) -> None:
+    """The log up to `step` (the checkpoint's): the steps after it are redone."""
     if path.exists():
-        rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-        path.write_text("".join(r + "\n" for r in rows))
+        lines = sum(1 for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip())
+        rows = [row for row in read_log(path) if row["step"] <= step]
+        if len(rows) != lines:  # (rewritten only when a row goes: a full disk may be why the run stopped)
+            write_file(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def load_state(path: Path | str) -> dict:
@@ -478,10 +503,8 @@ def save_state(path: Path, drafter, opt, step: int, procs: Processes | None = No
     if procs.world > 1:
         state["processes"] = procs.world
         state["torch_rng_by_process"] = procs.gather(torch.get_rng_state())
-    if procs.main:
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        tmp.replace(path)
+    if procs.main:  # whole or not at all: a full disk leaves the previous state (`write_file`)
+        write_file(path, lambda tmp: torch.save(state, tmp), size=tensor_bytes(state))
 
 
 def restore_rng(state: dict, procs: Processes, cfg: TrainConfig) -> None:
