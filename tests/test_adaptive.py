@@ -9,7 +9,7 @@ from conftest import tiny_drafter, tiny_target
 
 import eagle_hf
 from eagle_hf.hf import costs
-from eagle_hf.speculation.cost_model import CostModel
+from eagle_hf.speculation.costs import CostModel
 from eagle_hf.speculation.rounds import RoundTiming
 from eagle_hf.speculation.schedule import COPY, EAGLE, EAGLE_COPY, DraftLengthController
 
