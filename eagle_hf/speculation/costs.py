@@ -11,11 +11,14 @@ size (tokens over all rows): the estimate of a size is the fastest of its last f
 a shared machine only ever adds time; a one-off slow round does not steer the schedule), and sizes not observed
 follow the prior's shape, scaled to the observed sizes around them.
 
-Estimates read back are untrusted: `from_dict` refuses an entry that is not what `as_dict` writes (types, shapes,
-finite positive values in sane ranges), and the estimates it inherits are forgotten, all together, as soon as a
-forward or a drafter step timed in this process is `DRIFT` times faster than they predict (noise only adds time),
-or a few are `DRIFT` times slower (one slow first round is no contradiction): an earlier process under heavy load,
-another machine state, a crafted file. The model then learns as one that started from its prior.
+Estimates read back are claims this process checks: `from_dict` refuses an entry that is not what `as_dict`
+writes (types, shapes, finite positive values in sane ranges), and the estimates it inherits are forgotten, all
+together, as soon as this process's own timings contradict one of them: a size (or the drafter step) it kept, timed
+here `CONTRADICTS` times faster (noise only adds time: at once) or, at the fastest of its first `SLOWER_TIMES`
+timings here, `CONTRADICTS` times slower (one slow first round is no contradiction); a size between those it kept,
+`DRIFT` times off the line between them. An earlier process under heavy load, another machine state, a crafted
+file: the model then learns as one that started from its prior. A schedule that stops drafting still tries a
+draft now and then (`eagle_hf.speculation.schedule.MOST_TRY_COST`), so the claims about drafting are checked too.
 
 `RoundCosts`: what a round costs, in one-token target forwards of one row. A drafting round of depth k costs one
 target forward over the verified tokens (k + 1 for a chain; up to ``1 + top_k + (k-1) * top_k**2`` for a tree of
@@ -45,10 +48,13 @@ PRIOR_PER_TOKEN = {"cuda": 0.004, "cpu": 0.05}
 PRIOR_PER_TOKEN_OTHER = 0.02
 #: a drafter step before one was timed, relative to the base forward (a one-layer drafter)
 PRIOR_DRAFT_STEP = 0.1
-#: estimates read back are forgotten once a timing of this process is this many times faster than they predict
-#: (noise only adds time), or `SLOWER_TIMES` timings this many times slower (a first round's one-off costs aside)
+#: estimates read back are forgotten once a size (or the drafter step) they kept is timed here this many times
+#: faster, or its fastest of `SLOWER_TIMES` timings here is this many times slower (a first round's one-off costs
+#: aside): a busy machine's costs, three times this one's, no longer keep a quiet one from drafting
+CONTRADICTS = 1.5
+SLOWER_TIMES = 2
+#: ... or a size between those kept is timed this many times off the line between them (sizes differ in shape)
 DRIFT = 4.0
-SLOWER_TIMES = 3
 #: what an entry read back may hold (`from_dict`): prior curves of at most this many sizes, relative costs within
 #: these bounds, sizes up to this many tokens, times within these seconds
 MAX_PRIOR_SIZES = 4096
@@ -57,6 +63,10 @@ MAX_TOKENS = 1 << 20
 SECONDS_RANGE = (1e-7, 3600.0)
 #: single-round values an in-loop overhead's median is taken over
 OVERHEAD_WINDOW = 9
+
+
+#: the drafter step's key among the quantities checked (`CostModel._check`)
+STEP = "step"
 
 
 class CostEntryError(ValueError):
@@ -78,7 +88,7 @@ class CostModel:
     _memo: dict[int, float] = field(default_factory=dict, repr=False)  # n -> forward(n) since the last observation
     _inherited: dict[int, float] = field(default_factory=dict, repr=False)  # tokens -> seconds read back (`from_dict`)
     _inherited_step: float = field(default=0.0, repr=False)  # seconds per drafter step read back (0: none)
-    _slower: int = field(default=0, repr=False)  # timings `DRIFT` times slower than those read back predict
+    _checked: dict = field(default_factory=dict, repr=False)  # a size kept (or STEP) -> (its timings here, fastest)
 
     def __post_init__(self):
         self._given_base = self.base_seconds
@@ -93,8 +103,10 @@ class CostModel:
     def observe_forward(self, tokens: int, seconds: float) -> None:
         """A timed target forward over `tokens` tokens (all rows together)."""
         if tokens >= 1 and 0 < seconds < math.inf:
-            if self._inherited:
-                self._check(self._predicted(tokens), seconds, f"a forward over {tokens} tokens")
+            if tokens in self._inherited:
+                self._check(tokens, self._inherited[tokens], seconds, f"a forward over {tokens} tokens")
+            elif self._inherited:
+                self._check_between(self._predicted(tokens), seconds, f"a forward over {tokens} tokens")
             seen = self._seen.setdefault(tokens, deque(maxlen=WINDOW))
             before = min(seen) if seen else None
             seen.append(seconds)
@@ -115,27 +127,32 @@ class CostModel:
     def observe_draft_step(self, seconds: float) -> None:
         """A timed drafter step (seconds per step of a drafting round)."""
         if 0 < seconds < math.inf:
-            self._check(self._inherited_step, seconds, "a drafter step")
+            self._check(STEP, self._inherited_step, seconds, "a drafter step")
             self._draft_seen.append(seconds)
 
     def check_draft_step(self, seconds: float) -> None:
         """A drafter step timed in a round that is not a regular one (it caught up on plain rounds' rows): not an
-        estimate, but no faster than a regular step, so an inherited step `DRIFT` times slower is wrong."""
-        if self._inherited_step > DRIFT * seconds > 0:
+        estimate, but no faster than a regular step, so an inherited step `CONTRADICTS` times slower is wrong."""
+        if self._inherited_step > CONTRADICTS * seconds > 0:
             self.forget_inherited(f"a drafter step took {seconds:.3g} s, not {self._inherited_step:.3g} s")
 
-    def _check(self, expected: float | None, seconds: float, what: str) -> None:
-        """Forget the estimates read back where a timing contradicts their prediction `expected` (None or 0:
-        they predict nothing here): at once where it is `DRIFT` times faster, at the `SLOWER_TIMES`-th time one
-        is `DRIFT` times slower."""
-        if not expected:
+    def _check(self, key, kept: float, seconds: float, what: str) -> None:
+        """Forget the estimates read back where this process's timings of a quantity they `kept` contradict it
+        (`key`: its size, or `STEP`): at once where one is `CONTRADICTS` times faster, where the fastest of its
+        first `SLOWER_TIMES` is `CONTRADICTS` times slower."""
+        if not kept:
             return
-        if expected > DRIFT * seconds:
+        n, fastest = self._checked.get(key, (0, math.inf))
+        n, fastest = n + 1, min(fastest, seconds)
+        self._checked[key] = n, fastest
+        if kept > CONTRADICTS * fastest or (n >= SLOWER_TIMES and fastest > CONTRADICTS * kept):
+            self.forget_inherited(f"{what} took {fastest:.3g} s here ({n} timed), not {kept:.3g} s")
+
+    def _check_between(self, expected: float | None, seconds: float, what: str) -> None:
+        """Forget the estimates read back where a forward of a size they did not keep is `DRIFT` times faster than
+        their line predicts (`expected`; None: outside the sizes kept, they predict nothing)."""
+        if expected and expected > DRIFT * seconds:
             self.forget_inherited(f"{what} took {seconds:.3g} s, not {expected:.3g} s")
-        elif seconds > DRIFT * expected:
-            self._slower += 1
-            if self._slower >= SLOWER_TIMES:
-                self.forget_inherited(f"{what} took {seconds:.3g} s, not {expected:.3g} s, {self._slower} times")
 
     def _predicted(self, tokens: int) -> float | None:
         """Seconds of a forward over `tokens` tokens as the model predicts them, within the sizes read back
@@ -157,7 +174,8 @@ class CostModel:
                     del self._seen[tokens]
         if self._inherited_step in self._draft_seen:
             self._draft_seen.remove(self._inherited_step)
-        self._inherited, self._inherited_step, self._slower = {}, 0.0, 0
+        self._inherited, self._inherited_step = {}, 0.0
+        self._checked.clear()
         self._memo.clear()
         if self._seen:
             self._update_base()

@@ -104,6 +104,9 @@ class AcceptanceEstimate:
 #: the share of the time a dropped source's retries may be expected to lose: a retry comes once the rounds sat out
 #: since the last one would absorb its expected loss at this share (halved with each failed retry)
 RETRY_SHARE = 0.01
+#: the most plain rounds a dropped drafter's try is priced at, whatever the costs say (a batch's try pads every
+#: row's round: a few plain rounds): a try comes at the latest after this many times the retry's wait
+MOST_TRY_COST = 4.0
 
 
 @dataclass
@@ -522,8 +525,10 @@ class DraftLengthController:
         (halved with each failed try), and at the latest after the retry's wait, longer the more a try costs (in
         a big batch it pads every row's round). A drafter just below break-even loses little by trying and tries
         again within a round or two: a drop decided on a few rounds' acceptance and costs measured a few per cent
-        apart (as two processes measure them) is not kept for a whole call; a poor drafter waits."""
-        cost = self.costs.relative_cost(k)  # a try, in plain rounds
+        apart (as two processes measure them) is not kept for a whole call; a poor drafter waits. A try is priced
+        at most `MOST_TRY_COST` plain rounds, so one comes whatever the costs say: the try measures them (a drafter
+        step of 1000 s kept from a busy or poisoned store would otherwise never be timed again)."""
+        cost = min(self.costs.relative_cost(k), MOST_TRY_COST)  # a try, in plain rounds
         loss = cost * max(1.0 - gain, 0.0)  # plain rounds a try is expected to lose
         return self.backoff.absorbs(loss, RETRY_SHARE) or self.backoff.due(cost)
 
