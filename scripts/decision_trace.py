@@ -21,10 +21,10 @@ from pathlib import Path
 
 def trace(set_name: str, out: str, limit: int) -> None:
     from eagle_hf.cli import main
-    from eagle_hf.hf import hooks
+    from eagle_hf.hf import call as eagle_call  # (where a call builds its controller)
 
     calls = []
-    original = hooks.controller_for
+    original = eagle_call.controller_for
 
     def recording(*args, **kwargs):
         c = original(*args, **kwargs)
@@ -47,7 +47,7 @@ def trace(set_name: str, out: str, limit: int) -> None:
         c.choose, c.observe = choose_logged, observe_logged
         return c
 
-    hooks.controller_for = recording
+    eagle_call.controller_for = recording
     os.environ.setdefault("EAGLE_HF_COST_CACHE", "off")
     main(["bench", "--dtype", "bfloat16", "--prompts", set_name, "--limit", str(limit), "--max-new-tokens", "128",
           "--repeats", "1", "--modes", "eagle default", "--out", out + ".bench"])

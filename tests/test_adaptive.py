@@ -9,7 +9,7 @@ from conftest import tiny_drafter, tiny_target
 
 import eagle_hf
 from eagle_hf.hf import costs
-from eagle_hf.speculation.cost_model import CostModel
+from eagle_hf.speculation.costs import CostModel
 from eagle_hf.speculation.rounds import RoundTiming
 from eagle_hf.speculation.schedule import COPY, EAGLE, EAGLE_COPY, DraftLengthController
 
@@ -728,6 +728,46 @@ def test_a_poisoned_cost_file_drafts_again_within_two_calls_where_a_clean_one_dr
         kept = json.loads(path.read_text())  # replaced by what this process learnt
         assert set(kept) == {key} and CostModel.from_dict(kept[key]).observed, how
     assert not list(path.parent.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("how", ["draft_step_seconds 1000 s", "draft_step_seconds 3x", "forwards 3x",
+                                 "forwards and draft_step_seconds 3x", "forwards and draft_step_seconds 3x too fast"])
+def test_a_cost_store_taught_by_a_busy_machine_costs_at_most_one_calls_schedule(named_target, how):
+    """Every cost kept across processes is a claim this process checks: one its own timings contradict (too high
+    or too low) is replaced after the first rounds that time it. A store learnt on a machine three times slower
+    (a busy one), or poisoned, leaves the third call's schedule within one round of a clean store's."""
+    target, drafter = named_target
+    clean = [_simulated_call(target, drafter) for _ in range(3)]
+    path = costs._cost_file(target)
+    (key, entry), = json.loads(path.read_text()).items()
+    scale = 1 / 3 if "too fast" in how else 3
+    if "forwards" in how:
+        entry["seconds"] = {t: s * scale for t, s in entry["seconds"].items()}
+    if "draft_step" in how:
+        entry["draft_step_seconds"] = 1000.0 if "1000" in how else entry["draft_step_seconds"] * scale
+    _new_process(target, drafter)
+    path.write_text(json.dumps({key: entry}))
+    calls = [_simulated_call(target, drafter) for _ in range(3)]
+    assert sum(a != b for a, b in zip(calls[2], clean[2])) <= 1, (calls, clean)
+
+
+def test_a_schedule_that_stopped_drafting_still_tries_a_draft_now_and_then():
+    """Exploration priced in the schedule: whatever the costs say, a dropped drafter's try is priced at most
+    `MOST_TRY_COST` plain rounds, so a drafter whose kept step cost is absurd (1000 s) is timed again within that
+    many retry waits; the try's timing contradicts the kept cost, and drafting resumes."""
+    from eagle_hf.speculation.schedule import MOST_TRY_COST
+
+    kept = {"verify": [1.0 + 0.05 * i for i in range(16)], "draft_step": 0.1, "seconds": {"1": 0.01},
+            "draft_step_seconds": 1000.0}
+    c = DraftLengthController(CostModel.from_dict(kept), max_draft=4, probe_every=16)
+    c.update(4, 4)  # the drafter is known to be right (its last call's acceptance): only its cost keeps it out
+    plain = rounds_until_a_try(c)
+    assert 0 < plain <= 16 * MOST_TRY_COST
+    k = c.costs.verified(4)
+    c.observe(RoundTiming(seconds=0.02, catch_up=0.001, draft=0.004, verify=0.012, width=k, drafting_rows=1,
+                          levels=4, depth=4, tokens=5, drafter_prefill=True))  # (a try after plain rounds)
+    c.update(4, 4)
+    assert c.choose() > 0  # the kept step is forgotten: drafting pays
 
 
 def test_generate_with_a_bad_cost_file_warns_once_decodes_exactly_and_replaces_it(named_target, caplog, one_thread):

@@ -1,6 +1,6 @@
-"""The speculation round's shape: the schedule asks a policy what a batch decides otherwise than a single row (no
-branch on whether it is a batch), and no class that behaves (a dataclass record aside) holds more than 12 instance
-attributes."""
+"""The speculation round's shape: how much drafting pays is one concept in three modules (what is measured, what it
+predicts, what the round is told), the schedule asks whether its rows are a batch in one place, and no class that
+behaves (a dataclass record aside) holds more than 12 instance attributes."""
 
 from __future__ import annotations
 
@@ -51,16 +51,24 @@ def test_the_attribute_count_sees_assignments_in_every_method():
 
 def test_no_behaviour_class_in_speculation_holds_more_than_12_attributes():
     classes = behaviour_classes()
-    assert {"schedule.DraftLengthController", "speculator.Speculator", "batch_plan.BatchPlan"} <= set(classes)
+    assert {"schedule.DraftLengthController", "speculator.Speculator", "schedule.BatchPlan"} <= set(classes)
     over = {name: sorted(attrs) for name, attrs in classes.items() if len(attrs) > MOST_ATTRIBUTES}
     assert not over, over
 
 
-def test_speculation_has_no_batch_branches():
-    """A batch's decisions are `policy.BatchPolicy`'s; the schedule asks its policy instead of `self.batch`."""
+def test_the_schedule_asks_whether_its_rows_are_a_batch_in_one_place():
+    """What a batch decides otherwise than a single row hangs on `DraftLengthController.batched` alone: no other
+    test of the rows in the schedule, and no module of the schedule's besides `costs`, `schedule` and `round_plan`."""
     found = [f"{p.name}:{n}" for p in sorted(SPECULATION.glob("*.py"))
-             for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\bself\.batch\b", line)]
-    assert not found, found
+             for n, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"\bself\.batch\b|rows\s*>\s*1", line)]
+    assert found == [f"schedule.py:{_line_of('schedule.py', 'return self.costs.rows > 1')}"], found
+    gone = {"acceptance", "backoff", "batch_plan", "cost_model", "loss_budget", "policy", "round_costs"}
+    assert not gone & {p.stem for p in SPECULATION.glob("*.py")}
+
+
+def _line_of(name: str, text: str) -> int:
+    return next(n for n, line in enumerate((SPECULATION / name).read_text().splitlines(), 1) if text in line)
 
 
 def _calls(method: str, on: str | None = None) -> set[str]:

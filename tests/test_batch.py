@@ -426,9 +426,8 @@ def test_rounds_that_catch_the_drafter_up_do_not_teach_the_controller_their_catc
     the batch's timed drafting rounds, a resting drafter's retries taught it nothing. Such a round teaches the
     batch's timed rounds as the regular round it would have been (its catch-up's time replaced by a regular one's),
     never the loop's cost model, and counts against the loss budget as it was (what drafting costs)."""
-    from eagle_hf.speculation.loss_budget import LossBudget
-    from eagle_hf.speculation.round_costs import RoundCosts
-    from eagle_hf.speculation.schedule import DraftLengthController
+    from eagle_hf.speculation.costs import RoundCosts
+    from eagle_hf.speculation.schedule import DraftLengthController, LossBudget
 
     events = []
     draft = tree_loop.TreeLoop.draft

@@ -283,7 +283,7 @@ def test_a_branch_cut_to_fit_teaches_only_what_was_verified():
 
 
 def _speculator(sources: str, copy_first: float, drafter_acceptance: float):
-    from eagle_hf.speculation.cost_model import CostModel
+    from eagle_hf.speculation.costs import CostModel
     from eagle_hf.speculation.schedule import DraftLengthController
     from eagle_hf.speculation.speculator import Speculator
     from eagle_hf.speculation.stats import SpecDecodeStats

@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 
 from eagle_hf import DraftSettings, EagleCompatibilityError
 from eagle_hf.hf.version import CACHE_KEY, output_cache
-from eagle_hf.speculation.cost_model import CostModel
+from eagle_hf.speculation.costs import CostModel
 from eagle_hf.speculation.drafting import DraftState, draft_tree
 from eagle_hf.speculation.round_plan import plan_round
 from eagle_hf.speculation.rounds import RoundTiming

@@ -317,6 +317,24 @@ def test_indexed_layers_keep_the_tree_where_the_indexer_is_checked():
     assert "(qwen4_exp) select keys with an indexer that eagle_hf has not checked" in indexed_unsupported_reason(other)
 
 
+def test_route_returns_the_settings_it_chose_and_leaves_the_callers_alone():
+    """`route` settles the settings a call's loop runs with as a new object: a batch's chain runs in eagle_hf's
+    loop as a tree with top_k 1, a tree of size -1 gets its size from the costs, and the settings asked for stay
+    as they were."""
+    from eagle_hf.hf.routing import route
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids = torch.ones(2, 4, dtype=torch.long)
+    for asked, mode, top_k in [(eagle_hf.DraftSettings(mode="chain"), "tree", 1),
+                               (eagle_hf.DraftSettings(mode="tree", total_tokens=-1), "tree", None)]:
+        before = asked.to_dict()
+        chosen = route(target, drafter, asked, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        assert chosen.loop == "eagle_hf" and chosen.settings.mode == mode and chosen.settings.total_tokens > 0
+        assert top_k is None or chosen.settings.top_k == top_k
+        assert asked.to_dict() == before and chosen.settings is not asked
+
+
 @pytest.mark.parametrize("family,overrides", [("llama", {}), ("qwen2_window", {"sliding_window": 3})])
 def test_tree_mode_sampling_is_lossless(family, overrides):
     """The tree's rejection sampling draws plain decoding's distribution; on sliding windows of 3 too (the

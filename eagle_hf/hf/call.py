@@ -24,6 +24,7 @@ from ..speculation.settings import DraftSettings
 from ..speculation.speculator import DraftListener, Speculator
 from ..speculation.stats import SpecDecodeStats, merge_stats
 from ..speculation.timing import Timer
+from .costs import controller_for
 from .version import cache_in
 
 logger = logging.getLogger(__name__)
@@ -339,10 +340,13 @@ def copy_module(module, keep=()):
 
 def speculators_for(target, rows: int = 1, stop_tokens=(), compiled: bool = False) -> tuple[EagleCall, list[Speculator]]:
     """The active call and a fresh speculator per batch row (one set per decoding loop); a batch's rows record
-    into stats of their own (merged by `finish_rows`) and share the call's controller. `stop_tokens`: the EOS
-    ids, where copy branches end; `compiled`: the target runs transformers' compiled forward (the drafter's
-    levels then run as CUDA graphs, `eagle_hf.drafter.graphs`)."""
+    into stats of their own (merged by `finish_rows`) and share the call's controller, built here once the loop
+    knows which forward verifies (`controller_for`). `stop_tokens`: the EOS ids, where copy branches end;
+    `compiled`: the target runs transformers' compiled forward (the schedule plans on its costs, and the drafter's
+    levels run as CUDA graphs, `eagle_hf.drafter.graphs`)."""
     call = active_call()
+    if call.controller is None:
+        call.controller = controller_for(target, call.drafter, call.settings, compiled, call.sampling)
     stats = [call.stats] if rows == 1 else [SpecDecodeStats() for _ in range(rows)]
     graphs = (LevelGraphs.for_drafter(call.drafter)
               if call.drafter is not None and call.settings.uses_eagle and graphs_wanted(call.drafter, compiled) else None)

@@ -16,7 +16,7 @@ import torch
 
 from ..devices import input_device
 from ..drafter.graphs import wanted as fixed_levels
-from ..speculation.cost_model import CostEntryError, CostModel
+from ..speculation.costs import CostEntryError, CostModel
 from ..speculation.schedule import DraftLengthController
 from ..speculation.settings import DraftSettings
 

@@ -33,7 +33,7 @@ from .call import (
     speculators_for,
 )
 from .candidate import EagleCandidateGenerator
-from .costs import controller_for, keep_acceptance, keep_costs
+from .costs import keep_acceptance, keep_costs
 from .routing import route
 from .stopping import eos_ids, stop_strings_as_criterion, trim_at_stopping_criteria
 from .tree_loop import tree_custom_generate
@@ -65,11 +65,10 @@ def generate(self, *args, **kwargs):
         drafter = prepare_drafter(self, drafter)
         if "assistant_model" in kwargs:
             kwargs["assistant_model"] = drafter
-    call = EagleCall(drafter, aux_ids, settings, listeners=list(kwargs.pop("draft_listeners", None) or []),
-                     streamer=kwargs.get("streamer"), sampling=_samples(self, kwargs))
-    call.route = route(self, drafter, settings, kwargs)  # which loop runs the call, decided once
-    call.controller = controller_for(self, drafter, settings, sampling=call.sampling)
-    if call.route.loop == "eagle_hf":
+    routed = route(self, drafter, settings, kwargs)  # which loop runs the call and its settings, decided once
+    call = EagleCall(drafter, aux_ids, routed.settings, listeners=list(kwargs.pop("draft_listeners", None) or []),
+                     streamer=kwargs.get("streamer"), sampling=_samples(self, kwargs), route=routed)
+    if routed.loop == "eagle_hf":
         kwargs.pop("assistant_model", None)
         kwargs["custom_generate"] = tree_custom_generate
         stop_strings_as_criterion(kwargs, self.generation_config)

@@ -4,14 +4,14 @@ Two words, kept apart: the draft's *shape* (a chain is a tree with ``top_k = 1``
 it. Transformers' assisted loop (``"assisted"``) verifies one chain of one sequence through the
 `CandidateGenerator` adapter; eagle_hf's own loop (``"eagle_hf"``, `tree_loop`) verifies trees, batches, copy
 branches and chains where transformers' loop cannot (a prefilled cache). `route` reads the call and the model
-(inputs, cache, attention kernel, batch), settles the settings the loop runs with, says why where it had to fall
-back, and logs each decision once.
+(inputs, cache, attention kernel, batch), returns the settings the loop runs with (the caller's are left as they
+were), says why where it had to fall back, and logs each decision once.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import EagleCompatibilityError
 from ..speculation.schedule import choose_tree_size
@@ -36,28 +36,30 @@ LOOPS = ("assisted", "eagle_hf")
 @dataclass(frozen=True)
 class Route:
     loop: str  # "assisted" (transformers' loop, one chain) or "eagle_hf" (ours: trees, batches, copies)
+    settings: DraftSettings  # the settings the loop runs with
     reason: str | None = None  # why eagle_hf's loop cannot run this call (None: it can)
 
 
 def route(target, drafter, settings: DraftSettings, kwargs: dict) -> Route:
-    """Decide the call's loop and settle `settings` for it (in place: the call's settings are these)."""
+    """Decide the call's loop and the settings it runs with (`Route.settings`: `settings` settled for the loop, a
+    new object; the caller's are not changed)."""
     reason = unsupported_reason(target, kwargs) or (empty_prompt_reason(kwargs) if drafter is not None else None)
     if reason:
-        _fall_back(target, settings, reason, batch_rows(kwargs),
-                   is_static(cache_in(kwargs), cache_implementation(target, kwargs)))
+        settings = _fall_back(target, settings, reason, batch_rows(kwargs),
+                              is_static(cache_in(kwargs), cache_implementation(target, kwargs)))
     elif settings.mode == "chain":
         why = _own_loop_for_chain(target, settings, kwargs)
         if why:
             logger.info("%s: eagle_hf's loop drafts the chain (a tree with top_k=1).", why)
-            settings.mode, settings.top_k, settings.total_tokens = "tree", 1, settings.depth + 1
-            if settings.draft_sources == "auto":  # (the chain's source: the drafter)
-                settings.draft_sources = "eagle"
+            sources = "eagle" if settings.draft_sources == "auto" else settings.draft_sources  # (a chain's: the drafter)
+            settings = replace(settings, mode="tree", top_k=1, total_tokens=settings.depth + 1, draft_sources=sources)
     if settings.mode == "tree" and settings.total_tokens <= 0:  # -1: size the tree from the verify costs
-        settings.total_tokens = choose_tree_size(cost_model(target, drafter))  # (as learnt so far: the prior at first)
+        size = choose_tree_size(cost_model(target, drafter))  # (as learnt so far: the prior at first)
+        settings = replace(settings, total_tokens=size)
         logger.info("Tree size chosen from the verify costs: %d tokens", settings.total_tokens)
     if settings.mode == "tree":
         _room_for_trees(target, kwargs)
-    return Route("eagle_hf" if settings.mode == "tree" else "assisted", reason)
+    return Route("eagle_hf" if settings.mode == "tree" else "assisted", replace(settings), reason)
 
 
 def unsupported_reason(target, kwargs: dict) -> str | None:
@@ -71,16 +73,16 @@ def unsupported_reason(target, kwargs: dict) -> str | None:
     return f"{type(target).__name__}: {reason}" if reason else None
 
 
-def _fall_back(target, settings: DraftSettings, reason: str, rows: int, static: bool = False) -> None:
-    """Transformers' assisted loop: a chain of the drafter's drafts, one sequence, in a cache it can crop. What it
-    cannot do raises."""
+def _fall_back(target, settings: DraftSettings, reason: str, rows: int, static: bool = False) -> DraftSettings:
+    """The settings of transformers' assisted loop: a chain of the drafter's drafts, one sequence, in a cache it
+    can crop. What it cannot do raises."""
     if static:
         raise EagleCompatibilityError(
             f"EAGLE drafting cannot run here with a static cache ({reason}): transformers' assisted loop, "
             "the fallback, cannot crop one. Use the default dynamic cache (no cache_implementation).")
     if settings.mode == "tree":
         _log_fallback_once(target, reason, asked="mode" in settings.sources)
-        settings.mode = "chain"
+        settings = replace(settings, mode="chain")
     if settings.draft_sources == "copy":
         raise EagleCompatibilityError(
             f"Copy drafting runs in eagle_hf's own decoding loop, which is not possible here ({reason}). "
@@ -88,11 +90,12 @@ def _fall_back(target, settings: DraftSettings, reason: str, rows: int, static: 
         )
     if settings.draft_sources == "eagle+copy":
         logger.info("Copy drafting is not possible here (%s); the drafter drafts alone.", reason)
-        settings.draft_sources = "eagle"
+        settings = replace(settings, draft_sources="eagle")
     if rows > 1:
         raise EagleCompatibilityError(
             f"Batched EAGLE drafting runs in eagle_hf's own decoding loop, which is not possible here ({reason}). "
             "Call generate() once per prompt.")
+    return settings
 
 
 def _own_loop_for_chain(target, settings: DraftSettings, kwargs: dict) -> str | None:

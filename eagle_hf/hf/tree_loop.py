@@ -35,7 +35,7 @@ from ..speculation.verification import accept_drawn, draw, process_logits, sampl
 from .attention import TREE_PREFIX, routed_kernel, split_keys_from
 from .cache import VERIFY_BUCKETS, stacked_ancestor_masks, tree_cache
 from .call import active_call, finish_rows, speculators_for
-from .costs import controller_for, cost_model
+from .costs import cost_model
 from .indexed import has_indexed_layers
 from .models import (
     compiled_graphs,
@@ -511,8 +511,6 @@ def tree_custom_generate(model, input_ids, logits_processor, stopping_criteria, 
     call = active_call()
     compiled = (model.get_compiled_call(generation_config.compile_config)
                 if model._valid_auto_compile_criteria(model_kwargs, generation_config) else None)
-    if compiled is not None and call.controller is not None:  # the schedule plans on the compiled forward's costs
-        call.controller = controller_for(model, call.drafter, call.settings, compiled=True, sampling=call.sampling)
     call, speculators = speculators_for(model, input_ids.shape[0], eos_ids(generation_config), compiled is not None)
     loop = TreeLoop(model, speculators, call.aux_ids, cache, logits_processor, stopping_criteria, generation_config,
                     call.streamer, compiled)

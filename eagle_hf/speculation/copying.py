@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from .backoff import Backoff
+from .schedule import Backoff, moved
 
 #: occurrences scanned per suffix length (the most recent first): bounds a lookup's cost at any context length
 MAX_OCCURRENCES = 8
@@ -97,13 +97,11 @@ class CopyAcceptance:
     def update(self, match: int, drafted: int, accepted: int) -> None:
         """One branch's outcome: its first `accepted` of `drafted` tokens were accepted."""
         self.seen_first[match - 1] += 1
-        self.first[match - 1] += self._rate(self.seen_first[match - 1]) * (float(accepted > 0) - self.first[match - 1])
+        self.first[match - 1] = moved(self.first[match - 1], float(accepted > 0), self.seen_first[match - 1],
+                                      self.prior_weight, self.decay)
         for i in range(1, min(drafted, accepted + 1)):  # tokens whose predecessor was accepted
             self.seen_later += 1
-            self.later += self._rate(self.seen_later) * (float(i < accepted) - self.later)
-
-    def _rate(self, seen: int) -> float:
-        return max(1 - self.decay, 1 / (seen + self.prior_weight))
+            self.later = moved(self.later, float(i < accepted), self.seen_later, self.prior_weight, self.decay)
 
 
 @dataclass

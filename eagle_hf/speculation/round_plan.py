@@ -60,8 +60,8 @@ def plan_round(speculators: Sequence, rooms: Sequence[int | None], total_tokens:
     row's drafts that still fit before its length limit (None: a padding row, its root alone); `total_tokens`: the
     tree budget (default: the settings'); `fits`: the slots a tree may take (a static cache's free slots, or short of
     Llama 4's query-scale step; None: no limit); `batch`: the call decodes several rows, whose shared schedule
-    chooses once for all of them, even once they finish down to one (its policy is then one row's:
-    `DraftLengthController.policy`)."""
+    chooses once for all of them, even once they finish down to one (it then decides as one row:
+    `DraftLengthController.batched`)."""
     controller = speculators[0].controller
     total_tokens = speculators[0].settings.total_tokens if total_tokens is None else total_tokens
     if controller is not None:

@@ -1,26 +1,39 @@
-"""What a round costs on one device: a prior, refined by the forwards that actually run.
+"""What drafting costs on one device: what is measured, and the prices the schedule reads from it.
 
 The adaptive schedule weighs tokens against costs. Costs are relative to one *base* forward (the target over one
 token of one row), so that a schedule reads the same on any device; `base_seconds` converts timings.
 
-Nothing is measured before the first token. A model starts from a prior: the verify curve of a device kind (on
-a GPU a forward over 64 tokens costs about what one over a single token does; on a CPU each token adds a share),
-or the estimates an earlier process kept (`as_dict` / `from_dict`, persisted by `eagle_hf.hf.costs`). Every timed
-forward then adds an observation at its size (tokens over all rows): the estimate of a size is the fastest of its
-last few observations (interference on a shared machine only ever adds time; a one-off slow round does not
-steer the schedule), and sizes not observed follow the prior's shape, scaled to the observed sizes around them.
+`CostModel`: the target's forwards by size and the drafter's step. Nothing is measured before the first token. A
+model starts from a prior: the verify curve of a device kind (on a GPU a forward over 64 tokens costs about what
+one over a single token does; on a CPU each token adds a share), or the estimates an earlier process kept
+(`as_dict` / `from_dict`, persisted by `eagle_hf.hf.costs`). Every timed forward then adds an observation at its
+size (tokens over all rows): the estimate of a size is the fastest of its last few observations (interference on
+a shared machine only ever adds time; a one-off slow round does not steer the schedule), and sizes not observed
+follow the prior's shape, scaled to the observed sizes around them.
 
-Estimates read back are untrusted: `from_dict` refuses an entry that is not what `as_dict` writes (types, shapes,
-finite positive values in sane ranges), and the estimates it inherits are forgotten, all together, as soon as a
-forward or a drafter step timed in this process is `DRIFT` times faster than they predict (noise only adds time),
-or a few are `DRIFT` times slower (one slow first round is no contradiction): an earlier process under heavy load,
-another machine state, a crafted file. The model then learns as one that started from its prior.
+Estimates read back are claims this process checks: `from_dict` refuses an entry that is not what `as_dict`
+writes (types, shapes, finite positive values in sane ranges), and the estimates it inherits are forgotten, all
+together, as soon as this process's own timings contradict one of them: a size (or the drafter step) it kept, timed
+here `CONTRADICTS` times faster (noise only adds time: at once) or, at the fastest of its first `SLOWER_TIMES`
+timings here, `CONTRADICTS` times slower (one slow first round is no contradiction); a size between those it kept,
+`DRIFT` times off the line between them. An earlier process under heavy load, another machine state, a crafted
+file: the model then learns as one that started from its prior. A schedule that stops drafting still tries a
+draft now and then (`eagle_hf.speculation.schedule.MOST_TRY_COST`), so the claims about drafting are checked too.
+
+`RoundCosts`: what a round costs, in one-token target forwards of one row. A drafting round of depth k costs one
+target forward over the verified tokens (k + 1 for a chain; up to ``1 + top_k + (k-1) * top_k**2`` for a tree of
+depth k, at most its total), k drafter steps, the drafter's catch-up (`round_overhead`), what a drafting round of
+the tree loop costs beyond the modelled parts (`cycle_overhead`: per-node verification, tree masks, the cache's
+commit) and the decoding loop's own cost that every round pays (`loop_overhead`: logits processing, stopping
+criteria). The forwards and drafter steps come from the `CostModel`; the three overheads are timed in the loop,
+each the median of its latest rounds: a round timed at a noisy moment moves no decision.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -35,16 +48,25 @@ PRIOR_PER_TOKEN = {"cuda": 0.004, "cpu": 0.05}
 PRIOR_PER_TOKEN_OTHER = 0.02
 #: a drafter step before one was timed, relative to the base forward (a one-layer drafter)
 PRIOR_DRAFT_STEP = 0.1
-#: estimates read back are forgotten once a timing of this process is this many times faster than they predict
-#: (noise only adds time), or `SLOWER_TIMES` timings this many times slower (a first round's one-off costs aside)
+#: estimates read back are forgotten once a size (or the drafter step) they kept is timed here this many times
+#: faster, or its fastest of `SLOWER_TIMES` timings here is this many times slower (a first round's one-off costs
+#: aside): a busy machine's costs, three times this one's, no longer keep a quiet one from drafting
+CONTRADICTS = 1.5
+SLOWER_TIMES = 2
+#: ... or a size between those kept is timed this many times off the line between them (sizes differ in shape)
 DRIFT = 4.0
-SLOWER_TIMES = 3
 #: what an entry read back may hold (`from_dict`): prior curves of at most this many sizes, relative costs within
 #: these bounds, sizes up to this many tokens, times within these seconds
 MAX_PRIOR_SIZES = 4096
 RELATIVE_RANGE = (1e-3, 1e3)
 MAX_TOKENS = 1 << 20
 SECONDS_RANGE = (1e-7, 3600.0)
+#: single-round values an in-loop overhead's median is taken over
+OVERHEAD_WINDOW = 9
+
+
+#: the drafter step's key among the quantities checked (`CostModel._check`)
+STEP = "step"
 
 
 class CostEntryError(ValueError):
@@ -66,7 +88,7 @@ class CostModel:
     _memo: dict[int, float] = field(default_factory=dict, repr=False)  # n -> forward(n) since the last observation
     _inherited: dict[int, float] = field(default_factory=dict, repr=False)  # tokens -> seconds read back (`from_dict`)
     _inherited_step: float = field(default=0.0, repr=False)  # seconds per drafter step read back (0: none)
-    _slower: int = field(default=0, repr=False)  # timings `DRIFT` times slower than those read back predict
+    _checked: dict = field(default_factory=dict, repr=False)  # a size kept (or STEP) -> (its timings here, fastest)
 
     def __post_init__(self):
         self._given_base = self.base_seconds
@@ -81,8 +103,10 @@ class CostModel:
     def observe_forward(self, tokens: int, seconds: float) -> None:
         """A timed target forward over `tokens` tokens (all rows together)."""
         if tokens >= 1 and 0 < seconds < math.inf:
-            if self._inherited:
-                self._check(self._predicted(tokens), seconds, f"a forward over {tokens} tokens")
+            if tokens in self._inherited:
+                self._check(tokens, self._inherited[tokens], seconds, f"a forward over {tokens} tokens")
+            elif self._inherited:
+                self._check_between(self._predicted(tokens), seconds, f"a forward over {tokens} tokens")
             seen = self._seen.setdefault(tokens, deque(maxlen=WINDOW))
             before = min(seen) if seen else None
             seen.append(seconds)
@@ -103,27 +127,32 @@ class CostModel:
     def observe_draft_step(self, seconds: float) -> None:
         """A timed drafter step (seconds per step of a drafting round)."""
         if 0 < seconds < math.inf:
-            self._check(self._inherited_step, seconds, "a drafter step")
+            self._check(STEP, self._inherited_step, seconds, "a drafter step")
             self._draft_seen.append(seconds)
 
     def check_draft_step(self, seconds: float) -> None:
         """A drafter step timed in a round that is not a regular one (it caught up on plain rounds' rows): not an
-        estimate, but no faster than a regular step, so an inherited step `DRIFT` times slower is wrong."""
-        if self._inherited_step > DRIFT * seconds > 0:
+        estimate, but no faster than a regular step, so an inherited step `CONTRADICTS` times slower is wrong."""
+        if self._inherited_step > CONTRADICTS * seconds > 0:
             self.forget_inherited(f"a drafter step took {seconds:.3g} s, not {self._inherited_step:.3g} s")
 
-    def _check(self, expected: float | None, seconds: float, what: str) -> None:
-        """Forget the estimates read back where a timing contradicts their prediction `expected` (None or 0:
-        they predict nothing here): at once where it is `DRIFT` times faster, at the `SLOWER_TIMES`-th time one
-        is `DRIFT` times slower."""
-        if not expected:
+    def _check(self, key, kept: float, seconds: float, what: str) -> None:
+        """Forget the estimates read back where this process's timings of a quantity they `kept` contradict it
+        (`key`: its size, or `STEP`): at once where one is `CONTRADICTS` times faster, where the fastest of its
+        first `SLOWER_TIMES` is `CONTRADICTS` times slower."""
+        if not kept:
             return
-        if expected > DRIFT * seconds:
+        n, fastest = self._checked.get(key, (0, math.inf))
+        n, fastest = n + 1, min(fastest, seconds)
+        self._checked[key] = n, fastest
+        if kept > CONTRADICTS * fastest or (n >= SLOWER_TIMES and fastest > CONTRADICTS * kept):
+            self.forget_inherited(f"{what} took {fastest:.3g} s here ({n} timed), not {kept:.3g} s")
+
+    def _check_between(self, expected: float | None, seconds: float, what: str) -> None:
+        """Forget the estimates read back where a forward of a size they did not keep is `DRIFT` times faster than
+        their line predicts (`expected`; None: outside the sizes kept, they predict nothing)."""
+        if expected and expected > DRIFT * seconds:
             self.forget_inherited(f"{what} took {seconds:.3g} s, not {expected:.3g} s")
-        elif seconds > DRIFT * expected:
-            self._slower += 1
-            if self._slower >= SLOWER_TIMES:
-                self.forget_inherited(f"{what} took {seconds:.3g} s, not {expected:.3g} s, {self._slower} times")
 
     def _predicted(self, tokens: int) -> float | None:
         """Seconds of a forward over `tokens` tokens as the model predicts them, within the sizes read back
@@ -145,7 +174,8 @@ class CostModel:
                     del self._seen[tokens]
         if self._inherited_step in self._draft_seen:
             self._draft_seen.remove(self._inherited_step)
-        self._inherited, self._inherited_step, self._slower = {}, 0.0, 0
+        self._inherited, self._inherited_step = {}, 0.0
+        self._checked.clear()
         self._memo.clear()
         if self._seen:
             self._update_base()
@@ -269,3 +299,73 @@ def _number(value, name: str, low: float, high: float) -> float:
     if not _is_number(value) or not low <= value <= high:  # (NaN fails both comparisons)
         raise CostEntryError(f"{name} is {value!r}, not a number from {low:g} to {high:g}")
     return float(value)
+
+
+@dataclass
+class RoundCosts:
+    cost: CostModel
+    tree: tuple[int, int] | None = None  # (top_k, total_tokens): rounds are trees of depth k, not chains of k
+    rows: int = 1  # rows verified together (a batch): each row's share of a forward over rows * n tokens
+    round_overhead: float = 0.0  # the drafter's catch-up per drafting round
+    loop_overhead: float = 0.1  # every round, outside the target forward and the drafter
+    cycle_overhead: float = 0.0  # a drafting round of the tree loop beyond the modelled parts
+    _recent: dict[str, deque] = field(default_factory=dict)  # overhead name -> its latest single-round values
+
+    @property
+    def draft_step(self) -> float:
+        """A drafter step, relative to the base forward (timed in the loop; the cost model's prior before)."""
+        return self.cost.draft_step_cost
+
+    def verify_cost(self, n: int) -> float:
+        """One row's share of the target forward when each of the batch's rows verifies n tokens: a forward over
+        rows * n tokens costs about what one row's over as many tokens does, so a batch that already fills the
+        device gains less from drafting (1 for a single row's plain step)."""
+        return self.cost.forward(self.rows * n) / self.rows
+
+    def verified(self, k: int) -> int:
+        """Tokens a round of depth k verifies, the root included."""
+        if self.tree is None:
+            return k + 1
+        top_k, total_tokens = self.tree  # top_k candidates at depth 1, top_k**2 at each further depth
+        return min(total_tokens, 1 + top_k + (k - 1) * top_k * top_k)
+
+    def cycle_cost(self, k: int) -> float:
+        """A drafting round of depth k, the loop's own cost aside."""
+        return self.verify_cost(self.verified(k)) + k * self.draft_step + self.round_overhead + self.cycle_overhead
+
+    @property
+    def plain(self) -> float:
+        """A plain round: one token's forward and the loop."""
+        return self.verify_cost(1) + self.loop_overhead
+
+    def relative_cost(self, k: int) -> float:
+        """A drafting round of depth k, in plain rounds."""
+        return (self.cycle_cost(k) + self.loop_overhead) / self.plain
+
+    # ------------------------------------------------------------------ the loop's timings
+    def observe_drafter(self, overhead_seconds: float) -> None:
+        """A regular drafting round's drafter catch-up on the last round's rows (each drafting row's share)."""
+        if self.cost.base_seconds > 0:
+            self.round_overhead = self._robust("round_overhead", overhead_seconds / self.cost.base_seconds)
+
+    def observe_cycle(self, seconds: float, width: int, steps: int) -> None:
+        """A whole drafting round of the tree loop: every row verified `width` tokens after `steps` drafter
+        levels. What the parts modelled above do not explain becomes `cycle_overhead`."""
+        if self.cost.base_seconds > 0:
+            share = seconds / self.cost.base_seconds / self.rows
+            modelled = self.verify_cost(width) + steps * self.draft_step + self.round_overhead + self.loop_overhead
+            self.cycle_overhead = self._robust("cycle_overhead", max(share - modelled, 0.0))
+
+    def observe_plain(self, seconds: float) -> None:
+        """A whole plain round (target forward plus the decoding loop's own work)."""
+        if self.cost.base_seconds > 0:  # a batch's round: each row's share
+            share = seconds / self.cost.base_seconds / self.rows
+            self.loop_overhead = self._robust("loop_overhead", max(share - self.verify_cost(1), 0.0))
+
+    def _robust(self, name: str, value: float) -> float:
+        """The median of an overhead's latest `OVERHEAD_WINDOW` single-round values. A shared machine's single
+        rounds vary by a quarter; a running mean let one slow round steer the schedule for several rounds, and
+        whole calls differ from process to process."""
+        recent = self._recent.setdefault(name, deque(maxlen=OVERHEAD_WINDOW))
+        recent.append(value)
+        return statistics.median(recent)
