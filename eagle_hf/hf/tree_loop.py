@@ -83,13 +83,15 @@ class Row:
 @dataclass
 class Outcome:
     """What one row's verification gave: the emitted tokens, the accepted node path they came from (cut as the
-    tokens are), the logits kept for generate()'s outputs, and whether a stop cut the round's tokens."""
+    tokens are: its columns in the verify and its nodes in the tree), the logits kept for generate()'s outputs,
+    and whether a stop cut the round's tokens."""
 
     new: list[int]
-    keep: list[int]
+    keep: list[int]  # the accepted nodes' columns in the verify forward
     raw: torch.Tensor | None = None  # [n, V] the target's logits per node (only where outputs need them)
     scores: torch.Tensor | None = None  # [n, V] the same, processed
     cut: bool = False
+    path: list[int] | None = None  # the accepted nodes in the tree (None: `keep`)
 
 
 class TreeLoop:
@@ -223,14 +225,13 @@ class TreeLoop:
         rooms = [None if row.done else self.max_length - row.length - 1 for row in active]  # (done: a padding row)
         speculators = [r.sp for r in active]
         plan = plan_round(speculators, rooms, self.total_tokens, fits, batch=batch)
-        layout = None
-        if self.greedy_batch and speculators[0].state.graphs is not None and max(plan.sizes) > 1:
-            # (greedy, nothing kept but the tokens, fixed-shape drafting: the trees may stay on the device)
-            layout = (self.verify_width(max(plan.sizes)), [r.position for r in active])
         trees = draft_round(speculators, [r.token for r in active], plan.depths, plan.sizes, marks=marks,
-                            layout=layout)
+                            positions=[r.position for r in active], pad=self.verify_width, fits=fits)
         if isinstance(trees, PendingTrees):
-            return plan, trees
+            if self.greedy_batch:  # the verify reads the layout as it is; the host reads it with the verify's result
+                trees.graft_copies()
+                return plan, trees
+            return plan, trees.settle(trees.read())[0]  # (sampling, processing, kept scores: the host's trees)
         if fits is not None and any(t.size > fits for t in trees):
             trees = [row.sp.fit(fits) if t.size > fits else t for row, t in zip(active, trees)]
         return plan, trees
@@ -280,10 +281,12 @@ class TreeLoop:
         chosen = out.logits.float().argmax(-1)  # [B, W] the target's token after each node
         values = torch.cat([layout.host.flatten(), chosen.flatten().double()]).tolist()  # the round's one read
         at = layout.host.numel()
-        trees = pending.settle(values[:at])
-        outcomes = [self.outcome(row, t, *verify_greedy(t, [int(v) for v in values[at + b * width : at + b * width
-                                                                                    + t.size]]))
-                    for b, (row, t) in enumerate(zip(active, trees))]
+        trees, columns = pending.settle(values[:at], grafted=True)
+        outcomes = []
+        for b, (row, tree, cols) in enumerate(zip(active, trees, columns)):
+            mine = values[at + b * width : at + (b + 1) * width]
+            path, token = verify_greedy(tree, [int(mine[c]) for c in cols])
+            outcomes.append(self.outcome(row, tree, path, token, columns=cols))
         self.timer.read_back()
         self.commit(active, trees, outcomes, chosen, out.hidden_states, past_len, width)
 
@@ -358,14 +361,18 @@ class TreeLoop:
             outcomes.append(self.outcome(row, tree, path, token, raw, node_scores))
         return outcomes, None
 
-    def outcome(self, row: Row, tree: DraftTree, path: list[int], token: int, raw=None, scores=None) -> Outcome:
+    def outcome(self, row: Row, tree: DraftTree, path: list[int], token: int, raw=None, scores=None,
+                columns: list[int] | None = None) -> Outcome:
         """A row's verified path as emitted tokens, cut at EOS, max_length and the stopping criteria (as plain
-        decoding stops). A padding row emits nothing."""
+        decoding stops). A padding row emits nothing. `columns`: each tree node's column in the verify (None:
+        its own index)."""
         if row.done:  # a padding row: nothing to verify, its slot is never read again
             return Outcome([], [0])
         proposed = [tree.host.tokens[n] for n in path[1:]] + [token]
         new = self.cut(row, proposed)
-        return Outcome(new, path[: len(new)], raw, scores, len(new) < len(proposed))
+        path = path[: len(new)]
+        return Outcome(new, path if columns is None else [columns[n] for n in path], raw, scores,
+                       len(new) < len(proposed), path)
 
     def commit(self, active: list[Row], trees: list[DraftTree], outcomes: list[Outcome], chosen, hidden_states,
                past_len: int, written: int) -> None:
@@ -404,7 +411,7 @@ class TreeLoop:
             self.keep_outputs(row, o.scores, o.raw, hidden_states, b, o.keep)
             row.position += n
             self.append(row, o.new, mine[0])
-            row.sp.end_round(n - 1, row.token, path=o.keep, cut=o.cut)
+            row.sp.end_round(n - 1, row.token, path=o.keep if o.path is None else o.path, cut=o.cut)
 
     def retire(self, rows: list[Row]) -> list[Row]:
         """Finished rows leave the batch (and the cache), but as few as are needed for the cheapest forward that
