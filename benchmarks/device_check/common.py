@@ -470,6 +470,7 @@ def draft_levels(kwargs: dict):
     from eagle_hf.hf.models import VERIFY_WIDTHS_ENV
 
     kwargs = dict(kwargs)
+    kwargs.pop("cache", None)  # (the stage's, `compiled.cache_of`)
     settings = {GRAPHS_ENV: "off" if kwargs.pop("levels", None) == "eager" else None,
                 SPLIT_KEY_ENV: kwargs.pop("split_keys", None), VERIFY_WIDTHS_ENV: kwargs.pop("widths", None)}
     before = {name: os.environ.get(name) for name in settings}

@@ -237,58 +237,57 @@ class TreeLoop:
         return plan, trees
 
     def verify_and_commit(self, active: list[Row], trees: list[DraftTree] | PendingTrees, marks: dict) -> None:
-        """One target forward over every row's tree; each row accepts a path (the round's one read-back), keeps
+        """One target forward over every row's tree (laid out on the device, or the host's trees copied there);
+        each row accepts a path (the round's one read-back: with the laid-out trees, for a greedy round), keeps
         its nodes' KV in place and commits its rows to the drafter."""
         past_len = self.cache.length
         if isinstance(trees, PendingTrees):
-            return self.verify_laid_out(active, trees, marks, past_len)
-        width = self.verify_width(max(t.size for t in trees))  # N: the trees are padded to the largest (or more)
-        host = pack(self.device, **self.verify_layout(active, trees, width))
-        mask = self.verify_mask(host.get("tree"), len(trees), width, host["positions"])
+            layout, width = trees.layout, trees.width
+            out = self.verify(layout.tokens, trees.positions, layout.ancestors, width, marks, past_len)
+            chosen = out.logits.float().argmax(-1)  # [B, W] the target's token after each node
+            trees, outcomes = self.accept_laid_out(active, trees, chosen)
+        else:
+            width = self.verify_width(max(t.size for t in trees))  # N: the trees are padded to the largest (or more)
+            host = pack(self.device, **self.verify_layout(active, trees, width))
+            out = self.verify(host["tokens"], host["positions"], host.get("tree"), width, marks, past_len,
+                              host.get("real"))
+            outcomes, chosen = self.accept(active, trees, out.logits, host)  # chosen: [B, N] or None
+        self.timer.read_back()
+        self.commit(active, trees, outcomes, chosen, out.hidden_states, past_len, width)
+
+    def verify(self, tokens: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor | None, width: int,
+               marks: dict, past_len: int, real: torch.Tensor | None = None):
+        """The round's target forward over the rows' nodes: tokens and positions [B, N], each tree's ancestor mask
+        [B, N, N] (None: plain steps), `real`: the flat positions of real nodes (None: all), from `past_len`."""
+        rows = tokens.shape[0]
+        mask = self.verify_mask(tree, rows, width, positions)
         marks["verify"] = self.timer.mark()
         graphs = compiled_graphs() if self.compiled is not None else 0
-        tree = {}
-        if "tree" in host:
-            tree = dict(self.tree_kwargs)
+        kernel = {}
+        if tree is not None:
+            kernel = dict(self.tree_kwargs)
             if self.split_from is not None and past_len >= self.split_from and not self.cache.ragged.holes:
-                tree[TREE_PREFIX] = past_len  # every node sees the committed slots: split them (long contexts)
-        with head_on_positions(self.target, host.get("real"), (len(trees), width)):  # padding needs no logits
-            out = self.forward(host["tokens"], attention_mask=mask, position_ids=host["positions"], all_rows=width > 1,
-                               **tree)
+                kernel[TREE_PREFIX] = past_len  # every node sees the committed slots: split them (long contexts)
+        with head_on_positions(self.target, real, (rows, width)):  # padding needs no logits
+            out = self.forward(tokens, attention_mask=mask, position_ids=positions, all_rows=width > 1, **kernel)
         marks["verified"] = self.timer.mark()
         if self.compiled is not None:  # (a forward that compiled a graph, or recorded one: its time is no cost)
-            shape = (len(trees), width, getattr(self.cache, "capacity", None))
+            shape = (rows, width, getattr(self.cache, "capacity", None))
             self.compiling = warming_up(self.target, shape) or compiled_graphs() != graphs
-        outcomes, next_tokens = self.accept(active, trees, out.logits, host)  # next_tokens: [B, N] or None
-        self.timer.read_back()
-        self.commit(active, trees, outcomes, next_tokens, out.hidden_states, past_len, width)
+        return out
 
-    def verify_laid_out(self, active: list[Row], pending: PendingTrees, marks: dict, past_len: int) -> None:
-        """`verify_and_commit` for trees laid out on the device (`PendingTrees`): the verify reads the layout as it
-        is, and the trees are read with the target's choices, in the round's one read."""
-        layout, width, rows = pending.layout, pending.width, len(active)
-        mask = self.verify_mask(layout.ancestors, rows, width, pending.positions)
-        marks["verify"] = self.timer.mark()
-        graphs = compiled_graphs() if self.compiled is not None else 0
-        tree = dict(self.tree_kwargs)
-        if self.split_from is not None and past_len >= self.split_from and not self.cache.ragged.holes:
-            tree[TREE_PREFIX] = past_len  # every node sees the committed slots: split them (long contexts)
-        out = self.forward(layout.tokens, attention_mask=mask, position_ids=pending.positions, all_rows=True, **tree)
-        marks["verified"] = self.timer.mark()
-        if self.compiled is not None:
-            self.compiling = (warming_up(self.target, (rows, width, getattr(self.cache, "capacity", None)))
-                              or compiled_graphs() != graphs)
-        chosen = out.logits.float().argmax(-1)  # [B, W] the target's token after each node
-        values = torch.cat([layout.host.flatten(), chosen.flatten().double()]).tolist()  # the round's one read
-        at = layout.host.numel()
+    def accept_laid_out(self, active: list[Row], pending: PendingTrees, chosen: torch.Tensor):
+        """Each row's accepted path in a greedy round over laid-out trees: the trees and the target's choices
+        (chosen [B, W]) in the round's one read. Returns (the rows' trees, their outcomes)."""
+        width, at = chosen.shape[1], pending.layout.host.numel()
+        values = torch.cat([pending.layout.host.flatten(), chosen.flatten().double()]).tolist()
         trees, columns = pending.settle(values[:at], grafted=True)
         outcomes = []
         for b, (row, tree, cols) in enumerate(zip(active, trees, columns)):
             mine = values[at + b * width : at + (b + 1) * width]
             path, token = verify_greedy(tree, [int(mine[c]) for c in cols])
             outcomes.append(self.outcome(row, tree, path, token, columns=cols))
-        self.timer.read_back()
-        self.commit(active, trees, outcomes, chosen, out.hidden_states, past_len, width)
+        return trees, outcomes
 
     def verify_width(self, largest: int) -> int:
         """The verify forward's width for trees of at most `largest` nodes: that, or with a compiled forward the

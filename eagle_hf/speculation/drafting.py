@@ -289,9 +289,11 @@ def draft_trees(drafter: EagleDrafter, state: DraftState, logits: torch.Tensor, 
                 sizes=layout.sizes)
     rows, base, real_len = state.rows, host["base"][:, None], state.length  # [B, 1]
 
+    causal = top_k == 1 and not state.ragged.holes  # (a chain over every slot: the plain causal layout, no mask)
+
     def forward(feed, tokens, level, tail, fed):
         return state.level_forward(drafter, feed, tokens, (base + level).expand(rows, top_k), real_len + fed,
-                                   state.level_mask(tail, top_k, fed))
+                                   None if causal else state.level_mask(tail, top_k, fed))
 
     depth = host["depth"][:, None]  # [B, 1]
     kept = grow_levels(drafter, forward, logits, hidden, top_k, levels, depth, min_logp, prune, choose)
