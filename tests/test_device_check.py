@@ -96,11 +96,11 @@ def test_homogeneity_test_separates_equal_from_different_distributions():
     assert abs(chi2_sf(30.0, 20) - 0.0699) < 0.005
 
 
-def test_verify_attention_bench_times_every_case_on_the_cpu(tmp_path):
-    """scripts/verify_attention_bench.py (the one-layer bench of docs/gpu.md) runs here with a short context: every
+def test_verify_attention_kernels_times_every_case_on_the_cpu(tmp_path):
+    """benchmarks/verify_attention_kernels.py (the one-layer bench of docs/gpu.md) runs here with a short context: every
     case either times or says why its backend refused, and the JSON holds them all."""
     out = tmp_path / "va.json"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "verify_attention_bench.py"), "--device", "cpu",
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "verify_attention_kernels.py"), "--device", "cpu",
                     "--contexts", "48", "--batches", "1", "--out", str(out)], check=True, capture_output=True,
                    timeout=300)
     rows = json.loads(out.read_text())["rows"]

@@ -149,7 +149,7 @@ def test_a_compiled_forward_verifies_trees_in_a_few_shapes():
     assert compiled_costs.observed and not cost_model(target, drafter).observed
     assert max(compiled_costs.as_dict()["seconds"].values()) < 0.5
     # one graph per width, specialised as a plain step's is (automatic dynamic shapes would have run every width
-    # after the second through one dynamic-shape graph: 2 graphs here with EAGLE_HF_VERIFY_WIDTHS=dynamic), and
+    # after the second through one dynamic-shape graph: 2 graphs here with eagle_hf.hf.models.STATIC_WIDTHS off), and
     # one per program the loop compiled (`eagle_hf.programs`: the drafter's catch-up per width, its levels, the
     # cache commit per width), each whole
     made = programs.GRAPHS - programs_made
