@@ -27,9 +27,10 @@ STATIC = dict(cache_implementation="static")
 
 
 def test_default_mode_runs_on_a_static_cache(caplog, monkeypatch):
-    cuts = []
-    fit = Speculator.fit
+    cuts = []  # trees cut to a static cache's free slots: host trees (`fit`), copy branches beside laid-out ones
+    fit, keep = Speculator.fit, Speculator.keep_copies
     monkeypatch.setattr(Speculator, "fit", lambda self, n: (cuts.append((self.this_round.tree.size, n)), fit(self, n))[1])
+    monkeypatch.setattr(Speculator, "keep_copies", lambda self, tree: (cuts.append(tree.size), keep(self, tree))[1])
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     ref = target.generate(REPEAT, max_new_tokens=40, do_sample=False)

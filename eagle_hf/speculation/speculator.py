@@ -267,7 +267,7 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
     for i, sp in enumerate(speculators):
         sp.this_round.eagle_depth = depths[i] if i in drafting else 0
     if not drafting:
-        return _settle([sp for sp in speculators], [c or DraftTree.root(r) for c, r in zip(copies, roots)])
+        return _settle(speculators, [c or DraftTree.root(r) for c, r in zip(copies, roots)])
     if marks is not None:
         marks["draft"] = timer.mark()
     # the catch-up and the levels as one program where the levels run as one: the catch-up padded to a regular
@@ -284,7 +284,10 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
         copies = [None if c is None else sp.keep_copies(c.first(extra + 1)) for sp, c in zip(speculators, copies)]
     order = sorted(range(len(speculators)), key=lambda i: speculators[i].cache_row.slot)  # the cache's row order
     positions = positions or [0] * len(speculators)
-    width = (pad or int)(largest + extra) - extra
+    pad = pad or int
+    width = pad(largest)  # the drafter's nodes a row, padded: one program a tree size, whatever the copies add
+    if extra:  # (the copy branches after them, padded so that the verify's whole width is padded too)
+        extra = pad(width + extra) - width
     request = TreeRequest(width, [roots[i] for i in order], [positions[i] for i in order],
                           [total_tokens[i] if i in drafting else 1 for i in order])
     steps = state.steps
@@ -299,7 +302,7 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
         for j, i in enumerate(order):
             trees[i] = speculators[i].graft_copy(grown[j]) if i in drafting else copies[i] or trees[i]
         return _settle(speculators, trees)
-    return PendingTrees(speculators, roots, *grown, copies, width)
+    return PendingTrees(speculators, roots, *grown, copies, width, extra)
 
 
 def _settle(speculators: Sequence[Speculator], trees: list[DraftTree]) -> list[DraftTree]:
@@ -327,6 +330,7 @@ class PendingTrees:
     positions: torch.Tensor  # [B, W (+ C)]
     copies: list[DraftTree | None]
     drafter_width: int  # W
+    copy_width: int = 0  # C: the copy branches' nodes a row, padded
 
     @property
     def width(self) -> int:
@@ -338,7 +342,7 @@ class PendingTrees:
 
     def graft_copies(self) -> None:
         """Each row's copy branches into the layout, after the drafter's nodes (one host-to-device copy)."""
-        extra = max((c.size - 1 for c in self.copies if c is not None), default=0)
+        extra = self.copy_width
         if not extra:
             return
         arrays = {"tokens": [], "depths": [], "ancestors": []}
