@@ -218,10 +218,9 @@ def patch_drafts(fake):
 
     from eagle_hf.speculation import speculator as speculation
 
-    def draft_trees(drafter, state, roots, logits, hidden, depths, top_k, total_tokens, *args, rows=None, **kwargs):
-        rows = list(range(state.rows)) if rows is None else rows
-        return [fake(state.positions[b], root, depth, total)
-                for b, root, depth, total in zip(rows, roots, depths, total_tokens)]
+    def draft_trees(drafter, state, logits, hidden, depths, top_k, layout, *args, **kwargs):
+        return [fake(state.positions[b], root, depth, total) if depth else None
+                for b, (root, depth, total) in enumerate(zip(layout.roots, depths, layout.sizes))]
 
     return mock.patch.object(speculation, "draft_trees", draft_trees)
 

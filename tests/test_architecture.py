@@ -98,3 +98,33 @@ def test_only_the_round_plan_decides_and_only_the_round_record_reports():
     assert _constructed("RoundRecord") == {"speculation/speculator.py"}
     assert _calls("end_round") == {"hf/tree_loop.py", "hf/candidate.py"}
     assert _calls("observe") <= {"speculation/rounds.py", "speculation/schedule.py"}
+
+
+def _callers(name: str) -> dict[str, int]:
+    """Where eagle_hf calls ``name(...)`` (a plain or attribute call), by ``module.function``: how often."""
+    out: dict[str, int] = {}
+    for path in sorted((ROOT / "eagle_hf").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and (getattr(node.func, "id", None) == name
+                                                    or getattr(node.func, "attr", None) == name):
+                    key = f"{path.relative_to(ROOT / 'eagle_hf').with_suffix('')}.{fn.name}"
+                    out[key] = out.get(key, 0) + 1
+    return out
+
+
+def test_growing_choosing_and_verifying_are_each_implemented_once():
+    """A round's trees grow in one function (`grow_levels`, launched eagerly by `draft_trees` or as a program by
+    `grow_trees`), their nodes are chosen in one (`tree_layout`, after `grow_levels` in the same two launches), and
+    the target verifies them in one forward (`TreeLoop.verify`, for laid-out and host trees alike). The host's
+    level-by-level growth lives in the tests only (`tests/reference_growth.py`)."""
+    launches = {"speculation/drafting.draft_trees", "speculation/draft_programs.grow_trees"}
+    assert set(_callers("grow_levels")) == launches
+    assert set(_callers("tree_layout")) == launches
+    assert set(_callers("verify")) == {"hf/tree_loop.verify_and_commit"}
+    source = "\n".join(p.read_text() for p in (ROOT / "eagle_hf").rglob("*.py"))
+    for gone in ("class Candidates", "def _select(", "def greedy_chain(", "class FixedLevel", "def read_choices("):
+        assert gone not in source, gone

@@ -165,7 +165,7 @@ def test_verify_forwards_with_split_keys_keep_greedy_output(monkeypatch, mode):
     from eagle_hf.hf import attention
 
     monkeypatch.setattr(attention, "SPLIT_KEYS", 4)  # (several chunks over a short prompt)
-    monkeypatch.setenv(attention.SPLIT_KEY_ENV, "on")
+    monkeypatch.setattr(attention, "SPLIT_KEY_FROM", {"cpu": 1, "cuda": 1})  # (from the first token, here too)
     calls = []
     split = attention.split_key_attention
     monkeypatch.setattr(attention, "split_key_attention", lambda *a, **k: (calls.append(a[4]), split(*a, **k))[1])

@@ -321,7 +321,9 @@ def _padded(rows):
 def test_batched_drafting_grows_each_rows_tree_as_drafted_alone(top_k):
     """Rows of different lengths catch up in one padded drafter forward and grow their trees together (holes in
     the drafter's cache, padded frontiers): every tree equals the row's drafted alone, over two rounds."""
-    from eagle_hf.speculation.drafting import DraftState, draft_tree, draft_trees
+    from reference_growth import device_trees
+
+    from eagle_hf.speculation.drafting import DraftState, draft_tree
 
     target, drafter = tiny_target("llama"), None
     drafter = tiny_drafter(target, seed=3)
@@ -334,7 +336,7 @@ def test_batched_drafting_grows_each_rows_tree_as_drafted_alone(top_k):
     for taps in rounds:
         roots = [int(t[0, -1]) for _, t in taps]
         logits, hidden = batch.extend(drafter, *_padded(taps))
-        trees = draft_trees(drafter, batch, roots, logits, hidden, [4, 4, 3], top_k, [8, 8, 8])
+        trees = device_trees(drafter, batch, roots, logits, hidden, [4, 4, 3], top_k, [8, 8, 8])
         for b, (a, t) in enumerate(taps):
             own_logits, own_hidden = alone[b].extend(drafter, a, t)
             torch.testing.assert_close(logits[b : b + 1], own_logits, rtol=1e-4, atol=1e-4)
@@ -349,8 +351,10 @@ def test_a_long_catch_up_in_chunks_equals_one_pass(monkeypatch):
     """A long prompt's catch-up runs `CATCH_UP_CHUNK` rows per drafter forward (a bounded peak: ~0.7 GiB less at
     8k tokens on an 8B shape): rows ending inside a chunk, on its boundary and in the last one get the logits,
     hidden state and cache of one pass, and draft the same trees over two rounds."""
+    from reference_growth import device_trees
+
     from eagle_hf.speculation import drafting
-    from eagle_hf.speculation.drafting import DraftState, draft_trees
+    from eagle_hf.speculation.drafting import DraftState
 
     target = tiny_target("llama")
     drafter = tiny_drafter(target, seed=3)
@@ -368,7 +372,7 @@ def test_a_long_catch_up_in_chunks_equals_one_pass(monkeypatch):
         for taps in rounds:
             logits, hidden = state.extend(drafter, *_padded(taps))
             roots = [int(t[0, -1]) for _, t in taps]
-            trees.append((logits, hidden, draft_trees(drafter, state, roots, logits, hidden, [4, 4, 3], 3, [8] * 3)))
+            trees.append((logits, hidden, device_trees(drafter, state, roots, logits, hidden, [4, 4, 3], 3, [8] * 3)))
         states[chunk] = (state, trees)
     (chunked, a), (_, b) = states.values()
     assert steps[:3] == [4, 4, 3]  # the first prompt: three chunks (11 rows)

@@ -256,26 +256,6 @@ def test_process_spread_is_the_gap_between_two_processes_over_every_pair():
     assert "| s | copy alone | 3 | 2.00x / 3.00x | 40.0% / 40.0% |" in spread_markdown(spread)
 
 
-def test_decision_trace_lines_up_two_processes(tmp_path, capsys):
-    """scripts/decision_trace.py --compare: per prompt, the share of rounds the drafter rested in each process; a
-    prompt decided apart (shares more than 30 points apart) is marked and counted."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "decision_trace", Path(__file__).resolve().parent.parent / "scripts" / "decision_trace.py")
-    trace = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(trace)
-    drafting, resting = [[3, 1.4]] * 10, [[3, 1.4]] + [[0, 0.99]] * 9
-    a, b = tmp_path / "a.json", tmp_path / "b.json"
-    a.write_text(json.dumps([{"choices": drafting}, {"choices": drafting}]))
-    b.write_text(json.dumps([{"choices": drafting}, {"choices": resting}]))
-    assert trace.rested({"choices": resting}) == 0.9
-    trace.compare(str(a), str(b))
-    out = capsys.readouterr().out
-    assert "1 of 2 prompts decided apart" in out and out.count("decided apart") == 2
-
-
 def test_chat_inputs_without_a_chat_template():
     """A pretrained model's tokenizer (no chat template, as Gemma 3 270M's) gets the messages' text."""
 

@@ -361,7 +361,7 @@ def test_a_resting_drafter_drafts_beside_copies_where_its_margin_pays():
 
 
 def test_copy_trace_records_each_round_and_the_rank_that_hit(tmp_path, monkeypatch):
-    """scripts/copy_trace.py: every proposal of the copy source with its matches, branch lengths and how far each
+    """benchmarks/copy_trace.py: every proposal of the copy source with its matches, branch lengths and how far each
     branch got; rounds summarised by kind and by the rank of the branch that reached furthest; the copy source
     is left as it was."""
     import importlib.util
@@ -372,7 +372,7 @@ def test_copy_trace_records_each_round_and_the_rank_that_hit(tmp_path, monkeypat
     from eagle_hf.speculation import copying
 
     spec = importlib.util.spec_from_file_location(
-        "copy_trace", Path(__file__).resolve().parent.parent / "scripts" / "copy_trace.py")
+        "copy_trace", Path(__file__).resolve().parent.parent / "benchmarks" / "copy_trace.py")
     trace = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(trace)
     target = tiny_target("llama")

@@ -96,11 +96,11 @@ def test_homogeneity_test_separates_equal_from_different_distributions():
     assert abs(chi2_sf(30.0, 20) - 0.0699) < 0.005
 
 
-def test_verify_attention_bench_times_every_case_on_the_cpu(tmp_path):
-    """scripts/verify_attention_bench.py (the one-layer bench of docs/gpu.md) runs here with a short context: every
+def test_verify_attention_kernels_times_every_case_on_the_cpu(tmp_path):
+    """benchmarks/verify_attention_kernels.py (the one-layer bench of docs/gpu.md) runs here with a short context: every
     case either times or says why its backend refused, and the JSON holds them all."""
     out = tmp_path / "va.json"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "verify_attention_bench.py"), "--device", "cpu",
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "verify_attention_kernels.py"), "--device", "cpu",
                     "--contexts", "48", "--batches", "1", "--out", str(out)], check=True, capture_output=True,
                    timeout=300)
     rows = json.loads(out.read_text())["rows"]
@@ -119,16 +119,16 @@ def test_verify_attention_bench_times_every_case_on_the_cpu(tmp_path):
 def test_the_compiled_stage_measures_chains_trees_and_the_curve_on_the_cycle_target(tmp_path):
     """The compiled stage's rehearsal (here: a static cache, uncompiled): every mode's output follows the cycle
     target's continuation, the oracle drafter's drafts are all accepted at rate 0 (tau pinned), fewer at a withheld
-    rate, and the drafter's level is timed eagerly and at fixed shapes."""
+    rate, and the drafter's level is timed eagerly."""
     from benchmarks.device_check import cli, common
 
     assert cli.main(["--device", "cpu", "--small", "--only", "compiled", "--compiled-cells", "32x1",
-                    "--compiled-modes", "chain 5; tree; default", "--compiled-rates", "0.5",
+                    "--compiled-modes", "chain 5; tree; default; tree, dynamic cache", "--compiled-rates", "0.5",
                     "--budget-s", "compiled=120", "--out", str(tmp_path)]) == 0
     stage = json.loads((tmp_path / "report.json").read_text())["stages"]["compiled"]
     rows = {(r["mode"], r["withheld_rate"]): r for r in stage["data"]["speed"]}
     assert set(rows) == {("plain", 0.0), ("chain 5", 0.0), ("tree", 0.0), ("default", 0.0), ("chain 5", 0.5),
-                         ("default", 0.5)}
+                         ("tree", 0.5), ("default", 0.5), ("tree, dynamic cache", 0.0), ("tree, dynamic cache", 0.5)}
     assert all(r["follows_cycle"] for r in rows.values())
     new = common.SMALL.new_tokens
     assert rows[("chain 5", 0.0)]["tau"] == pytest.approx((new - 1) / 4)  # the prefill's token, then 4 rounds
@@ -136,8 +136,7 @@ def test_the_compiled_stage_measures_chains_trees_and_the_curve_on_the_cycle_tar
     # the steady state: the slope over two new-token counts (launches: the profiler's, on CUDA only)
     assert rows[("chain 5", 0.0)]["steady_ms_per_round"] > 0 and rows[("plain", 0.0)]["steady_ms_per_round"] > 0
     assert rows[("chain 5", 0.0)]["launches_per_round"] is None
-    assert {(r["k"], r["levels"]) for r in stage["data"]["drafter level alone"]} == {
-        (1, "eager"), (1, "fixed shapes"), (4, "eager"), (4, "fixed shapes")}
+    assert {(r["k"], r["levels"]) for r in stage["data"]["drafter level alone"]} == {(1, "eager"), (4, "eager")}
 
 
 def test_the_cycle_target_continues_its_cycle_by_a_wide_margin():

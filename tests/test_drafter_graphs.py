@@ -1,5 +1,7 @@
-"""Draft levels at fixed shapes (`eagle_hf.drafter.graphs`): the forward a CUDA graph replays, run eagerly here.
-The oracle is plain generate() (float32 greedy) and the eager levels (sampling: the same draws)."""
+"""Drafting launched as fixed-shape programs (`eagle_hf.drafter.graphs`, `eagle_hf.programs`: what a CUDA graph
+replays, run eagerly here) or eagerly at the round's shapes: the same trees. The oracles are plain generate()
+(float32 greedy), the eager launch (sampling: the same draws) and the host's level-by-level growth
+(`reference_growth`, node for node)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ from conftest import tiny_drafter, tiny_target
 from test_batch import MODES, left_padded
 from test_copying import REPEAT
 
+from eagle_hf import programs
 from eagle_hf.drafter import graphs
-from eagle_hf.drafter.graphs import GRAPHS_ENV, FixedLevel, LevelGraphs
+from eagle_hf.drafter.graphs import GRAPHS_ENV, LevelGraphs
 from eagle_hf.hf import models
 from eagle_hf.speculation.drafting import DraftState
 
@@ -20,12 +23,16 @@ STATIC = dict(cache_implementation="static")
 
 @pytest.fixture
 def levels_run(monkeypatch):
-    """Fixed-shape levels on, counting their forwards."""
+    """Fixed-shape programs on; a list whose length is the programs launched since (read it at the end)."""
     monkeypatch.setenv(GRAPHS_ENV, "on")
-    calls = []
-    run = FixedLevel.run
-    monkeypatch.setattr(FixedLevel, "run", lambda self, *a, **k: (calls.append(self.ids.shape), run(self, *a, **k))[1])
-    return calls
+
+    class Launched(list):
+        start = programs.LAUNCHES
+
+        def __len__(self):
+            return programs.LAUNCHES - self.start
+
+    return Launched()
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -42,7 +49,7 @@ def test_fixed_shape_levels_keep_greedy_output(levels_run, mode, cache):
                               assistant_model=drafter, **MODES[mode], **extra)
         assert torch.equal(out, want)
     if MODES[mode].get("num_assistant_tokens_schedule") == "constant":  # (adaptive ones may draft one level)
-        assert levels_run, "no level ran at fixed shapes"
+        assert len(levels_run), "no program ran"
 
 
 def test_fixed_shape_levels_sample_the_same_draws(monkeypatch):
@@ -64,9 +71,9 @@ def test_a_later_call_reuses_the_storage_and_its_levels(levels_run):
     call = dict(max_new_tokens=16, do_sample=False, assistant_model=drafter, **MODES["chain"])
     target.generate(REPEAT, **call)
     kept = LevelGraphs.for_drafter(drafter)
-    first = dict(kept.levels)
+    first = dict(kept.programs)
     target.generate(REPEAT, **call)
-    assert dict(kept.levels) == first  # the same storage, so the same levels (on CUDA: the same graphs)
+    assert dict(kept.programs) == first  # the same storage, so the same programs (on CUDA: the same graphs)
     assert len(kept.storage) == 1
 
 
@@ -85,7 +92,7 @@ def test_a_live_cache_keeps_its_storage():
 def test_levels_are_fixed_shape_only_where_wanted(monkeypatch):
     drafter = tiny_drafter(tiny_target("llama"))
     monkeypatch.delenv(GRAPHS_ENV, raising=False)
-    assert graphs.wanted(drafter, compiled=True)  # (auto: where the target's forward is compiled)
+    assert graphs.wanted(drafter, compiled=True)  # (auto: where the target's forward is compiled, and on CUDA)
     assert not graphs.wanted(drafter, compiled=False)
     monkeypatch.setenv(GRAPHS_ENV, "on")
     assert graphs.wanted(drafter, compiled=False)
@@ -115,52 +122,34 @@ def _drafter_over_prompts(rows: int, seed: int = 3):
     return drafter, aux, ids
 
 
+@pytest.mark.parametrize("launch", ["eager", "program", "holes"])
 @pytest.mark.parametrize("top_k", [1, 2, 3])
 @pytest.mark.parametrize("threshold,prune", [(0.0, True), (0.3, True), (0.6, True), (0.6, False), (0.9, False)])
-def test_trees_grown_on_the_device_are_the_trees_grown_level_by_level(top_k, threshold, prune):
-    """One read a tree (the device decides each level) against one read a level (the host decides), both at fixed
-    shapes: the same trees, node for node, bit for bit; rows of different depths, and a row that drafts nothing."""
-    from eagle_hf.speculation.drafting import draft_trees, top_k_choice
+def test_device_trees_are_the_host_s_trees_node_for_node(launch, top_k, threshold, prune):
+    """The trees grown and laid out on the device (`draft_trees`: eagerly at the round's shapes, as one program
+    over the whole storage, or eagerly over a cache with holes) are the host's trees grown level by level
+    (`reference_trees`, one read a level): the same nodes in the same order, the drafter's greedy chain first,
+    scores equal; rows of different depths, and a row that drafts nothing keeps its root alone."""
+    from reference_growth import device_trees, greedy_chain, reference_trees
 
     drafter, aux, ids = _drafter_over_prompts(3)
-    trees, levels = {}, {}
-    for where in ("device", "host"):
-        state = DraftState(positions=[0, 0, 0], graphs=LevelGraphs.for_drafter(drafter))
-        with torch.no_grad():
-            logits, hidden = state.extend(drafter, aux, ids[:, 1:])
-            choosers = None if where == "device" else [lambda logits, paths: top_k_choice(drafter, logits, top_k)] * 2
-            trees[where] = draft_trees(drafter, state, [int(ids[0, -1]), int(ids[2, -1])], logits, hidden, [5, 3],
-                                       top_k, [12, 9], threshold, choosers, prune, rows=[0, 2])
-        levels[where] = state.steps
-    for got, want in zip(trees["device"], trees["host"]):
-        assert got.tokens.tolist() == want.tokens.tolist()
-        assert got.parents.tolist() == want.parents.tolist()
-        assert got.scores.tolist() == want.scores.tolist()
-    assert levels["device"] == 4 and levels["host"] <= 4  # (the device runs to the deepest row's depth)
-
-
-@pytest.mark.parametrize("top_k", [1, 3])
-@pytest.mark.parametrize("threshold,prune", [(0.0, True), (0.3, True), (0.6, False)])
-def test_trees_laid_out_on_the_device_are_the_host_s_trees(top_k, threshold, prune):
-    """The trees a greedy round lays out for the verify on the device (`tree_layout`, read with the verify's
-    result) are the host's trees (`_select`): the same nodes in the same order, the drafter's greedy chain first;
-    a row that drafts nothing keeps its root alone."""
-    from eagle_hf.speculation.drafting import draft_trees, greedy_chain, settle_trees
-
-    drafter, aux, ids = _drafter_over_prompts(3)
-    roots, sizes = [int(ids[b, -1]) for b in range(3)], [12, 1, 9]
+    roots, sizes, depths = [int(ids[b, -1]) for b in range(3)], [12, 1, 9], [5, 0, 3]
+    counts = [8, 5, 8] if launch == "holes" else None  # row 1 reads fewer rows: holes in the drafter's cache
     trees = {}
     for where in ("device", "host"):
-        state = DraftState(positions=[0, 0, 0], graphs=LevelGraphs.for_drafter(drafter))
+        state = DraftState(positions=[0, 0, 0], graphs=LevelGraphs.for_drafter(drafter) if launch == "program" else None)
         with torch.no_grad():
-            logits, hidden = state.extend(drafter, aux, ids[:, 1:])
-            layout = (16, roots, [8, 8, 8], sizes) if where == "device" else None
-            trees[where] = draft_trees(drafter, state, [roots[0], roots[2]], logits, hidden, [5, 3], top_k,
-                                       [sizes[0], sizes[2]], threshold, None, prune, rows=[0, 2], layout=layout)
-    laid_out, positions = trees["device"]
-    settled = settle_trees(laid_out, laid_out.host.flatten().tolist(), roots)
-    assert settled[1].size == 1 and positions[1].tolist() == [8] * 16
-    for got, want in zip([settled[0], settled[2]], trees["host"]):
+            logits, hidden = state.extend(drafter, aux, ids[:, 1:], counts)
+            if where == "device":
+                trees[where] = device_trees(drafter, state, roots, logits, hidden, depths, top_k, sizes, threshold,
+                                            prune)
+            else:
+                host = reference_trees(drafter, state, [roots[0], roots[2]], logits, hidden, [5, 3], top_k,
+                                       [sizes[0], sizes[2]], threshold, None, prune, rows=[0, 2])
+                trees[where] = [host[0], None, host[1]]
+        assert state.ragged.holes == (launch == "holes")
+    assert trees["device"][1].size == 1
+    for got, want in zip(trees["device"][::2], trees["host"][::2]):
         assert got.tokens.tolist() == want.tokens.tolist()
         assert got.parents.tolist() == want.parents.tolist()
         assert got.scores.tolist() == pytest.approx(want.scores.tolist())
@@ -169,7 +158,7 @@ def test_trees_laid_out_on_the_device_are_the_host_s_trees(top_k, threshold, pru
 
 
 def test_the_greedy_chain_is_each_first_child_below_the_chain():
-    from eagle_hf.speculation.drafting import greedy_chain
+    from reference_growth import greedy_chain
 
     # candidates' parents as node ids (0: the root; candidate c is node c + 1), drafted best child first
     assert greedy_chain([0, 0, 1, 1, 2, 3, 3]) == [True, False, True, False, False, True, False]

@@ -73,7 +73,7 @@ def oracle(reference: torch.Tensor, wrong_positions=(), vocab: int = VOCAB):
         assert prefix.shape[0] == 1 and draft_logits.shape[0] == 1
         n = prefix.shape[1]
         assert torch.equal(prefix[0].cpu(), ref[:n].cpu()), "the accepted prefix left the greedy path"
-        pos = n + len(drafted)
+        pos = n + drafted.shape[-1]  # drafted: [1, d] the drafts so far
         token = int(ref[pos])
         if pos in wrong_positions:
             token = (token + 1) % vocab

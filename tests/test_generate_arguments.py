@@ -1,5 +1,5 @@
 """generate()'s whole surface with a drafter: every argument of the installed transformers is classified
-(eagle_hf/hf/arguments.py) and holds in every mode, at batch 1 and 2: plain generate()'s output (float32 greedy),
+(tests/generate_arguments.py) and holds in every mode, at batch 1 and 2: plain generate()'s output (float32 greedy),
 a sampling run, or a refusal by name before any compute; stop strings with their tokenizer on their own."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import inspect
 import pytest
 import torch
 from conftest import VOCAB, tiny_drafter, tiny_target
+from generate_arguments import ARGUMENTS, VERDICTS, table_markdown
 from test_batch import left_padded
 from transformers import GenerationConfig, GenerationMixin
 
 from eagle_hf import EagleCompatibilityError
-from eagle_hf.hf.arguments import ARGUMENTS, VERDICTS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MODES = {"default": {}, "tree": dict(draft_mode="tree"), "chain": dict(draft_mode="chain"),
@@ -76,7 +76,7 @@ def test_use_cache_false_is_refused_by_name_before_any_compute(setup, mode, monk
         target.generate(torch.tensor([[5, 9, 12]]), max_new_tokens=8, use_cache=False, **assist, **MODES[mode])
 
 
-# ---------------------------------------------------------------------------- the whole surface (eagle_hf/hf/arguments.py)
+# ---------------------------------------------------------------- the whole surface (tests/generate_arguments.py)
 
 #: arguments a batch refuses by name (a row per step that batch rows drafting apart do not have)
 BATCH_REFUSED = {"output_hidden_states"}
@@ -90,7 +90,7 @@ def transformers_arguments() -> set[str]:
 
 def test_every_argument_of_generate_is_classified():
     missing = sorted(transformers_arguments() - set(ARGUMENTS))
-    assert not missing, f"unclassified generate() arguments (add them to eagle_hf/hf/arguments.py): {missing}"
+    assert not missing, f"unclassified generate() arguments (add them to tests/generate_arguments.py): {missing}"
     assert all(verdict in VERDICTS for verdict, _, _ in ARGUMENTS.values())
 
 
@@ -139,10 +139,8 @@ def test_a_refused_argument_is_named_before_any_compute(setup, name, monkeypatch
 def test_the_usage_page_shows_the_table():
     from pathlib import Path
 
-    from eagle_hf.hf.arguments import table_markdown
-
     page = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
-    assert table_markdown() in page, "docs/usage.md: paste eagle_hf.hf.arguments.table_markdown()"
+    assert table_markdown() in page, "docs/usage.md: paste table_markdown() of tests/generate_arguments.py"
 
 
 # ---------------------------------------------------------------------------- the prompt's tensors

@@ -46,11 +46,12 @@ def test_a_ragged_batch_of_indexed_layers_equals_plain_decoding(cache, monkeypat
 def test_indexed_layers_keep_the_tree_and_the_indexer_keys(caplog, monkeypatch):
     """Tree mode (not the chain fallback) on one row; the returned cache's indexer keys equal a plain forward's.
     Split-key attention is asked for and not taken: the indexer hides committed slots from each node."""
-    monkeypatch.setenv("EAGLE_HF_SPLIT_KEY", "on")
     from transformers import DynamicCache
 
+    from eagle_hf.hf import attention
     from eagle_hf.hf.version import cache_kwarg, output_cache
 
+    monkeypatch.setattr(attention, "SPLIT_KEY_FROM", {"cpu": 1, "cuda": 1})  # (from the first token, here too)
     target = tiny_target("deepseek_v32", layers=3)
     drafter = tiny_drafter(target)
     ids = torch.randint(1, 96, (1, 10), generator=torch.Generator().manual_seed(2))

@@ -27,9 +27,10 @@ STATIC = dict(cache_implementation="static")
 
 
 def test_default_mode_runs_on_a_static_cache(caplog, monkeypatch):
-    cuts = []
-    fit = Speculator.fit
+    cuts = []  # trees cut to a static cache's free slots: host trees (`fit`), copy branches beside laid-out ones
+    fit, keep = Speculator.fit, Speculator.keep_copies
     monkeypatch.setattr(Speculator, "fit", lambda self, n: (cuts.append((self.this_round.tree.size, n)), fit(self, n))[1])
+    monkeypatch.setattr(Speculator, "keep_copies", lambda self, tree: (cuts.append(tree.size), keep(self, tree))[1])
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     ref = target.generate(REPEAT, max_new_tokens=40, do_sample=False)
@@ -149,7 +150,7 @@ def test_a_compiled_forward_verifies_trees_in_a_few_shapes():
     assert compiled_costs.observed and not cost_model(target, drafter).observed
     assert max(compiled_costs.as_dict()["seconds"].values()) < 0.5
     # one graph per width, specialised as a plain step's is (automatic dynamic shapes would have run every width
-    # after the second through one dynamic-shape graph: 2 graphs here with EAGLE_HF_VERIFY_WIDTHS=dynamic), and
+    # after the second through one dynamic-shape graph: 2 graphs here with eagle_hf.hf.models.STATIC_WIDTHS off), and
     # one per program the loop compiled (`eagle_hf.programs`: the drafter's catch-up per width, its levels, the
     # cache commit per width), each whole
     made = programs.GRAPHS - programs_made

@@ -16,11 +16,11 @@ from eagle_hf.tools.sync_probe import SyncProbe, count_aten_ops, probe_generate
 TREE = dict(draft_mode="tree", tree_depth=5, tree_top_k=4, tree_total_tokens=16, draft_sources="eagle")
 #: scenario -> (rows, generate() keywords, the most reads per drafting round; the issue's targets)
 SCENARIOS = {
-    "tree": (1, TREE, 8),
-    "tree batch of 4": (4, TREE, 10),
-    "sampling tree": (1, dict(TREE, do_sample=True), 10),
-    "chain of 5": (1, dict(draft_mode="chain", num_assistant_tokens=5), 7),
-    "copy alone": (1, dict(draft_sources="copy"), 8),
+    "tree": (1, TREE, 1),
+    "tree batch of 4": (4, TREE, 1),
+    "sampling tree": (1, dict(TREE, do_sample=True), 2),
+    "chain of 5": (1, dict(draft_mode="chain", num_assistant_tokens=5), 7),  # (transformers' loop reads its own)
+    "copy alone": (1, dict(draft_sources="copy"), 1),
 }
 
 
@@ -209,11 +209,12 @@ def test_an_asynchronous_device_clock_leaves_no_reference_cycles(models, monkeyp
 
 
 
-@pytest.mark.parametrize("name,rows,reads", [("tree", 1, 1), ("tree batch of 4", 4, 2)])
+@pytest.mark.parametrize("name,rows,reads", [("tree", 1, 1), ("tree batch of 4", 4, 1)])
 def test_levels_at_fixed_shapes_read_the_device_once_a_tree(models, one_thread, monkeypatch, name, rows, reads):
     """With draft levels at fixed shapes (CUDA graphs on a GPU), the device takes each level's decisions and lays
     the trees out for the verify: a greedy drafting round reads the device once, the trees with the target's
-    choices. A batch whose drafter cache has holes (left padding) reads its trees before the verify: twice."""
+    choices; a batch whose drafter cache has holes (left padding) too (its levels run eagerly under the kept
+    masks, the same arithmetic)."""
     monkeypatch.setenv("EAGLE_HF_DRAFTER_GRAPHS", "on")
     target, drafter = models
     run = dict(TREE, max_new_tokens=20, num_assistant_tokens_schedule="constant", assistant_model=drafter)
@@ -221,5 +222,35 @@ def test_levels_at_fixed_shapes_read_the_device_once_a_tree(models, one_thread, 
     torch.manual_seed(0)
     probe = probe_generate(target, inputs(rows), **run)
     draft = probe.summary()["draft"]
-    assert draft["max_reads"] == reads, probe.culprits()  # (level by level: 6, a depth-5 tree)
+    assert draft["max_reads"] == reads, probe.culprits()  # (level by level it was 6, a depth-5 tree)
     assert draft["max_syncs"] == 0 and draft["max_copies"] == 0 and draft["max_mixed"] == 0, probe.culprits()
+
+
+#: where copies are found (the prompts repeat), every greedy round in eagle_hf's loop reads the device once (the
+#: trees laid out on the device and the target's choices, after the verify), batch 1 and a ragged batch alike;
+#: a sampling round twice (the trees, then the acceptance). scenario -> (rows, generate() keywords, most reads)
+ONE_READ = {
+    "tree with copies": (1, dict(TREE, draft_sources="eagle+copy"), 1),
+    "tree with copies, batch of 4": (4, dict(TREE, draft_sources="eagle+copy"), 1),
+    "chain 5 with copies": (1, dict(draft_mode="chain", num_assistant_tokens=5, draft_sources="eagle+copy"), 1),
+    "chain 5 with copies, batch of 4": (4, dict(draft_mode="chain", num_assistant_tokens=5,
+                                                draft_sources="eagle+copy"), 1),
+    "default, batch of 4": (4, {}, 1),
+    "sampling tree with copies": (1, dict(TREE, draft_sources="eagle+copy", do_sample=True), 2),
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_READ))
+def test_every_round_reads_once_where_copies_are_found(models, one_thread, name):
+    target, drafter = models
+    rows, kwargs, most_reads = ONE_READ[name]
+    run = dict(kwargs, max_new_tokens=24, num_assistant_tokens_schedule=kwargs.get("num_assistant_tokens_schedule",
+                                                                                   "constant" if kwargs else None),
+               assistant_model=drafter)
+    run = {k: v for k, v in run.items() if v is not None}
+    target.generate(**inputs(rows), **run)
+    torch.manual_seed(0)
+    probe = probe_generate(target, inputs(rows), **run)
+    rounds = probe.rounds[2:-1]  # (before the first round, the prefill; the last holds the loop's wrap-up)
+    assert rounds and max(r.reads for r in rounds) <= most_reads, probe.culprits()
+    assert any(r.width > 1 for r in rounds)  # (drafts were verified)

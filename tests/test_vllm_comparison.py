@@ -1,4 +1,4 @@
-"""scripts/vllm_comparison.py: the comparison of what vLLM served (scripts/serve_with_vllm.py) with plain
+"""benchmarks/vllm_comparison.py: the comparison of what vLLM served (benchmarks/serve_with_vllm.py) with plain
 generate() and eagle_hf's chain, checked on made-up counters and on the run docs/serving.md reports (its raw
 outputs are saved in docs/results/vllm_serving.json; vLLM itself is not installed here)."""
 
@@ -15,7 +15,7 @@ SAVED = ROOT / "docs" / "results" / "vllm_serving.json"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("vllm_comparison", ROOT / "scripts" / "vllm_comparison.py")
+    spec = importlib.util.spec_from_file_location("vllm_comparison", ROOT / "benchmarks" / "vllm_comparison.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

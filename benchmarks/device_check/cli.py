@@ -64,7 +64,8 @@ def parse_args(argv=None):
                    "--small: 64x1,64x2)")
     p.add_argument("--compiled-modes", default="", help="compiled stage: these modes only, separated by ';' (chain 3; "
                    "chain 5; chain 8; tree; default; chain 5, eager levels; default, eager levels; by name only: chain 5, "
-                   "chain 8 and default with ', dynamic widths')")
+                   "chain 8 and default with ', dynamic widths'; chain 5, tree and default with ', dynamic cache': the default dynamic "
+                   "cache, the README's GPU example's path)")
     p.add_argument("--compiled-rates", default="", help="compiled stage: the acceptance curve's withheld rates, "
                    "e.g. 0.15,0.35,0.5,1.0 (default 0.15,0.25,0.35,0.5,1.0)")
     p.add_argument("--compile-cpu", action="store_true", help="compiled stage on a CPU: compile through inductor "

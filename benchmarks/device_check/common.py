@@ -466,16 +466,21 @@ def draft_levels(kwargs: dict):
     ``split_keys="off"`` (tree attention in one masked call) and ``widths="dynamic"`` (the compiled verify
     forward's width left to automatic dynamic shapes) turned into eagle_hf's settings for the call."""
     from eagle_hf.drafter.graphs import GRAPHS_ENV
-    from eagle_hf.hf.attention import SPLIT_KEY_ENV
-    from eagle_hf.hf.models import VERIFY_WIDTHS_ENV
+    from eagle_hf.hf import attention, models
 
     kwargs = dict(kwargs)
-    settings = {GRAPHS_ENV: "off" if kwargs.pop("levels", None) == "eager" else None,
-                SPLIT_KEY_ENV: kwargs.pop("split_keys", None), VERIFY_WIDTHS_ENV: kwargs.pop("widths", None)}
+    kwargs.pop("cache", None)  # (the stage's, `compiled.cache_of`)
+    settings = {GRAPHS_ENV: "off" if kwargs.pop("levels", None) == "eager" else None}
+    constants = {(attention, "SPLIT_KEY_FROM"): {} if kwargs.pop("split_keys", None) == "off" else None,
+                 (models, "STATIC_WIDTHS"): False if kwargs.pop("widths", None) == "dynamic" else None}
     before = {name: os.environ.get(name) for name in settings}
+    kept = {key: getattr(*key) for key, value in constants.items() if value is not None}
     for name, value in settings.items():
         if value is not None:
             os.environ[name] = value
+    for (module, name), value in constants.items():
+        if value is not None:
+            setattr(module, name, value)
     try:
         yield kwargs
     finally:
@@ -484,6 +489,8 @@ def draft_levels(kwargs: dict):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        for (module, name), value in kept.items():
+            setattr(module, name, value)
 
 
 def _kernel_cases(ctx, target, drafter, ids, mask, new, cases, label: dict, extra: dict | None = None) -> list[dict]:

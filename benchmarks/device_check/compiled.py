@@ -63,18 +63,20 @@ def stage_compiled(ctx: Context, budget: Budget) -> StageResult:
     full.update({"tree": TREE, "default": {}})
     full.update({f"{m}, eager levels": dict(full[m], levels="eager") for m in ("chain 5", "default")})
     full.update({f"{m}, dynamic widths": dict(full[m], widths="dynamic") for m in ("chain 5", "chain 8", "default")})
+    full.update({f"{m}, dynamic cache": dict(full[m], cache="dynamic") for m in ("chain 5", "tree", "default")})
     if ctx.args.compiled_modes:
         full = {m.strip(): full[m.strip()] for m in ctx.args.compiled_modes.split(";")}
-    else:  # (the comparisons of the compiled path's widths: asked for by name)
-        full = {m: kwargs for m, kwargs in full.items() if "widths" not in kwargs}
+    else:  # (the comparisons of the compiled path's widths, and the dynamic cache: asked for by name)
+        full = {m: kwargs for m, kwargs in full.items() if "widths" not in kwargs and "cache" not in kwargs}
     rates = [float(r) for r in (ctx.args.compiled_rates or "0.15,0.25,0.35,0.5,1.0").split(",") if r]
-    curve = [(m, r) for r in rates for m in ("chain 5", "default") if m in full]
+    curve = [(m, r) for r in rates for m in ("chain 5", "tree", "default", "chain 5, dynamic cache",
+                                             "tree, dynamic cache", "default, dynamic cache") if m in full]
     cells = parse_cells(ctx.args.compiled_cells or ("64x1,64x2" if ctx.small else "1024x1,1024x4"))
     if budget.allows(10):  # (first: cheap, and the cells may use up the budget)
         context = cells[0][0] if cells else 1024
         res["data"]["drafter level alone"] = [
-            {"context": context, "k": k, "levels": "fixed shapes" if fixed else "eager",
-             "ms": drafter_level_ms(ctx, drafter, context, k, fixed=fixed)} for k in (1, 4) for fixed in (False, True)]
+            {"context": context, "k": k, "levels": "eager", "ms": drafter_level_ms(ctx, drafter, context, k)}
+            for k in (1, 4)]
         ctx.partial(res)
     table = []
     for ctx_len, rows in cells:
@@ -87,13 +89,9 @@ def stage_compiled(ctx: Context, budget: Budget) -> StageResult:
         res["data"]["speed"] = table
         ctx.partial(res)
     done = [r for r in table if r["mode"] != "plain" and r.get("runs")]
-    from eagle_hf.drafter.graphs import wanted
-
-    alone = {(x["k"], x["levels"]): x["ms"] for x in res["data"].get("drafter level alone", [])}
-    for r in done:  # (the level alone, as the mode runs it: k nodes a row, eager or at fixed shapes)
-        fixed = wanted(drafter, static.get("disable_compile") is False) and "eager levels" not in r["mode"]
-        r["drafter_ms_per_level"] = alone.get((1 if r["mode"].startswith("chain") else 4,
-                                               "fixed shapes" if fixed else "eager"))
+    alone = {x["k"]: x["ms"] for x in res["data"].get("drafter level alone", [])}
+    for r in done:  # (the eager level alone, k nodes a row as the mode drafts: the programs' is inside theirs)
+        r["drafter_ms_per_level"] = alone.get(1 if r["mode"].startswith("chain") else 4)
     bad = [r for r in done if r.get("follows_cycle") is False]
     if bad:
         res["status"] = "failed"
@@ -118,17 +116,22 @@ def stage_compiled(ctx: Context, budget: Budget) -> StageResult:
     return res
 
 
-def drafter_level_ms(ctx, drafter, context: int, k: int, calls: int = 50, fixed: bool = False) -> float:
-    """Milliseconds of one draft level alone: the drafter's forward over k frontier nodes after `context` real rows
-    and the top-k choice of their children, `calls` times back to back (the device synchronised around the loop:
-    launches and kernels, no host bookkeeping). `fixed`: at fixed shapes (`eagle_hf.drafter.graphs`: a CUDA
-    graph's replay on CUDA)."""
-    from eagle_hf.drafter.graphs import LevelGraphs
-    from eagle_hf.speculation.drafting import DraftState, top_k_choice
+def cache_of(mode: dict, static: dict) -> dict:
+    """A mode's cache keywords: the static cache (compiled where it is), or the default dynamic cache for a mode
+    asked for with ``cache="dynamic"`` (the README's GPU example's own path)."""
+    return {} if mode.get("cache") == "dynamic" else static
+
+
+def drafter_level_ms(ctx, drafter, context: int, k: int, calls: int = 50) -> float:
+    """Milliseconds of one eager draft level alone: the drafter's forward over k frontier nodes after `context`
+    real rows and the top-k choice of their children, `calls` times back to back (the device synchronised around
+    the loop: launches and kernels, no host bookkeeping)."""
+    from eagle_hf.speculation.draft_programs import top_k_choice
+    from eagle_hf.speculation.drafting import DraftState
 
     device, dtype = ctx.device, drafter.fc.weight.dtype
     g = torch.Generator(device="cpu").manual_seed(k)
-    state = DraftState(graphs=LevelGraphs.for_drafter(drafter) if fixed else None)
+    state = DraftState()
     aux = torch.randn(1, context, drafter.fc.in_features, generator=g).to(device, dtype)  # [1, n, A*H_t]
     tokens = torch.randint(1, drafter.config.vocab_size, (1, context), generator=g).to(device)
     with torch.no_grad():
@@ -172,7 +175,7 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
                 draft_levels(modes[mode]) as kwargs:
             graphs = compiled_graphs()
             with dynamo_recompiles() as reasons:
-                generate(target, ids, mask, s.new_tokens, drafter, **kwargs, **static)
+                generate(target, ids, mask, s.new_tokens, drafter, **kwargs, **cache_of(modes[mode], static))
             info[case] = dict(warmup_graphs=compiled_graphs() - graphs, after=0,
                               warmup_s=round(time.perf_counter() - start, 1), recompiles=reasons)
         if not budget.allows(20):
@@ -189,13 +192,14 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
             graphs, captures = compiled_graphs(), programs.CAPTURES
             with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), own_acceptance(drafter, carried, case), \
                     draft_levels(modes[mode]) as kwargs:
-                out, t = timed(ctx, generate, target, ids, mask, s.new_tokens, drafter, **kwargs, **static)
+                out, t = timed(ctx, generate, target, ids, mask, s.new_tokens, drafter, **kwargs,
+                               **cache_of(modes[mode], static))
             times[case].append(t)
             st = last_stats()
             with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), own_acceptance(drafter, carried, case), \
                     draft_levels(modes[mode]) as kwargs:
                 short_times[case].append(timed(ctx, generate, target, ids, mask, short, drafter, **kwargs,
-                                               **static)[1])
+                                               **cache_of(modes[mode], static))[1])
             short_rounds[case] = loop_rounds(last_stats()) + 1
             info[case].update(tau=st.mean_acceptance_length, rounds=loop_rounds(st) + 1, drafter=st.drafter_time,
                               catch_up=st.catch_up_time, verify=st.verify_time,
@@ -205,7 +209,8 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
         mode, rate = case
         with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), own_acceptance(drafter, carried, case), \
                 draft_levels(modes[mode]) as kwargs:
-            launches = device_launches(ctx, generate, target, ids, mask, s.new_tokens, drafter, **kwargs, **static)
+            launches = device_launches(ctx, generate, target, ids, mask, s.new_tokens, drafter, **kwargs,
+                                       **cache_of(modes[mode], static))
         info[case]["launches"] = None if launches is None else launches / info[case]["rounds"]
     med = {k: statistics.median(v) if v else float("nan") for k, v in plain.items()}
     steady_plain = 1e3 * (med["compiled"] - med["compiled, short"]) / max(s.new_tokens - short, 1)

@@ -27,9 +27,10 @@ from .common import (
 
 
 @contextlib.contextmanager
-def choosers_of(make):
-    """Every drafted row's chooser made by ``make(drafter, top_k, row, position, root)`` (`position`: the row's
-    next real position in the drafter's cache, `root`: its tree's root token), in place of the call's own. Patches
+def chooser_of(make):
+    """Every drafting round's children chosen by ``make(drafter, top_k, positions, roots)`` (per row of the
+    drafter's cache: `positions`, its next real position, `roots`, its tree's root token), a chooser of the whole
+    batch's children (`eagle_hf.speculation.draft_programs.Chooser`), in place of the call's own. Patches
     eagle_hf.speculation.speculator.draft_trees, the seam the tests patch too (tests/conftest.py, patch_drafts)."""
     import inspect
 
@@ -42,9 +43,7 @@ def choosers_of(make):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        slots = list(range(a["state"].rows)) if a["rows"] is None else a["rows"]
-        a["choosers"] = [make(a["drafter"], a["top_k"], b, a["state"].positions[b], root)
-                         for b, root in zip(slots, a["roots"])]
+        a["choose"] = make(a["drafter"], a["top_k"], a["state"].positions, a["layout"].roots)
         return original(*bound.args, **bound.kwargs)
 
     speculation.draft_trees = draft_trees
@@ -54,37 +53,48 @@ def choosers_of(make):
         speculation.draft_trees = original
 
 
+#: the most draft levels the replay drafter follows the continuation for
+REPLAY_DEPTH = 64
+
+
 @contextlib.contextmanager
 def replay_drafts(truth: list[list[int]]):
     """The replay drafter: the real drafter runs (its cost is real) but each row's chooser puts the target's own
     greedy continuation (`truth`, per row, in the row's positions) first, with probability 1, beside the drafter's
     own top-k: a chain is the continuation, a tree holds it as its deepest branch and the drafter's other
-    proposals around it. Every draft on the continuation is accepted: the loop's ceiling (`choosers_of`; greedy
+    proposals around it. Every draft on the continuation is accepted: the loop's ceiling (`chooser_of`; greedy
     calls only). Yields counts of drafted trees ("replayed", "unmatched": the row has left the recorded continuation)."""
-    from eagle_hf.speculation.drafting import Choice
+    from eagle_hf.speculation.draft_programs import Choice
 
     counts = Counter()
 
-    def _replay_chooser(drafter, top_k, row, position, root):
-        seq = truth[row] if row < len(truth) and position < len(truth[row]) and truth[row][position] == root else None
-        seq = seq or next((t for t in truth if position < len(t) and t[position] == root), None)
-        counts["replayed" if seq is not None else "unmatched"] += 1
+    def _replay_chooser(drafter, top_k, positions, roots):
+        wants = []
+        for row, (position, root) in enumerate(zip(positions, roots)):
+            seq = truth[row] if row < len(truth) and position < len(truth[row]) and truth[row][position] == root \
+                else None
+            seq = seq or next((t for t in truth if position < len(t) and t[position] == root), None)
+            counts["replayed" if seq is not None else "unmatched"] += 1
+            ahead = list(seq[position + 1 : position + 1 + REPLAY_DEPTH]) if seq is not None else []
+            wants.append(ahead + [-1] * (REPLAY_DEPTH + 1 - len(ahead)))
+        device = drafter.fc.weight.device
+        want = torch.tensor(wants, device=device)  # [B, D + 1] each row's continuation after its root (-1: none)
 
-        def choose(logits, paths):
+        def choose(logits, paths):  # logits [B, k, Vd], paths [B, k, level]
             top = torch.topk(torch.log_softmax(logits.float(), dim=-1), top_k, dim=-1)
-            tokens, logp = drafter.draft_to_target(top.indices), top.values  # [k, top_k]
-            for i, path in enumerate(paths):
-                j = position + 1 + len(path)
-                if seq is None or j >= len(seq) or seq[position + 1: j] != list(path):
-                    continue
-                others = [t for t in tokens[i].tolist() if t != seq[j]]
-                tokens[i] = torch.tensor([seq[j], *others][:top_k], device=tokens.device)
-                logp[i, 0] = 0.0  # probability 1: the branch is kept and grown to the full depth
-            return Choice(tokens, logp)
+            tokens, logp = drafter.draft_to_target(top.indices), top.values  # [B, k, top_k]
+            level = paths.shape[2]
+            ahead = want[:, level][:, None, None].expand(-1, tokens.shape[1], 1)  # [B, k, 1] the next true token
+            on = (paths == want[:, None, :level]).all(-1)[..., None] & (ahead >= 0)  # [B, k, 1] on the continuation
+            rest = torch.sort((tokens == ahead).long(), dim=-1, stable=True).indices  # the others first, in order
+            others = tokens.gather(-1, rest)[..., : top_k - 1]
+            tokens = torch.where(on, torch.cat([ahead, others], -1), tokens)
+            first = torch.arange(top_k, device=device) == 0
+            return Choice(tokens, torch.where(on & first, 0.0, logp))  # probability 1: kept and grown
 
         return choose
 
-    with choosers_of(_replay_chooser):  # (in place of any chooser: transformers' loop passes one for its chain)
+    with chooser_of(_replay_chooser):  # (in place of any chooser: transformers' loop passes one for its chain)
         yield counts
 
 

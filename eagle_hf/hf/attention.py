@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import weakref
 from collections.abc import Callable
 
@@ -40,13 +39,13 @@ TREE_VERIFY = "eagle_hf_tree_verify"
 TREE_PREFIX = "eagle_hf_tree_prefix"
 #: keys per chunk of the prefix (at least): chunks run as heads of one flash-attention call
 SPLIT_KEYS = 512
-#: committed slots from which a verify forward splits its keys by default (CUDA, a growing cache). An uncompiled
-#: verify forward is host-bound at short contexts: the split saves device time (at 8k on an H200, a tree round's
-#: 19.4 ms to 12.1 ms) that the host's launches hide there; its masked attention grows by about 1.4 ms per 1k
-#: tokens a round (8B shape), so the device's time passes the host's from about 16k (docs/gpu.md)
-SPLIT_KEY_FROM = 16384
-#: environment variable: "on" splits the keys of every verify forward that may, "off" never; default: `SPLIT_KEY_FROM`
-SPLIT_KEY_ENV = "EAGLE_HF_SPLIT_KEY"
+#: committed slots from which a verify forward splits its keys, per device type (a type not named: never). An
+#: uncompiled verify forward is host-bound at short contexts: the split saves device time (at 8k on an H200, a tree
+#: round's 19.4 ms to 12.1 ms) that the host's launches hide there; its masked attention grows by about 1.4 ms per
+#: 1k tokens a round (8B shape), so the device's time passes the host's from about 16k (docs/gpu.md). The split
+#: answers the GPU's masked kernels, which walk thousands of keys in a handful of blocks: other devices never split
+#: (the tests and the device check set other values).
+SPLIT_KEY_FROM = {"cuda": 16384}
 
 # kernel name -> (the function registered by us, the kernel it wraps)
 _ROUTED: dict[str, tuple[Callable, Callable]] = {}
@@ -89,15 +88,12 @@ def routed_kernel(target) -> dict:
 
 def split_keys_from(tree_kwargs: dict, cache, compiled, device: torch.device) -> int | None:
     """The committed length from which a verify forward splits its keys (`split_key_attention`), or None: never.
-    `SPLIT_KEY_ENV` "on": from one slot, "off": never; by default from `SPLIT_KEY_FROM` slots on CUDA. Only where
-    the tree attention is routed (not eager), the forward is not compiled and the cache grows (a static cache's
-    free slots are masked)."""
-    setting = os.environ.get(SPLIT_KEY_ENV, "auto").lower()
-    if not tree_kwargs or compiled is not None or setting in ("off", "0", "false", "none"):
-        return None  # (a compiled forward would recompile for every committed length)
-    if setting in ("on", "1", "true"):
-        return 1
-    return SPLIT_KEY_FROM if cache.free is None and device.type == "cuda" else None
+    `SPLIT_KEY_FROM` slots of the device's type, where the tree attention is routed (not eager), the forward is not
+    compiled (it would recompile for every committed length) and the cache grows (a static cache's free slots are
+    masked)."""
+    if not tree_kwargs or compiled is not None or cache.free is not None:
+        return None
+    return SPLIT_KEY_FROM.get(device.type)
 
 
 def unroute_all() -> None:

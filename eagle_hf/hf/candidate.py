@@ -6,7 +6,7 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..drafter.capture import gather_aux, hidden_state_request
-from ..speculation.drafting import Choice
+from ..speculation.draft_programs import Choice
 from ..speculation.round_plan import plan_round
 from ..speculation.rounds import Round, RoundTiming, report_round, round_facts
 from ..speculation.speculator import Speculator
@@ -47,9 +47,9 @@ class EagleCandidateGenerator(CandidateGenerator):
     def stats(self):
         return self.speculator.stats
 
-    def _choose(self, draft_logits: torch.Tensor, prefix: torch.Tensor, drafted: list[int]):
-        """draft_logits: [1, Vd] -> (target id [1], processed target logits [1, V] or None, its log-probability
-        [1]), on the device: the drafting level reads them with its other choices."""
+    def _choose(self, draft_logits: torch.Tensor, prefix: torch.Tensor, drafted: torch.Tensor):
+        """draft_logits: [1, Vd], drafted: [1, d] the drafts so far -> (target id [1], processed target logits
+        [1, V] or None, its log-probability [1]), on the device: nothing is read while the chain grows."""
         if not self.do_sample and len(self.logits_processor) == 0:
             logp, idx = torch.log_softmax(draft_logits.float(), dim=-1).max(dim=-1)  # [1]
             return self.drafter.draft_to_target(idx), None, logp
@@ -59,12 +59,15 @@ class EagleCandidateGenerator(CandidateGenerator):
         token = draw(logp.exp()) if self.do_sample else logp.argmax(-1)  # [1]
         return token, (logits if self.do_sample else None), logp.gather(1, token[:, None])[:, 0].clamp(min=-69.0)
 
-    def _chooser(self, prefix: torch.Tensor):
-        """The chain's chooser (one child per node) over `_choose`, for `draft_tree`."""
+    def _chooser(self, prefix: torch.Tensor, drawn: list[torch.Tensor]):
+        """The chain's chooser (one child per node) over `_choose`, for `draft_trees`; the distributions sampled
+        drafts were drawn from go to `drawn` ([1, V] each, a level's after the level before)."""
 
-        def choose(logits: torch.Tensor, paths: list[list[int]]) -> Choice:  # logits: [1, Vd]
-            token, q, logp = self._choose(logits[:1], prefix, paths[0])
-            return Choice(token[:, None], logp[:, None], None if q is None else q[:, None])  # q: [1, 1, V]
+        def choose(logits: torch.Tensor, paths: torch.Tensor) -> Choice:  # logits: [1, 1, Vd], paths: [1, 1, d]
+            token, q, logp = self._choose(logits[0], prefix, paths[0])
+            if q is not None:
+                drawn.append(q)
+            return Choice(token.view(1, 1, 1), logp.view(1, 1, 1))
 
         return choose
 
@@ -86,12 +89,14 @@ class EagleCandidateGenerator(CandidateGenerator):
             depth = plan_round([sp], [room]).depths[0]
             if depth == 0:  # plain decoding this round; the drafter catches up when drafting resumes
                 return self._verified(input_ids, 1), None
-            tree = sp.draft(int(input_ids[0, -1]), depth, depth + 1, self._chooser(input_ids.to(device)), self._marks)
+            drawn: list[torch.Tensor] = []
+            tree = sp.draft(int(input_ids[0, -1]), depth, depth + 1, self._chooser(input_ids.to(device), drawn),
+                            self._marks)
         if tree.num_drafts == 0:
             return self._verified(input_ids, 1), None
         self._verified(None, tree.size)
         drafts = to_device(tree.tokens[1:], input_ids.device).to(input_ids.dtype)[None]  # [1, k]
-        q = tree.q_logits[1:][None] if tree.q_logits is not None else None  # [1, k, V]
+        q = torch.cat(drawn[: tree.num_drafts])[None] if drawn else None  # [1, k, V]
         return torch.cat([input_ids, drafts], 1), q
 
     def _verified(self, input_ids, width: int):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from collections import Counter
 from collections.abc import Iterator
@@ -26,9 +25,10 @@ def compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-#: environment variable: "dynamic" leaves the compiled verify forward's width to torch.compile's automatic dynamic
-#: shapes (one dynamic-shape graph for every width after the second); unset or "static": a graph per width
-VERIFY_WIDTHS_ENV = "EAGLE_HF_VERIFY_WIDTHS"
+#: whether the compiled verify forward keeps a graph per width (`specialise_width`); False leaves the width to
+#: torch.compile's automatic dynamic shapes (one dynamic-shape graph for every width after the second), which the
+#: device check times beside it
+STATIC_WIDTHS = True
 #: torch.compile's recompile limit while the compiled forward runs a graph per verify width (bucket, with and
 #: without a tree mask, as the batch size changes): its default 8 would send later shapes to eager
 RECOMPILE_ROOM = 32
@@ -40,10 +40,10 @@ def specialise_width(ids: torch.Tensor, kwargs: dict) -> None:
     turn it into one dynamic-shape graph, whose generic kernels would then run every width, plain rounds' too (a
     plain generate() step runs a graph specialised to width 1). The widths are a few buckets
     (`eagle_hf.hf.cache.VERIFY_BUCKETS`); the batch dimension and the cache's length may still become dynamic.
-    `VERIFY_WIDTHS_ENV` turns it off (to compare)."""
+    Nothing where `STATIC_WIDTHS` is off."""
     import torch._dynamo
 
-    if os.environ.get(VERIFY_WIDTHS_ENV, "static").lower() == "dynamic":
+    if not STATIC_WIDTHS:
         return
     config = torch._dynamo.config
     if config.recompile_limit < RECOMPILE_ROOM:

@@ -83,13 +83,15 @@ class Row:
 @dataclass
 class Outcome:
     """What one row's verification gave: the emitted tokens, the accepted node path they came from (cut as the
-    tokens are), the logits kept for generate()'s outputs, and whether a stop cut the round's tokens."""
+    tokens are: its columns in the verify and its nodes in the tree), the logits kept for generate()'s outputs,
+    and whether a stop cut the round's tokens."""
 
     new: list[int]
-    keep: list[int]
+    keep: list[int]  # the accepted nodes' columns in the verify forward
     raw: torch.Tensor | None = None  # [n, V] the target's logits per node (only where outputs need them)
     scores: torch.Tensor | None = None  # [n, V] the same, processed
     cut: bool = False
+    path: list[int] | None = None  # the accepted nodes in the tree (None: `keep`)
 
 
 class TreeLoop:
@@ -223,69 +225,69 @@ class TreeLoop:
         rooms = [None if row.done else self.max_length - row.length - 1 for row in active]  # (done: a padding row)
         speculators = [r.sp for r in active]
         plan = plan_round(speculators, rooms, self.total_tokens, fits, batch=batch)
-        layout = None
-        if self.greedy_batch and speculators[0].state.graphs is not None and max(plan.sizes) > 1:
-            # (greedy, nothing kept but the tokens, fixed-shape drafting: the trees may stay on the device)
-            layout = (self.verify_width(max(plan.sizes)), [r.position for r in active])
         trees = draft_round(speculators, [r.token for r in active], plan.depths, plan.sizes, marks=marks,
-                            layout=layout)
+                            positions=[r.position for r in active], pad=self.verify_width, fits=fits)
         if isinstance(trees, PendingTrees):
-            return plan, trees
+            if self.greedy_batch:  # the verify reads the layout as it is; the host reads it with the verify's result
+                trees.graft_copies()
+                return plan, trees
+            return plan, trees.settle(trees.read())[0]  # (sampling, processing, kept scores: the host's trees)
         if fits is not None and any(t.size > fits for t in trees):
             trees = [row.sp.fit(fits) if t.size > fits else t for row, t in zip(active, trees)]
         return plan, trees
 
     def verify_and_commit(self, active: list[Row], trees: list[DraftTree] | PendingTrees, marks: dict) -> None:
-        """One target forward over every row's tree; each row accepts a path (the round's one read-back), keeps
+        """One target forward over every row's tree (laid out on the device, or the host's trees copied there);
+        each row accepts a path (the round's one read-back: with the laid-out trees, for a greedy round), keeps
         its nodes' KV in place and commits its rows to the drafter."""
         past_len = self.cache.length
         if isinstance(trees, PendingTrees):
-            return self.verify_laid_out(active, trees, marks, past_len)
-        width = self.verify_width(max(t.size for t in trees))  # N: the trees are padded to the largest (or more)
-        host = pack(self.device, **self.verify_layout(active, trees, width))
-        mask = self.verify_mask(host.get("tree"), len(trees), width, host["positions"])
-        marks["verify"] = self.timer.mark()
-        graphs = compiled_graphs() if self.compiled is not None else 0
-        tree = {}
-        if "tree" in host:
-            tree = dict(self.tree_kwargs)
-            if self.split_from is not None and past_len >= self.split_from and not self.cache.ragged.holes:
-                tree[TREE_PREFIX] = past_len  # every node sees the committed slots: split them (long contexts)
-        with head_on_positions(self.target, host.get("real"), (len(trees), width)):  # padding needs no logits
-            out = self.forward(host["tokens"], attention_mask=mask, position_ids=host["positions"], all_rows=width > 1,
-                               **tree)
-        marks["verified"] = self.timer.mark()
-        if self.compiled is not None:  # (a forward that compiled a graph, or recorded one: its time is no cost)
-            shape = (len(trees), width, getattr(self.cache, "capacity", None))
-            self.compiling = warming_up(self.target, shape) or compiled_graphs() != graphs
-        outcomes, next_tokens = self.accept(active, trees, out.logits, host)  # next_tokens: [B, N] or None
-        self.timer.read_back()
-        self.commit(active, trees, outcomes, next_tokens, out.hidden_states, past_len, width)
-
-    def verify_laid_out(self, active: list[Row], pending: PendingTrees, marks: dict, past_len: int) -> None:
-        """`verify_and_commit` for trees laid out on the device (`PendingTrees`): the verify reads the layout as it
-        is, and the trees are read with the target's choices, in the round's one read."""
-        layout, width, rows = pending.layout, pending.width, len(active)
-        mask = self.verify_mask(layout.ancestors, rows, width, pending.positions)
-        marks["verify"] = self.timer.mark()
-        graphs = compiled_graphs() if self.compiled is not None else 0
-        tree = dict(self.tree_kwargs)
-        if self.split_from is not None and past_len >= self.split_from and not self.cache.ragged.holes:
-            tree[TREE_PREFIX] = past_len  # every node sees the committed slots: split them (long contexts)
-        out = self.forward(layout.tokens, attention_mask=mask, position_ids=pending.positions, all_rows=True, **tree)
-        marks["verified"] = self.timer.mark()
-        if self.compiled is not None:
-            self.compiling = (warming_up(self.target, (rows, width, getattr(self.cache, "capacity", None)))
-                              or compiled_graphs() != graphs)
-        chosen = out.logits.float().argmax(-1)  # [B, W] the target's token after each node
-        values = torch.cat([layout.host.flatten(), chosen.flatten().double()]).tolist()  # the round's one read
-        at = layout.host.numel()
-        trees = pending.settle(values[:at])
-        outcomes = [self.outcome(row, t, *verify_greedy(t, [int(v) for v in values[at + b * width : at + b * width
-                                                                                    + t.size]]))
-                    for b, (row, t) in enumerate(zip(active, trees))]
+            layout, width = trees.layout, trees.width
+            out = self.verify(layout.tokens, trees.positions, layout.ancestors, width, marks, past_len)
+            chosen = out.logits.float().argmax(-1)  # [B, W] the target's token after each node
+            trees, outcomes = self.accept_laid_out(active, trees, chosen)
+        else:
+            width = self.verify_width(max(t.size for t in trees))  # N: the trees are padded to the largest (or more)
+            host = pack(self.device, **self.verify_layout(active, trees, width))
+            out = self.verify(host["tokens"], host["positions"], host.get("tree"), width, marks, past_len,
+                              host.get("real"))
+            outcomes, chosen = self.accept(active, trees, out.logits, host)  # chosen: [B, N] or None
         self.timer.read_back()
         self.commit(active, trees, outcomes, chosen, out.hidden_states, past_len, width)
+
+    def verify(self, tokens: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor | None, width: int,
+               marks: dict, past_len: int, real: torch.Tensor | None = None):
+        """The round's target forward over the rows' nodes: tokens and positions [B, N], each tree's ancestor mask
+        [B, N, N] (None: plain steps), `real`: the flat positions of real nodes (None: all), from `past_len`."""
+        rows = tokens.shape[0]
+        mask = self.verify_mask(tree, rows, width, positions)
+        marks["verify"] = self.timer.mark()
+        graphs = compiled_graphs() if self.compiled is not None else 0
+        kernel = {}
+        if tree is not None:
+            kernel = dict(self.tree_kwargs)
+            if self.split_from is not None and past_len >= self.split_from and not self.cache.ragged.holes:
+                kernel[TREE_PREFIX] = past_len  # every node sees the committed slots: split them (long contexts)
+        with head_on_positions(self.target, real, (rows, width)):  # padding needs no logits
+            out = self.forward(tokens, attention_mask=mask, position_ids=positions, all_rows=width > 1, **kernel)
+        marks["verified"] = self.timer.mark()
+        if self.compiled is not None:  # (a forward that compiled a graph, or recorded one: its time is no cost)
+            shape = (rows, width, getattr(self.cache, "capacity", None))
+            self.compiling = warming_up(self.target, shape) or compiled_graphs() != graphs
+        return out
+
+    def accept_laid_out(self, active: list[Row], pending: PendingTrees, chosen: torch.Tensor):
+        """Each row's accepted path in a greedy round over laid-out trees: the trees and the target's choices
+        (chosen [B, W]) in the round's one read. Returns (the rows' trees, their outcomes)."""
+        width, at = chosen.shape[1], pending.layout.host.numel()
+        values = torch.cat([pending.layout.host.flatten(), chosen.flatten().double()]).tolist()
+        trees, columns = pending.settle(values[:at], grafted=True)
+        outcomes = []
+        for b, (row, tree, cols) in enumerate(zip(active, trees, columns)):
+            mine = values[at + b * width : at + (b + 1) * width]
+            path, token = verify_greedy(tree, [int(mine[c]) for c in cols])
+            outcomes.append(self.outcome(row, tree, path, token, columns=cols))
+        return trees, outcomes
 
     def verify_width(self, largest: int) -> int:
         """The verify forward's width for trees of at most `largest` nodes: that, or with a compiled forward the
@@ -358,14 +360,18 @@ class TreeLoop:
             outcomes.append(self.outcome(row, tree, path, token, raw, node_scores))
         return outcomes, None
 
-    def outcome(self, row: Row, tree: DraftTree, path: list[int], token: int, raw=None, scores=None) -> Outcome:
+    def outcome(self, row: Row, tree: DraftTree, path: list[int], token: int, raw=None, scores=None,
+                columns: list[int] | None = None) -> Outcome:
         """A row's verified path as emitted tokens, cut at EOS, max_length and the stopping criteria (as plain
-        decoding stops). A padding row emits nothing."""
+        decoding stops). A padding row emits nothing. `columns`: each tree node's column in the verify (None:
+        its own index)."""
         if row.done:  # a padding row: nothing to verify, its slot is never read again
             return Outcome([], [0])
         proposed = [tree.host.tokens[n] for n in path[1:]] + [token]
         new = self.cut(row, proposed)
-        return Outcome(new, path[: len(new)], raw, scores, len(new) < len(proposed))
+        path = path[: len(new)]
+        return Outcome(new, path if columns is None else [columns[n] for n in path], raw, scores,
+                       len(new) < len(proposed), path)
 
     def commit(self, active: list[Row], trees: list[DraftTree], outcomes: list[Outcome], chosen, hidden_states,
                past_len: int, written: int) -> None:
@@ -404,7 +410,7 @@ class TreeLoop:
             self.keep_outputs(row, o.scores, o.raw, hidden_states, b, o.keep)
             row.position += n
             self.append(row, o.new, mine[0])
-            row.sp.end_round(n - 1, row.token, path=o.keep, cut=o.cut)
+            row.sp.end_round(n - 1, row.token, path=o.keep if o.path is None else o.path, cut=o.cut)
 
     def retire(self, rows: list[Row]) -> list[Row]:
         """Finished rows leave the batch (and the cache), but as few as are needed for the cheapest forward that

@@ -63,19 +63,30 @@ def top_k_choice(drafter: EagleDrafter, logits: torch.Tensor, top_k: int) -> Cho
 LevelForward = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, int], DraftStep]
 
 
+#: chooses the children of a level's frontier nodes from their draft logits [B, k, Vd] and the nodes' draft tokens
+#: below the root [B, k, level] (for logits processors that read the prefix): a `Choice` of [B, k, k]
+Chooser = Callable[[torch.Tensor, torch.Tensor], Choice]
+
+
 def grow_levels(drafter: EagleDrafter, forward: LevelForward, logits: torch.Tensor, hidden: torch.Tensor, k: int,
-                levels: int, depth: torch.Tensor, min_logp: float, prune: bool) -> list[tuple]:
+                levels: int, depth: torch.Tensor, min_logp: float, prune: bool,
+                choose: Chooser | None = None) -> list[tuple]:
     """The host's level-by-level tree growth with its decisions taken on the device, at fixed shapes: each level
     keeps k frontier nodes a row; a node the host would prune (its row's depth reached, or below `min_logp`) stays
     in place as a node nobody descends from, its children scored -inf; the next frontier is the k best children by
     cumulative log-probability (float64, a stable sort: the host's order); each node's ancestors are its parent's
     plus itself. logits [B, Vd], hidden [B, 1, H]: each row's last real row's; depth [B, 1] each row's levels.
 
-    Returns per level what the host needs to grow the same trees: the root's children (tokens, logp) [B, k], then
-    per level (children's tokens, logp [B, k, k], which nodes grew [B, k], the next frontier's places [B, k])."""
+    `choose`: the children's choice (default: the drafter's top k, `top_k_choice`); a sampling chain's chooser
+    draws them (its distributions are its own to keep).
+
+    Returns per level: the root's children (tokens, logp) [B, k], then per level (children's tokens, logp
+    [B, k, k], which nodes grew [B, k], the next frontier's places [B, k]): what `tree_layout` lays out."""
     rows, width = hidden.shape[0], hidden.shape[-1]
     flags = hidden.new_zeros(rows, k, dtype=torch.bool)  # (factories from a device tensor: on its device)
-    first = top_k_choice(drafter, logits[:, None], k)  # [B, 1, k]
+    paths = None if choose is None else hidden.new_zeros(rows, 1, 0, dtype=torch.long)  # [B, k, level]
+    pick = choose or (lambda lg, _paths: top_k_choice(drafter, lg, k))
+    first = pick(logits[:, None], paths)  # [B, 1, k]
     tokens, own = first.tokens[:, 0], first.logp[:, 0].double()  # [B, k] the first level's nodes, the root's order
     score, slot = own, flags.long()  # slot: the parent's output row
     eye = flags.new_zeros(k, k).fill_diagonal_(True).expand(rows, k, k)
@@ -89,11 +100,15 @@ def grow_levels(drafter: EagleDrafter, forward: LevelForward, logits: torch.Tens
         tail = torch.cat([ancestors & grows[..., None], eye], 2)  # [B, k, fed + k]: its ancestors and itself
         feed = parent_out.gather(1, slot[..., None].expand(rows, k, width))  # [B, k, H]
         out = forward(feed, tokens, level, tail, fed)
-        children = top_k_choice(drafter, out.logits, k)  # [B, k, k]
+        if paths is not None:  # each frontier node's drafts below the root
+            paths = torch.cat([paths.expand(rows, k, -1), tokens[..., None]], 2)
+        children = pick(out.logits, paths)  # [B, k, k]
         scores = torch.where(grows[..., None], score[..., None] + children.logp.double(), -math.inf).flatten(1)
         order = (torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k] if k > 1
                  else torch.zeros_like(slot))  # [B, k] into k*k (a chain's one child)
         slot = order // k
+        if paths is not None:
+            paths = paths.gather(1, slot[..., None].expand(-1, -1, paths.shape[2]))
         tokens = children.tokens.flatten(1).gather(1, order)
         own = children.logp.double().flatten(1).gather(1, order)
         score = scores.gather(1, order)
@@ -119,6 +134,18 @@ class TreeLayout:
     depths: torch.Tensor  # [B, W] each node's depth (positions: the root's plus these)
     ancestors: torch.Tensor  # [B, W, W] bool: node i sees node j (its ancestors, itself)
     host: torch.Tensor  # [B, 3 (W - 1) + 1] float64 for the host: tokens, parents, scores below the root, size
+
+
+@dataclass
+class TreeRequest:
+    """What a round asks of the trees' layout: W nodes a row (the verify's width for the drafter's trees), and per
+    row of the drafter's cache, in its slot order: the root token, the root's verify position, its most nodes
+    (the root included; 1: the row does not draft)."""
+
+    width: int
+    roots: list[int]
+    positions: list[int]
+    sizes: list[int]
 
 
 def tree_layout(kept: list[tuple], roots: torch.Tensor, k: int, width: int, min_logp: float,
@@ -181,19 +208,39 @@ def tree_layout(kept: list[tuple], roots: torch.Tensor, k: int, width: int, min_
                                                                              node_depths], 1), seen, host)
 
 
+def host_trees(values: list[float], roots: list[int]) -> list[tuple[list[int], list[int], list[float]]]:
+    """Each row's tree from `TreeLayout.host` read as `values` (rows in order): its root and real nodes' tokens,
+    parents and cumulative scores (host lists; node 0 the root)."""
+    per = len(values) // len(roots)
+    n = (per - 1) // 3
+    out = []
+    for b, root in enumerate(roots):
+        row = values[b * per : (b + 1) * per]
+        size = int(row[3 * n])
+        out.append(([root] + [int(t) for t in row[:size]], [-1] + [int(p) for p in row[n : n + size]],
+                    [0.0] + row[2 * n : 2 * n + size]))
+    return out
+
+
+def with_copies(laid: TreeLayout, positions: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor,
+                ancestors: torch.Tensor) -> tuple[TreeLayout, torch.Tensor]:
+    """The layout with each row's copy branches after its drafter's W nodes: tokens and depths [B, C], their
+    ancestors among themselves [B, C, C] (built on the host, which knew them before the round); a copy node sees
+    the root, its ancestors and itself. positions [B, W]: the drafter's verify positions. Returns the layout
+    of W + C nodes and its positions [B, W + C] (the host part stays the drafter's: the host holds the copies)."""
+    rows, w = laid.tokens.shape
+    c = tokens.shape[1]
+    seen = laid.ancestors.new_zeros(rows, w + c, w + c)  # [B, W + C, W + C]
+    seen[:, :w, :w] = laid.ancestors
+    seen[:, w:, w:] = ancestors
+    seen[:, w:, 0] = True
+    return (TreeLayout(torch.cat([laid.tokens, tokens], 1), torch.cat([laid.depths, depths], 1), seen, laid.host),
+            torch.cat([positions, positions[:, :1] + depths], 1))
+
+
 def number_of(t: torch.Tensor) -> torch.Tensor:
     """[B, n] 1 .. n along the last dimension (a node's number in a list of n)."""
     return torch.arange(1, t.shape[1] + 1, device=t.device).expand_as(t)
-
-
-def flatten_kept(kept: list[tuple]) -> torch.Tensor:
-    """`grow_levels`' result as one float64 vector (read in one device-to-host copy)."""
-    return torch.cat([t.reshape(-1).double() for level in kept for t in level])
-
-
-def kept_layout(rows: int, k: int, levels: int) -> list[list[int]]:
-    """The sizes of `flatten_kept`'s pieces, per level."""
-    return [[rows * k, rows * k]] + [[rows * k * k, rows * k * k, rows * k, rows * k]] * (levels - 1)
 
 
 class DraftPrograms:
@@ -242,12 +289,11 @@ class DraftPrograms:
             staged.program(self._drafter())
 
     def grow(self, logits: torch.Tensor, hidden: torch.Tensor, k: int, levels: int, min_logp: float, prune: bool,
-             roots: list[int], depths: list[int], at: int, layout: tuple | None = None):
+             roots: list[int], depths: list[int], at: int, layout: TreeRequest):
         """The round's levels (`Levels`) from logits [B, Vd] and hidden [B, 1, H] (the catch-up's, or copied in),
-        row b's root at position ``roots[b]``, its tree rows from slot `at`: `flatten_kept`'s vector, or with
-        `layout` = (width W, each row's root token, its verify position, its most nodes) the trees' `TreeLayout`
-        and the verify positions [B, W]."""
-        key = (k, levels, min_logp, prune, layout[0] if layout is not None else None)
+        row b's root at position ``roots[b]``, its tree rows from slot `at`: the trees' `TreeLayout` and the verify
+        positions [B, W]."""
+        key = (k, levels, min_logp, prune, layout.width)
         program = self.levels.get(key)
         if program is None:
             program = self.levels[key] = Levels(self, *key)
@@ -256,7 +302,7 @@ class DraftPrograms:
             for given, shared in ((logits, self.logits), (hidden, self.hidden)):
                 if given is not shared:
                     shared.copy_(given)
-        return program(roots, depths, at, *(layout[1:] if layout is not None else ()), after=staged)
+        return program(roots, depths, at, layout.roots, layout.positions, layout.sizes, after=staged)
 
 
 class CatchUp:
@@ -313,15 +359,14 @@ class Levels:
     """A round's draft levels at fixed shapes (top-k k, `levels` levels; `grow_levels`) from the shared logits and
     hidden states, with `ints` = (each row's root position [B], its depth [B], the first tree slot `at`): the k
     nodes of level l are written at slots ``at + (l-1)k ..``; each reads every slot before `at` (no holes) and its
-    ancestors among the tree rows (`grow_trees`). Output: `flatten_kept`'s vector, or the trees' layout."""
+    ancestors among the tree rows (`grow_trees`). Output: the trees' layout, W nodes a row."""
 
-    def __init__(self, shared: DraftPrograms, k: int, levels: int, min_logp: float, prune: bool,
-                 width: int | None = None):
+    def __init__(self, shared: DraftPrograms, k: int, levels: int, min_logp: float, prune: bool, width: int):
         keys = shared.keys
         rows = keys.shape[0]
         self._drafter = shared._drafter  # (a weak reference: the programs and their owner form no cycle)
-        # root positions [B], depths [B], at; with a layout: root tokens [B], verify positions [B], sizes [B]
-        self.ints = keys.new_zeros((5 if width else 2) * rows + 1, dtype=torch.long)
+        # root positions [B], depths [B], at, root tokens [B], verify positions [B], sizes [B]
+        self.ints = keys.new_zeros(5 * rows + 1, dtype=torch.long)
         steps = keys.new_ones(levels * k, dtype=torch.long).cumsum(0) - 1  # [levels * k] 0 ..
         self.program = Program(grow_trees, (shared.keys, shared.values, shared.logits, shared.hidden, self.ints, steps,
                                       shared.columns, k, levels, min_logp, prune, width), shared.how,
@@ -344,9 +389,9 @@ class Levels:
 
 def grow_trees(drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, logits: torch.Tensor,
                hidden: torch.Tensor, ints: torch.Tensor, steps: torch.Tensor, columns: torch.Tensor, k: int, levels: int,
-               min_logp: float, prune: bool, width: int | None):
+               min_logp: float, prune: bool, width: int):
     """`Levels`' body: `grow_levels` over the drafter's cache storage from the shared logits and hidden states;
-    `flatten_kept`'s vector, or (width W) the trees' `TreeLayout` and the verify positions [B, W]."""
+    the trees' `TreeLayout` (W nodes a row) and the verify positions [B, W]."""
     rows = logits.shape[0]
     base, depth, at = ints[:rows, None], ints[rows : 2 * rows, None], ints[2 * rows]
     past = (columns < at)[None, None, :]  # [1, 1, C] the real rows
@@ -360,8 +405,6 @@ def grow_trees(drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, 
                             mask=(past | seen)[:, None])
 
     kept = grow_levels(drafter, forward, logits, hidden, k, levels, depth, min_logp, prune)
-    if width is None:
-        return flatten_kept(kept)
     tokens, position, sizes = (ints[2 * rows + 1 + i * rows : 2 * rows + 1 + (i + 1) * rows] for i in range(3))
     # (a chain's draft below the threshold is kept, only not expanded: every eligible candidate is a node)
     layout = tree_layout(kept, tokens, k, width, min_logp if prune else -math.inf,

@@ -16,7 +16,7 @@ import torch
 
 from ..drafter.graphs import LevelGraphs
 from ..drafter.modeling import KV, DraftStep, EagleDrafter, KVWriter
-from .draft_programs import Choice, DraftPrograms, flatten_kept, grow_levels, kept_layout, top_k_choice
+from .draft_programs import Chooser, DraftPrograms, TreeLayout, TreeRequest, grow_levels, host_trees, tree_layout
 from .ragged import KeptMask, Ragged, SlotBuffers, new_buffers
 from .transfer import pack, to_device
 from .tree import DraftTree
@@ -116,12 +116,9 @@ class DraftState:
     def level_forward(self, drafter: EagleDrafter, feed: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
                       at: int, mask: torch.Tensor | None) -> DraftStep:
         """One draft level: the drafter over feed [B, k, H] with tokens and positions [B, k], its rows written at
-        slots ``at ..`` (`reserve` first), `mask` [B|1, 1, k, at+k] (None: the plain causal layout). Eager, or
-        at fixed shapes (`graphs`): the same arithmetic."""
-        if self.graphs is None:
-            return drafter.step(feed, ids, positions, past=self.writer(at), mask=mask)
-        level = self.graphs.level(self.keys, self.values, self.rows, ids.shape[1])
-        return level.run(feed, ids, positions, at, mask)
+        slots ``at ..`` (`reserve` first), `mask` [B|1, 1, k, at+k] (None: the plain causal layout), eagerly at
+        the level's shapes."""
+        return drafter.step(feed, ids, positions, past=self.writer(at), mask=mask)
 
     def writer(self, at: int) -> KVWriter:
         """Where a drafter pass writes its rows: slot `at` onwards (`reserve` first)."""
@@ -260,356 +257,54 @@ def _graphs_storage(graphs: LevelGraphs, owner: weakref.ref) -> Callable:
     return allocate
 
 
-#: chooses the children of k nodes from their draft logits [k, Vd]; `paths` are the nodes' draft tokens below
-#: the root (for logits processors that read the prefix)
-Chooser = Callable[[torch.Tensor, list[list[int]]], Choice]
-
-
-def read_choices(choices: list[Choice]) -> list[tuple[list[list[int]], list[list[float]]]]:
-    """Per choice: its tokens and log-probabilities as host lists, all read in one device-to-host copy."""
-    flat = torch.cat([t for c in choices for t in (c.tokens.reshape(-1).double(), c.logp.reshape(-1).double())])
-    values, out, at = flat.tolist(), [], 0
-    for c in choices:
-        k, n = c.tokens.shape[0], c.tokens.numel()
-        width = n // k if k else 0
-        tokens = [[int(v) for v in values[at + i * width : at + (i + 1) * width]] for i in range(k)]
-        logp = [values[at + n + i * width : at + n + (i + 1) * width] for i in range(k)]
-        out.append((tokens, logp))
-        at += 2 * n
-    return out
-
-
-class Candidates:
-    """One row's drafts so far, on the host; node ids are candidate indices + 1 (0 is the root)."""
-
-    def __init__(self):
-        self.tokens: list[int] = []
-        self.parent: list[int] = []  # node id of each candidate's parent
-        self.score: list[float] = []  # cumulative log-probability
-        self.own: list[float] = []  # the candidate's own (conditional) log-probability
-        self.q: list[torch.Tensor | None] = []  # the distribution a sampled candidate was drawn from
-        self.depth: list[int] = []  # 1 for the root's children
-
-    def add(self, tokens: list[list[int]], logp: list[list[float]], q_logits: torch.Tensor | None,
-            parents: list[int], parent_scores: list[float]) -> list[int]:
-        """Append the chosen children of `parents` (node ids; per parent its tokens and their log-probabilities);
-        returns their candidate indices, best first."""
-        first = len(self.tokens)
-        for r, parent in enumerate(parents):
-            depth = 1 if parent == 0 else self.depth[parent - 1] + 1
-            for c, (tok, own) in enumerate(zip(tokens[r], logp[r])):
-                self.tokens.append(tok)
-                self.parent.append(parent)
-                self.own.append(own)
-                self.score.append(parent_scores[r] + own)
-                self.q.append(None if q_logits is None else q_logits[r, c])
-                self.depth.append(depth)
-        return sorted(range(first, len(self.tokens)), key=lambda i: -self.score[i])
-
-    def path(self, c: int) -> list[int]:
-        """Draft tokens from below the root down to candidate `c`."""
-        return [self.tokens[a] for a in _ancestors(c, self.parent)] + [self.tokens[c]]
-
-
-@dataclass
-class _Growth:
-    """One row's tree while it grows: its candidates, the nodes to expand next (`frontier`), where each of their
-    parents' drafter outputs sits in the last level's output (`parent_slot`), and the candidates fed to the drafter
-    so far (`fed`, -1 for padding slots; in the drafter cache's order after the real rows)."""
-
-    depth: int  # levels to grow (0: the row drafts nothing this round, its frontier empty)
-    chooser: Chooser | None = None
-    cands: Candidates = field(default_factory=lambda: Candidates())
-    frontier: list[int] = field(default_factory=list)
-    parent_slot: list[int] = field(default_factory=list)
-    fed: list[int] = field(default_factory=list)
-
-    def start(self, chosen: tuple, top_k: int) -> None:
-        """The root's children (the first level, from the catch-up's logits)."""
-        self.frontier = self.cands.add(*chosen, [0], [0.0])[:top_k]
-        self.parent_slot = [0] * len(self.frontier)
-
-    def prune(self, level: int, prune: bool, min_logp: float) -> None:
-        """Keep the frontier nodes that may grow at `level`: below the row's depth, and (`prune`: cumulative,
-        else own) log-probability at least `min_logp`."""
-        c = self.cands
-        keep = [i for i, n in enumerate(self.frontier)
-                if level < self.depth and (c.score[n] if prune else c.own[n]) >= min_logp]
-        self.frontier, self.parent_slot = [self.frontier[i] for i in keep], [self.parent_slot[i] for i in keep]
-
-    def grow(self, chosen: tuple, top_k: int) -> None:
-        """The frontier's chosen children become the next frontier (the best `top_k`)."""
-        f, c = self.frontier, self.cands
-        self.frontier = c.add(*chosen, [n + 1 for n in f], [c.score[n] for n in f])[:top_k]
-        self.parent_slot = [f.index(c.parent[n] - 1) for n in self.frontier]
-
-
 @torch.no_grad()
-def draft_trees(
-    drafter: EagleDrafter,
-    state: DraftState,
-    roots: list[int],
-    logits: torch.Tensor,
-    hidden: torch.Tensor,
-    depths: list[int],
-    top_k: int,
-    total_tokens: list[int],
-    threshold: float = 0.0,
-    choosers: list[Chooser | None] | None = None,
-    prune: bool = True,
-    rows: list[int] | None = None,
-    layout: tuple | None = None,
-):
-    """Grow a draft tree after the last real drafter row of each of `rows` (default: every row of `state`), with one
-    drafter forward and one device-to-host read per level for all of them. logits: [B, Vd] and hidden: [B, 1, H],
-    every state row's last real row's (a row not in `rows` keeps an empty frontier). roots, depths,
-    total_tokens, choosers: per row of `rows`.
+def draft_trees(drafter: EagleDrafter, state: DraftState, logits: torch.Tensor, hidden: torch.Tensor,
+                depths: list[int], top_k: int, layout: TreeRequest, threshold: float = 0.0, prune: bool = True,
+                choose: Chooser | None = None) -> tuple[TreeLayout, torch.Tensor]:
+    """Grow every row's draft tree after its last real drafter row and lay it out for the verify, on the device
+    (`grow_levels`, then `tree_layout`): nothing is read. logits [B, Vd] and hidden [B, 1, H]: each state row's last
+    real row's; depths: each state row's levels (0: it drafts nothing, its tree the root alone).
 
-    Level by level, the `top_k` best frontier nodes (by cumulative log-probability) get `top_k` children each
-    from the row's chooser (default: the drafter's top_k, for all rows at once); the best ``total_tokens - 1``
-    drafts are kept, closed under ancestors. With ``top_k = 1`` this is a chain of `depth` drafts.
+    Level by level, the `top_k` best frontier nodes (by cumulative log-probability) get `top_k` children each (the
+    drafter's top k, or `choose`'s); the best ``sizes[b] - 1`` drafts are kept, closed under ancestors, the
+    drafter's greedy chain first. With ``top_k = 1`` this is a chain. `threshold` on the drafter's probability:
+    with `prune`, drafts whose *cumulative* probability is below it are dropped (not expanded, not verified);
+    without, a draft whose own probability is below it is kept but not expanded (transformers'
+    ``assistant_confidence_threshold`` for chains).
 
-    `threshold` on the drafter's probability: with `prune`, drafts whose *cumulative* probability is below it are
-    dropped (not expanded, not verified); without, a draft whose own probability is below it is kept but not
-    expanded (transformers' ``assistant_confidence_threshold`` for chains).
-
-    `layout` = (verify width W, and per state row: its root token, its verify position, its most nodes): where the
-    levels run as one program over a cache without holes, the trees are laid out for the verify on the device and
-    not read: returns (`TreeLayout`, verify positions [B, W]) instead (the host reads the trees with the verify's
-    result: `settle_trees`).
-    """
-    rows = list(range(state.rows)) if rows is None else rows
-    at = {b: i for i, b in enumerate(rows)}  # state row -> index in `rows`
-    growth = [_Growth(depths[at[b]], choosers[at[b]] if choosers else None) if b in at else _Growth(0)
-              for b in range(state.rows)]
+    How it runs is a launch: one program over the cache's whole storage (`DraftPrograms.grow`, with the staged
+    catch-up first) where the levels run at fixed shapes and every slot is real; otherwise eagerly at the round's
+    shapes, each level under the kept mask (which hides a batch's holes). Returns the `TreeLayout` and the verify
+    positions [B, W]."""
     min_logp = math.log(threshold) if threshold > 0 else -math.inf
-    real_len = state.length
-    drafting = [b for b, g in enumerate(growth) if g.depth > 0]
-    if state.graphs is not None and all(g.chooser is None for g in growth):  # no level needs the host's decision
-        state.reserve(drafter, (max(depths, default=1) - 1) * top_k, hidden)
-        if layout is not None and not state.ragged.holes:  # the trees laid out for the verify on the device
-            levels = max(g.depth for g in growth)
-            state.steps += max(levels - 1, 0)
-            return state.programs(drafter).grow(logits, hidden, top_k, levels, min_logp, prune,
-                                                [p - 1 for p in state.positions], [g.depth for g in growth],
-                                                state.length, layout)
-        _grow_on_device(drafter, state, growth, logits, hidden, top_k, min_logp, prune)
-        return [_select(growth[b].cands, root, total, min_logp if prune else -math.inf)
-                for b, root, total in zip(rows, roots, total_tokens)]
-    state.launch_staged(drafter)  # (the host chooses from the catch-up's logits)
-    chosen = _choose(drafter, top_k, growth, {b: logits[b : b + 1] for b in drafting}, logits[:, None],
-                     {b: [[]] for b in drafting})
-    for b in drafting:
-        growth[b].start(chosen[b], top_k)
-    parent_out = hidden  # [B, k, H] the outputs parents were fed back from
-    state.reserve(drafter, (max(depths, default=1) - 1) * top_k, parent_out)
-    base = None  # [B, 1] each row's root position, on the device
-    for level in range(1, max(depths, default=0)):
-        for g in growth:  # expand only what may grow
-            g.prune(level, prune, min_logp)
-        if not any(g.frontier for g in growth):
-            break
-        out, base = _level_step(drafter, state, growth, parent_out, top_k, level, base, real_len)
-        growing = [b for b, g in enumerate(growth) if g.frontier]
-        chosen = _choose(drafter, top_k, growth, {b: out.logits[b, : len(growth[b].frontier)] for b in growing},
-                         out.logits, {b: [growth[b].cands.path(c) for c in growth[b].frontier] for b in growing})
-        for b in growing:
-            growth[b].grow(chosen[b], top_k)
-        parent_out = out.hidden  # [B, k, H]
-    return [_select(growth[b].cands, root, total, min_logp if prune else -math.inf)
-            for b, root, total in zip(rows, roots, total_tokens)]
-
-
-def _grow_on_device(drafter, state: DraftState, growth: list[_Growth], logits: torch.Tensor, hidden: torch.Tensor,
-                    k: int, min_logp: float, prune: bool) -> None:
-    """`draft_trees`' levels with the host's decisions taken on the device (`grow_levels`: for the default
-    chooser, the drafter's top k), read once at the end. The levels run to the deepest row's depth (the host stops
-    when every frontier is empty). The read-back then grows each row's `Candidates` on the host as `draft_trees`
-    would, on the same numbers: the same trees, one read instead of one a level. Over a cache without holes the
-    levels are one program (`DraftPrograms.grow`); with holes, one fixed-shape forward a level under the kept
-    masks."""
-    rows = state.rows
-    levels = max((g.depth for g in growth), default=0)
-    roots, depths = [p - 1 for p in state.positions], [g.depth for g in growth]
-    if not state.ragged.holes:
-        flat = state.programs(drafter).grow(logits, hidden, k, levels, min_logp, prune, roots, depths, state.length)
-    else:
-        state.launch_staged(drafter)
-        host = pack(hidden.device, base=roots, depth=depths)
-        base, real_len = host["base"][:, None], state.length  # [B, 1]
-
-        def forward(feed, tokens, level, tail, fed):
-            return state.level_forward(drafter, feed, tokens, (base + level).expand(rows, k), real_len + fed,
-                                       state.level_mask(tail, k, fed))
-
-        flat = flatten_kept(grow_levels(drafter, forward, logits, hidden, k, levels, host["depth"][:, None],
-                                        min_logp, prune))
+    levels = max(depths, default=0)
+    state.reserve(drafter, max(levels - 1, 0) * top_k, hidden)
     state.steps += max(levels - 1, 0)
-    _grow_from(growth, flat, kept_layout(rows, k, levels), k, min_logp, prune)
+    roots = [p - 1 for p in state.positions]  # each row's root position
+    if state.graphs is not None and not state.ragged.holes and choose is None:
+        return state.programs(drafter).grow(logits, hidden, top_k, levels, min_logp, prune, roots, depths,
+                                            state.length, layout)
+    state.launch_staged(drafter)
+    host = pack(hidden.device, base=roots, depth=depths, tokens=layout.roots, position=layout.positions,
+                sizes=layout.sizes)
+    rows, base, real_len = state.rows, host["base"][:, None], state.length  # [B, 1]
+
+    causal = top_k == 1 and not state.ragged.holes  # (a chain over every slot: the plain causal layout, no mask)
+
+    def forward(feed, tokens, level, tail, fed):
+        return state.level_forward(drafter, feed, tokens, (base + level).expand(rows, top_k), real_len + fed,
+                                   None if causal else state.level_mask(tail, top_k, fed))
+
+    depth = host["depth"][:, None]  # [B, 1]
+    kept = grow_levels(drafter, forward, logits, hidden, top_k, levels, depth, min_logp, prune, choose)
+    laid = tree_layout(kept, host["tokens"], top_k, layout.width, min_logp if prune else -math.inf,
+                       torch.where(depth > 0, host["sizes"][:, None], 1))
+    return laid, host["position"][:, None] + laid.depths
 
 
-def settle_trees(layout, values: list[float], roots: list[int]) -> list[DraftTree]:
-    """Each row's tree from its `TreeLayout` (``layout.host``, read as `values`, W nodes a row): its first `size`
-    nodes below the root (tokens, parents, scores); roots: the rows' root tokens."""
-    rows, per = layout.host.shape
-    n = (per - 1) // 3
-    trees = []
-    for b in range(rows):
-        row = values[b * per : (b + 1) * per]
-        size = int(row[3 * n])
-        trees.append(DraftTree.of_lists([roots[b]] + [int(t) for t in row[:size]],
-                                        [-1] + [int(p) for p in row[n : n + size]], [0.0] + row[2 * n : 2 * n + size]))
-    return trees
-
-
-def _grow_from(growth: list[_Growth], flat: torch.Tensor, layout: list[list[int]], k: int, min_logp: float,
-               prune: bool) -> None:
-    """Each row's candidates from `grow_levels`' result (`flat`, of `layout`), read in one device-to-host copy."""
-    values, at = flat.tolist(), 0
-
-    def take(n: int):
-        nonlocal at
-        part = values[at : at + n]
-        at += n
-        return part
-
-    read = [[take(n) for n in level] for level in layout]
-    tokens0, logp0 = read[0]
-    for b, g in enumerate(growth):
-        if g.depth > 0:
-            g.start(([[int(t) for t in tokens0[b * k : (b + 1) * k]]], [logp0[b * k : (b + 1) * k]], None), k)
-    for level, (tokens, logp, grows, order) in enumerate(read[1:], start=1):
-        for b, g in enumerate(growth):
-            place = {n: j for j, n in enumerate(g.frontier)}  # a frontier node's place on the device: its rank
-            g.prune(level, prune, min_logp)
-            if not g.frontier:
-                continue
-            at = [place[n] for n in g.frontier]  # the kept nodes' places
-            assert all(grows[b * k + i] for i in at), "the device pruned a node the host keeps"
-            first = len(g.cands.tokens)
-            g.grow(([[int(t) for t in tokens[(b * k + i) * k : (b * k + i + 1) * k]] for i in at],
-                    [logp[(b * k + i) * k : (b * k + i + 1) * k] for i in at], None), k)
-            flat = [at[(n - first) // k] * k + (n - first) % k for n in g.frontier]  # each new node on the device
-            assert flat == [int(o) for o in order[b * k : b * k + len(flat)]], "the device chose other nodes"
-
-
-def _level_step(drafter, state: DraftState, growth: list[_Growth], parent_out: torch.Tensor, k: int, level: int,
-                base: torch.Tensor | None, real_len: int):
-    """One drafter forward over every row's frontier at `level` (padded to `k` nodes a row: every level's step has
-    the shape [B, k], so a captured step, a CUDA graph, never sees a new shape; padding slots are nobody's
-    ancestors), fed the parents' outputs `parent_out` [B, k', H]. Returns the step's output and `base`, each
-    row's root position [B, 1] on the device (copied with the first level's layout)."""
-    host = pack(parent_out.device, **_level_layout(growth, k, base is None and state.positions))
-    if base is None:
-        base = host.pop("base")[:, None]  # [B, 1]
-    feed = parent_out.gather(1, host["slot"][..., None].expand(len(growth), k, parent_out.shape[-1]))  # [B, k, H]
-    mask = state.level_mask(host.get("ancestors"), k, len(growth[0].fed))
-    out = state.level_forward(drafter, feed, host["tokens"], (base + level).expand(len(growth), k),
-                              real_len + len(growth[0].fed), mask)
-    state.steps += 1
-    for g in growth:
-        g.fed += g.frontier + [-1] * (k - len(g.frontier))
-    return out, base
-
-
-def _choose(drafter, top_k, growth: list[_Growth], logits_of: dict, all_logits: torch.Tensor, paths_of: dict) -> dict:
-    """Each growing row's children of its frontier nodes (from ``logits_of[b]`` [k_b, Vd]; `all_logits` [B, k, Vd]
-    are every row's at once; ``paths_of[b]``: each node's draft tokens below the root), read in one device-to-host
-    copy: row -> (tokens, log-probabilities, q logits) per expanded node. Rows with the default chooser are chosen
-    together."""
-    growing = list(logits_of)
-    default = [b for b in growing if growth[b].chooser is None]
-    custom = [b for b in growing if growth[b].chooser is not None]
-    choices = [growth[b].chooser(logits_of[b], paths_of[b]) for b in custom]
-    if default:  # every row's at once, read as one block (no per-row slices on the device)
-        batch = top_k_choice(drafter, all_logits, top_k)  # [B, k, top_k]
-        width = batch.tokens.shape[1]
-        choices.append(Choice(batch.tokens.flatten(0, 1), batch.logp.flatten(0, 1)))  # [B * k, top_k]
-    read = read_choices(choices) if choices else []
-    out = {b: (tokens, logp, c.q_logits) for b, c, (tokens, logp) in zip(custom, choices, read)}
-    if default:
-        tokens, logp = read[-1]
-        for b in default:
-            rows = slice(b * width, b * width + len(paths_of[b]))
-            out[b] = (tokens[rows], logp[rows], None)
-    return out
-
-
-def _level_layout(growth: list[_Growth], k: int, positions) -> dict:
-    """A level's host arrays, copied at once: the frontier's tokens and parent slots [B, k], each node's ancestors
-    among the fed tree rows and itself [B, k, fed + k] (None for one row's chain: the plain causal layout), and at
-    the first level each row's root position [B] (`positions`: the rows' next real positions)."""
-    rows, fed_width = len(growth), len(growth[0].fed)
-    out = {"tokens": [[g.cands.tokens[c] for c in g.frontier] + [0] * (k - len(g.frontier)) for g in growth],
-           "slot": [g.parent_slot + [0] * (k - len(g.parent_slot)) for g in growth]}
-    if positions:
-        out["base"] = [p - 1 for p in positions]
-    first = growth[0]
-    chain = rows == 1 and k == 1 and _ancestors(first.frontier[0], first.cands.parent) == first.fed
-    if not chain:  # built in host lists, one tensor at the end (no per-element tensor writes)
-        anc = [[[False] * (fed_width + k) for _ in range(k)] for _ in range(rows)]
-        for b, g in enumerate(growth):
-            slot = {c: i for i, c in enumerate(g.fed) if c >= 0}
-            for i, c in enumerate(g.frontier):
-                for a in _ancestors(c, g.cands.parent):
-                    anc[b][i][slot[a]] = True
-            for i in range(k):
-                anc[b][i][fed_width + i] = True  # itself (a padding node: only itself)
-        out["ancestors"] = torch.tensor(anc, dtype=torch.bool)  # [B, k, fed + k]
-    return out
-
-
-@torch.no_grad()
 def draft_tree(drafter: EagleDrafter, state: DraftState, root_token: int, logits: torch.Tensor, hidden: torch.Tensor,
-               depth: int, top_k: int, total_tokens: int, threshold: float = 0.0, choose: Chooser | None = None,
-               prune: bool = True) -> DraftTree:
-    """`draft_trees` for a single row (logits: [1, Vd], hidden: [1, 1, H])."""
-    return draft_trees(drafter, state, [root_token], logits, hidden, [depth], top_k, [total_tokens], threshold,
-                       [choose], prune)[0]
-
-
-def _ancestors(c: int, cand_parent: list[int]) -> list[int]:
-    """Candidate indices of `c`'s draft ancestors, root-most first."""
-    out, p = [], cand_parent[c]
-    while p > 0:
-        out.append(p - 1)
-        p = cand_parent[p - 1]
-    return out[::-1]
-
-
-def greedy_chain(cand_parent: list[int]) -> list[bool]:
-    """Which candidates lie on the drafter's greedy chain: each the first child drafted below the root or below
-    another on the chain (children are drafted best first). Laid out first, the chain's accepted drafts are the
-    tree's first nodes, whose keys and values the target's cache keeps where the verify wrote them."""
-    on, first_below = [], set()
-    for p in cand_parent:
-        on.append(p not in first_below and (p == 0 or on[p - 1]))
-        first_below.add(p)
-    return on
-
-
-def _select(cands: Candidates, root_token: int, total_tokens: int, min_logp: float) -> DraftTree:
-    """The best ``total_tokens - 1`` candidates, closed under ancestors, the drafter's greedy chain first
-    (`greedy_chain`), then in drafting order: parents before children, siblings in the order drafted."""
-    cand_tokens, cand_parent, cand_score, cand_q = cands.tokens, cands.parent, cands.score, cands.q
-    n_keep = min(total_tokens - 1, len(cand_tokens))
-    # a path's score only falls with depth, so dropping low scores keeps the selection closed under ancestors
-    order = sorted((c for c in range(len(cand_tokens)) if cand_score[c] >= min_logp), key=lambda c: (-cand_score[c], c))
-    keep: set[int] = set()
-    for c in order:
-        if len(keep) >= n_keep:
-            break
-        chain = [c] + [a for a in _ancestors(c, cand_parent) if a not in keep]
-        if len(keep) + len(chain) <= n_keep:
-            keep.update(chain)
-    greedy = greedy_chain(cand_parent)
-    kept = sorted(keep, key=lambda c: (not greedy[c], c))
-    new_id = {c: i + 1 for i, c in enumerate(kept)}
-    tokens = [root_token] + [cand_tokens[c] for c in kept]
-    parents = [-1] + [0 if cand_parent[c] == 0 else new_id[cand_parent[c] - 1] for c in kept]
-    scores = [0.0] + [cand_score[c] for c in kept]
-    q_logits = None
-    if kept and cand_q[kept[0]] is not None:
-        rows = [cand_q[c] for c in kept]
-        q_logits = torch.cat([torch.zeros_like(rows[0])[None], torch.stack(rows)])  # [N+1, V]
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores), q_logits)
+               depth: int, top_k: int, total_tokens: int, threshold: float = 0.0, prune: bool = True) -> DraftTree:
+    """`draft_trees` for a single row, read on the host (logits: [1, Vd], hidden: [1, 1, H])."""
+    laid, _ = draft_trees(drafter, state, logits, hidden, [depth], top_k,
+                          TreeRequest(total_tokens, [root_token], [0], [total_tokens]), threshold, prune)
+    return DraftTree.of_lists(*host_trees(laid.host.flatten().tolist(), [root_token])[0])

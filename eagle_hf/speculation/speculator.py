@@ -23,14 +23,16 @@ from dataclasses import dataclass, field
 import torch
 
 from .copying import CopySource
-from .drafting import Chooser, DraftState, draft_trees, settle_trees
+from .draft_programs import Chooser, TreeLayout, TreeRequest, host_trees, with_copies
+from .drafting import DraftState, draft_trees
 from .round_plan import RowPlan
 from .rounds import Round, RoundRecord
 from .schedule import DraftLengthController
 from .settings import MAX_DEPTH, DraftSettings
 from .stats import SpecDecodeStats
 from .timing import Timer
-from .tree import DraftTree
+from .transfer import pack
+from .tree import COPY, EAGLE, DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +134,9 @@ class Speculator:
     def draft(self, root_token: int, depth: int, total_tokens: int, choose: Chooser | None = None,
               marks: dict | None = None) -> DraftTree:
         """Catch up on the committed rows, grow this round's draft tree (a chain when top_k is 1), then graft
-        the copy branches onto it (`draft_round` for a single row)."""
-        return draft_round([self], [root_token], [depth], [total_tokens], [choose], marks)[0]
+        the copy branches onto it, read on the host (`draft_round` for a single row)."""
+        out = draft_round([self], [root_token], [depth], [total_tokens], marks, choose=choose)
+        return out[0] if isinstance(out, list) else out.settle(out.read())[0][0]
 
     @property
     def round(self) -> Round:
@@ -178,6 +181,11 @@ class Speculator:
     def move_to(self, slot: int) -> None:
         """Rows left the batch: this row is now `slot` in the shared drafter cache."""
         self.cache_row.slot = slot
+
+    def keep_copies(self, tree: DraftTree) -> DraftTree:
+        """This round's copy branches cut to `tree` (a static cache's room), which they keep, and learn from."""
+        self.copy.keep_within(tree)
+        return tree
 
     def fit(self, size: int) -> DraftTree:
         """This round's tree cut to its first `size` nodes (a static cache's free slots: copy branches are not
@@ -239,94 +247,156 @@ def marginal_cost(controller: DraftLengthController | None, verified: int) -> fl
 
 
 def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: list[int], total_tokens: list[int],
-                choosers: list[Chooser | None] | None = None, marks: dict | None = None,
-                layout: tuple | None = None) -> list[DraftTree] | PendingTrees:
+                marks: dict | None = None, positions: list[int] | None = None, pad: Callable[[int], int] | None = None,
+                fits: int | None = None, choose: Chooser | None = None) -> list[DraftTree] | PendingTrees:
     """Step "draft" of one round for the rows of a batch that share a drafter cache, in its row order (a single
     row: `Speculator.draft`). Every row with committed rows catches them up in one drafter forward; the rows with
-    a depth grow their trees together, one drafter forward per level; then each row grafts its copy branches.
-    A row not in a drafting round (`round` is not `Round.DRAFT`) keeps the root alone. `marks`: the round's named
-    marks on the timer (`eagle_hf.speculation.rounds.RoundTiming`), where the drafter's start, catch-up and levels end.
+    a depth grow their trees together and lay them out for the verify, on the device (`draft_trees`): the round's
+    `PendingTrees`, with each row's copy branches (known on the host before the round) beside them. A round in
+    which no row drafts with the drafter has its trees on the host (the root, with its copy branches). A row not in
+    a drafting round (`round` is not `Round.DRAFT`) keeps the root alone.
 
-    `layout` = (the verify width W, each row's verify position): where every row drafts with the drafter alone
-    (no copy branches) and the levels run as one program, the trees stay on the device, laid out for the verify
-    (`PendingTrees`: the host reads them with the verify's result, one read a round)."""
+    `marks`: the round's named marks on the timer (`eagle_hf.speculation.rounds.RoundTiming`); `positions`: each
+    row's root position in the target's cache (the verify's); `pad`: the verify's width for trees of n nodes
+    (default n); `fits`: the most nodes a row's tree may have (a static cache's room; None: any); `choose`: the
+    drafter's children's choice (a sampling chain's, one row)."""
     first = speculators[0]
     state, timer, s = first.state, first.timer, first.settings
     drafting = [i for i, sp in enumerate(speculators) if sp.this_round.kind == Round.DRAFT and depths[i] > 0]
-    if drafting:
-        if marks is not None:
-            marks["draft"] = timer.mark()
-        # the catch-up and the levels as one program where the levels run as one (no host choice, no holes): the
-        # catch-up padded to a regular round's rows (depth + 1), so that its rounds share one
-        staged = max(depths) + 1 if state.graphs is not None and not any(choosers or []) else None
-        logits, hidden = _catch_up(speculators, staged)  # [B, Vd], [B, 1, H]
-        if marks is not None and not (staged and state.staged(first.drafter)):  # (a staged catch-up's time is
-            # the levels')
-            marks["caught_up"] = timer.mark()
-        steps = state.steps
-        slots = [speculators[i].cache_row.slot for i in drafting]
-        if layout is not None and (any(sp.copy is not None and sp.copy.branches for sp in speculators) or choosers
-                                   or len(speculators) != state.rows):
-            layout = None  # (copy branches are grafted on the host)
-        if layout is not None:  # every state row, in its slot order: a row that does not draft has depth 0
-            order = sorted(range(len(speculators)), key=lambda i: speculators[i].cache_row.slot)
-            layout = (layout[0], [roots[i] for i in order], [layout[1][i] for i in order],
-                      [total_tokens[i] if i in drafting else 1 for i in order])
-        grown = draft_trees(first.drafter, state, [roots[i] for i in drafting], logits, hidden,
-                            [depths[i] for i in drafting], s.branching, [total_tokens[i] for i in drafting],
-                            s.confidence_threshold, [choosers[i] for i in drafting] if choosers else None,
-                            prune=s.mode == "tree", rows=slots, layout=layout)
-        if marks is not None:
-            marks["drafted"] = timer.mark()
-        if not isinstance(grown, list):  # laid out on the device: read with the verify
-            for i, sp in enumerate(speculators):
-                sp.this_round.eagle_depth = depths[i] if i in drafting else 0
-                sp.this_round.drafter_levels = state.steps - steps if i in drafting else 0
-            return PendingTrees(speculators, roots, *grown)
-    trees = [DraftTree.root(r) for r in roots]  # (the rows that drafted replace theirs)
-    for i, tree in zip(drafting, grown if drafting else []):
-        trees[i] = tree
-        speculators[i].this_round.drafter_levels = state.steps - steps
+    copies = [sp.graft_copy(DraftTree.root(root)) if sp.copying else None for sp, root in zip(speculators, roots)]
     for i, sp in enumerate(speculators):
+        sp.this_round.eagle_depth = depths[i] if i in drafting else 0
+    if not drafting:
+        return _settle(speculators, [c or DraftTree.root(r) for c, r in zip(copies, roots)])
+    if marks is not None:
+        marks["draft"] = timer.mark()
+    # the catch-up and the levels as one program where the levels run as one: the catch-up padded to a regular
+    # round's rows (depth + 1), so that its rounds share one
+    staged = max(depths) + 1 if state.graphs is not None and choose is None else None
+    logits, hidden = _catch_up(speculators, staged)  # [B, Vd], [B, 1, H]
+    if marks is not None and not (staged and state.staged(first.drafter)):  # (a staged catch-up's time is the
+        # levels')
+        marks["caught_up"] = timer.mark()
+    largest = max(total_tokens[i] for i in drafting)
+    extra = max((c.size - 1 for c in copies if c is not None), default=0)  # the copy nodes a row adds
+    if fits is not None and largest + extra > fits:  # (copy branches are not sized by the drafter's budget)
+        extra = max(fits - largest, 0)
+        copies = [None if c is None else sp.keep_copies(c.first(extra + 1)) for sp, c in zip(speculators, copies)]
+    order = sorted(range(len(speculators)), key=lambda i: speculators[i].cache_row.slot)  # the cache's row order
+    positions = positions or [0] * len(speculators)
+    pad = pad or int
+    width = pad(largest)  # the drafter's nodes a row, padded: one program a tree size, whatever the copies add
+    if extra:  # (the copy branches after them, padded so that the verify's whole width is padded too)
+        extra = pad(width + extra) - width
+    request = TreeRequest(width, [roots[i] for i in order], [positions[i] for i in order],
+                          [total_tokens[i] if i in drafting else 1 for i in order])
+    steps = state.steps
+    grown = draft_trees(first.drafter, state, logits, hidden, [depths[i] if i in drafting else 0 for i in order],
+                        s.branching, request, s.confidence_threshold, prune=s.mode == "tree", choose=choose)
+    if marks is not None:
+        marks["drafted"] = timer.mark()
+    for i in drafting:
+        speculators[i].this_round.drafter_levels = state.steps - steps
+    if isinstance(grown, list):  # (host trees, in the cache's row order: a test's drafts)
+        trees = [DraftTree.root(r) for r in roots]
+        for j, i in enumerate(order):
+            trees[i] = speculators[i].graft_copy(grown[j]) if i in drafting else copies[i] or trees[i]
+        return _settle(speculators, trees)
+    return PendingTrees(speculators, roots, *grown, copies, width, extra)
+
+
+def _settle(speculators: Sequence[Speculator], trees: list[DraftTree]) -> list[DraftTree]:
+    """Each drafting row's round gets its tree (a tree without drafts: a plain step, every branch having fallen
+    below the confidence threshold)."""
+    for sp, tree in zip(speculators, trees):
         r = sp.this_round
-        r.eagle_depth = depths[i] if i in drafting else 0
-        if r.kind != Round.DRAFT:
-            continue
-        r.tree = trees[i] = sp.graft_copy(trees[i])
-        if r.tree.num_drafts == 0:  # every branch was below the confidence threshold: a plain step
-            r.kind = Round.FALLBACK
+        if r.kind == Round.DRAFT:
+            r.tree = tree
+            if tree.num_drafts == 0:
+                r.kind = Round.FALLBACK
     return trees
 
 
 @dataclass
 class PendingTrees:
-    """A round's trees laid out for the verify on the device (`eagle_hf.speculation.draft_programs.TreeLayout`,
-    with the verify positions [B, W]), read by the host with the verify's result (`settle`)."""
+    """A round's trees laid out for the verify on the device (`eagle_hf.speculation.draft_programs.TreeLayout`, W
+    nodes a row of the drafter's, then with `graft_copies` each row's copy branches, with the verify positions),
+    read by the host with the verify's result (`settle`), or before the verify where the verify needs them on the
+    host (sampling). `copies`: each row's copy branches as a tree of its own (None: none)."""
 
     speculators: Sequence[Speculator]
     roots: list[int]
-    layout: object  # TreeLayout
-    positions: torch.Tensor  # [B, W]
+    layout: TreeLayout
+    positions: torch.Tensor  # [B, W (+ C)]
+    copies: list[DraftTree | None]
+    drafter_width: int  # W
+    copy_width: int = 0  # C: the copy branches' nodes a row, padded
 
     @property
     def width(self) -> int:
         return self.layout.tokens.shape[1]
 
-    def settle(self, values: list[float]) -> list[DraftTree]:
-        """The rows' trees from the layout's host part read as `values`; each row's round gets its tree (a row
-        whose drafts all fell below the confidence threshold: a plain step, as `draft_round` decides)."""
+    def read(self) -> list[float]:
+        """The layout's host part (the round's read where the trees are needed before the verify)."""
+        return self.layout.host.flatten().tolist()
+
+    def graft_copies(self) -> None:
+        """Each row's copy branches into the layout, after the drafter's nodes (one host-to-device copy)."""
+        extra = self.copy_width
+        if not extra:
+            return
+        arrays = {"tokens": [], "depths": [], "ancestors": []}
+        for i in sorted(range(len(self.speculators)), key=lambda i: self.speculators[i].cache_row.slot):
+            c = self.copies[i]
+            h = c.host if c is not None else DraftTree.root(self.roots[i]).host
+            n = len(h.tokens) - 1
+            arrays["tokens"].append(h.tokens[1:] + [self.roots[i]] * (extra - n))
+            arrays["depths"].append(h.depths[1:] + [0] * (extra - n))
+            arrays["ancestors"].append([[j in h.path(a + 1) if a < n else j == a + 1 for j in range(1, extra + 1)]
+                                        for a in range(extra)])  # [C, C] its copy ancestors and itself
+        host = pack(self.layout.tokens.device, **arrays)
+        self.layout, self.positions = with_copies(self.layout, self.positions, host["tokens"], host["depths"],
+                                                  host["ancestors"].bool())
+
+    def settle(self, values: list[float], grafted: bool = False) -> tuple[list[DraftTree], list[list[int]] | None]:
+        """The rows' trees from the layout's host part read as `values`, each with its copy branches, and each
+        tree node's column in the layout (None: the trees' nodes are its first columns). `grafted`: the copies
+        are in the layout (`graft_copies`: a drafter node a copy branch proposed too stays two nodes there, both
+        marked as proposed by both); else they are grafted on the host (shared prefixes are one node)."""
         slots = [sp.cache_row.slot for sp in self.speculators]
-        by_slot = settle_trees(self.layout, values, [self.roots[i] for i in sorted(range(len(slots)),
-                                                                                    key=slots.__getitem__)])
-        trees = [by_slot[slot] for slot in slots]
-        for sp, tree in zip(self.speculators, trees):
-            r = sp.this_round
-            if r.kind != Round.DRAFT:
-                continue
-            r.tree = tree
-            if tree.num_drafts == 0:
-                r.kind = Round.FALLBACK
-        return trees
+        by_slot = {slot: root for slot, root in zip(slots, self.roots)}
+        lists = host_trees(values, [by_slot[slot] for slot in sorted(by_slot)])
+        trees, columns = [], []
+        for sp, slot, copy in zip(self.speculators, slots, self.copies):
+            tokens, parents, scores = lists[slot]
+            size = len(tokens) - 1
+            if copy is not None and grafted:
+                tree, cols = _beside(tokens, parents, scores, copy, self.drafter_width)
+            else:
+                tree, cols = DraftTree.of_lists(tokens, parents, scores), list(range(size + 1))
+                if copy is not None:
+                    tree = sp.graft_copy(tree)
+            trees.append(tree), columns.append(cols)
+        return _settle(self.speculators, trees), columns if grafted else None
+
+
+def _beside(tokens: list[int], parents: list[int], scores: list[float], copy: DraftTree, width: int):
+    """A drafter's tree (host lists) and its copy branches laid out after its `width` columns, as one tree: (the
+    tree, each node's column). A copy node on a path the drafter drafted too marks both nodes as both's."""
+    size, h = len(tokens), copy.host
+    sources = [EAGLE] * size
+    child = {(parents[i], tokens[i]): i for i in range(1, size)}  # the drafter's nodes by (parent, token)
+    same = {0: 0}  # copy node -> the drafter node on the same path
+    for j in range(1, len(h.tokens)):
+        p = h.parents[j]
+        node = child.get((same[p], h.tokens[j])) if p in same else None
+        tokens.append(h.tokens[j]), scores.append(h.scores[j]), parents.append(0 if p == 0 else size - 1 + p)
+        sources.append(COPY | (EAGLE if node is not None else 0))
+        if node is not None:
+            same[j] = node
+            sources[node] |= COPY
+    columns = list(range(size)) + [width - 1 + j for j in range(1, len(h.tokens))]
+    return DraftTree.of_lists(tokens, parents, scores, sources), columns
 
 
 def _catch_up(speculators: Sequence[Speculator], staged: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

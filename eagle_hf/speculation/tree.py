@@ -3,7 +3,7 @@
 Vocabulary (eagle_spec.md §6.3): `depth` draft levels, `top_k` children expanded per frontier node,
 `total_tokens` verified tokens including the root. Node 0 is the root (the last token the target emitted);
 nodes 1..N are drafts, parents before children. A chain is the tree with ``top_k=1``. Built by
-`eagle_hf.speculation.drafting.draft_tree`, accepted by `eagle_hf.speculation.verification`.
+`eagle_hf.speculation.drafting.draft_trees`, accepted by `eagle_hf.speculation.verification`.
 """
 
 from __future__ import annotations
@@ -41,10 +41,13 @@ class DraftTree:
         return tree
 
     @classmethod
-    def of_lists(cls, tokens: list[int], parents: list[int], scores: list[float]) -> DraftTree:
-        """A deterministic EAGLE tree from host lists (node 0 the root, parents before children)."""
-        tree = cls(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores))
-        tree.__dict__["host"] = _HostTree.of_lists(tokens, parents, tree.scores.tolist())  # (as a tree's own)
+    def of_lists(cls, tokens: list[int], parents: list[int], scores: list[float],
+                 sources: list[int] | None = None) -> DraftTree:
+        """A deterministic tree from host lists (node 0 the root, parents before children; `sources`: who proposed
+        each node, default the drafter)."""
+        tree = cls(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores),
+                   None if sources is None else torch.tensor(sources, dtype=torch.uint8))
+        tree.__dict__["host"] = _HostTree.of_lists(tokens, parents, tree.scores.tolist(), sources)  # (as a tree's own)
         return tree
 
     @functools.cached_property

@@ -19,12 +19,13 @@ SCORES_ONLY = frozenset({"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLog
                          "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "TopHLogitsWarper"})
 
 
-def process_logits(logits_processor, prefix: torch.Tensor, paths: list[list[int]], logits: torch.Tensor,
-                   row: int = 0) -> torch.Tensor:
+def process_logits(logits_processor, prefix: torch.Tensor, paths: list[list[int]] | torch.Tensor,
+                   logits: torch.Tensor, row: int = 0) -> torch.Tensor:
     """Apply the logits processors to each row of `logits` ([n, V]) with ``prefix + paths[row]`` as its input ids.
 
     Used for the target's logits at every tree node, and for the drafter's logits of every sampled draft, so
-    that both follow the exact processing plain `generate()` applies. prefix: [1, T], the call's batch row `row`
+    that both follow the exact processing plain `generate()` applies (`paths`: host lists, or [n, d] device tokens
+    of one length). prefix: [1, T], the call's batch row `row`
     (processors that hold a value per batch row see that row's, `per_row`). Warpers that read only the
     scores (`SCORES_ONLY`) process every row in one call on the prefix; otherwise the rows are processed in
     one call per path length (processors take a batch of equal-length ids), their paths copied to the device at
@@ -71,10 +72,13 @@ def per_row(logits_processor, row: int):
     return call
 
 
-def _process(logits_processor, prefix: torch.Tensor, paths: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
+def _process(logits_processor, prefix: torch.Tensor, paths: list[list[int]] | torch.Tensor,
+             logits: torch.Tensor) -> torch.Tensor:
     processors = getattr(logits_processor, "processors", logits_processor)
     if all(type(p).__name__ in SCORES_ONLY for p in processors):  # (sampling's warpers): no ids to build
         return logits_processor(prefix.expand(logits.shape[0], -1), logits)  # (a view: nothing copied)
+    if isinstance(paths, torch.Tensor):  # [n, d] paths of one length, on the device already
+        return logits_processor(torch.cat([prefix.expand(paths.shape[0], -1), paths.to(prefix.dtype)], 1), logits)
     if any(type(p).__name__ == "PrefixConstrainedLogitsProcessor" for p in processors):
         return _process_each(logits_processor, prefix, paths, logits)
     by_length: dict[int, list[int]] = {}

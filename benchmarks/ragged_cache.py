@@ -11,7 +11,7 @@ Runs are interleaved (every policy on a batch before the next batch, order alter
 medians of the seconds per batch, and the mean share of holes in the cache per round. The outputs of the
 policies are compared: equal in float32 (tests/test_batch.py); in bf16 another slot order can flip a near-tie.
 
-    .venv/bin/python scripts/measure_ragged_cache.py --batch-size 4 --batches 3 --max-new-tokens 128 --prompts code_edit
+    .venv/bin/python benchmarks/ragged_cache.py --batch-size 4 --batches 3 --max-new-tokens 128 --prompts code_edit
 """
 
 from __future__ import annotations
@@ -26,12 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle_hf import (
-    load_drafter,
-    load_target,
-    ragged,
-)
+from eagle_hf import load_drafter, load_target
 from eagle_hf.hf.cache import TreeCache
+from eagle_hf.speculation import ragged
 from eagle_hf.tools.evaluation import batch_chat_inputs, load_prompt_set
 
 POLICIES = {"every round": (0, 0.0), "lazy (default)": (ragged.MIN_HOLES_TO_COMPACT, ragged.HOLE_FRACTION),

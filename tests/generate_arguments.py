@@ -1,8 +1,9 @@
-"""What each argument of `generate()` does with a drafter: one table, checked against transformers' own list.
+"""What each argument of `generate()` does with a drafter: one table, checked against transformers' own list by
+tests/test_generate_arguments.py and shown in docs/usage.md (`table_markdown`).
 
 Every `GenerationConfig` field and every named parameter of `generate()` of the installed transformers has a
-row (`tests/test_generate_arguments.py` fails on one without: a new transformers release shows its new arguments
-as unclassified, never as silently passing). A row says what holds in every mode (the default, tree, chain,
+row (the test fails on one without: a new transformers release shows its new arguments as unclassified, never as
+silently passing). A row says what holds in every mode (the default, tree, chain,
 copies alone) at batch 1 and in a left-padded batch of 2, and gives the value the test passes:
 
 * ``"equal"``: greedy output equals plain `generate()` token for token (float32);

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Issue 35's benchmark: every set in its own `eagle-hf bench` process call, greedy bf16, 20 prompts, 128 new tokens;
-# process 1 with two repeats, process 2 with one (a separate process: fresh costs, EAGLE_HF_COST_CACHE=off), then
-# the comparison (scripts/best_of_sources.py). REPEATS=1: one repeat in each process (the A/A band and the choice
-# of the best single source then come from the two processes). Usage: bash scripts/best_of_sources.sh OUT "SETS" "SETS_TWICE" "LATER"
+# The default against each single draft source (docs/benchmarks.md): every set in its own `eagle-hf bench` process
+# call, greedy bf16, 20 prompts, 128 new tokens; process 1 with two repeats, process 2 with one (a separate process:
+# fresh costs, EAGLE_HF_COST_CACHE=off), then the comparison (benchmarks/best_of_sources.py). REPEATS=1: one repeat
+# in each process (the A/A band and the choice of the best single source then come from the two processes).
+#   bash benchmarks/best_of_sources.sh OUT "SETS" "SETS_TWICE" "LATER"
 # (LATER: sets run in process 1 only, after process 2; 10-25 minutes a set and process on a 2-core CPU). Sets already
 # measured under OUT are kept; a file OUT/pause holds the next set back (to run something else on a quiet machine).
 set -euo pipefail

@@ -1,6 +1,6 @@
 """Cost of the copy source per round at long contexts: index update for the round's new tokens plus one lookup.
 
-    python scripts/measure_copy_cost.py   # prints microseconds per round at 1k, 4k and 16k context tokens
+    python benchmarks/copy_source_cost.py   # prints microseconds per round at 1k, 4k and 16k context tokens
 """
 
 from __future__ import annotations

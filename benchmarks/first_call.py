@@ -1,8 +1,8 @@
 """The first generate() call of a process against the same call repeated (SmolLM2-135M, bf16, greedy): what a
 user waits for before the first token. One mode per process (what a process learns once is the point).
 
-    EAGLE_HF_COST_CACHE=off python scripts/first_call.py --mode default   # nothing kept from earlier processes
-    python scripts/first_call.py --mode copy                              # costs read from eagle_hf's cache
+    EAGLE_HF_COST_CACHE=off python benchmarks/first_call.py --mode default   # nothing kept from earlier processes
+    python benchmarks/first_call.py --mode copy                              # costs read from eagle_hf's cache
 """
 
 from __future__ import annotations

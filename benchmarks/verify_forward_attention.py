@@ -2,7 +2,7 @@
 attention under a 4D mask) and through eagle_hf's tree attention (K/V never repeated), interleaved, median of
 `--repeats`, at several context lengths. SmolLM2-135M-Instruct (9 query heads over 3 K/V heads).
 
-    python scripts/verify_attention_time.py --contexts 512,2048,4096 --width 16
+    python benchmarks/verify_forward_attention.py --contexts 512,2048,4096 --width 16
 """
 
 from __future__ import annotations

@@ -1,0 +1,172 @@
+"""Reads and host time a round where copies are found and the drafter is often wrong: regime R.
+
+A tiny 8-layer Llama target (hidden 64, vocabulary 512), a random EAGLE-3.1 drafter (the reference layout, random
+weights), prompts of 48 tokens that repeat their first half (so the copy source finds matches), 64 new tokens, greedy,
+float32, one thread. Modes: chain 5, a depth-5 tree (top-k 4, 16 tokens) and the default; batch 1 and a ragged batch
+of 4 (left padded); (i) a static cache with transformers' compile forced on the CPU, (ii) the default dynamic cache.
+
+Per case: the blocking device-to-host reads a round (median and mean over the call's rounds, the prefill and the
+last round left out: `eagle_hf.tools.sync_probe`), and the host milliseconds a round outside the target's forward
+(median over warm calls of the call's time less its target forwards, over its rounds).
+
+    python benchmarks/round_regime.py                      # the table (markdown), 5 timed calls a case
+    python benchmarks/round_regime.py --calls 3 --only dynamic
+    PYTHONPATH=/path/to/other/checkout python benchmarks/round_regime.py --json other.json   # another version
+
+To compare two versions, run both in turn on a quiet machine; times are reported, never asserted. Reads are
+deterministic (tests/test_round_ops.py pins them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # (after PYTHONPATH: another checkout may be measured)
+
+SHAPE = dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, vocab_size=512, max_position_embeddings=4096)
+MODES = {
+    "chain 5": dict(draft_mode="chain", num_assistant_tokens=5, num_assistant_tokens_schedule="constant"),
+    "tree, depth 5": dict(draft_mode="tree", tree_depth=5, tree_top_k=4, tree_total_tokens=16,
+                          num_assistant_tokens_schedule="constant"),
+    "default": {},
+}
+CACHES = ("static", "dynamic")
+#: the ragged batch's prompt lengths (each repeats its first half), left padded to the longest
+RAGGED = (48, 40, 44, 36)
+
+
+def pair(seed: int = 0):
+    """(target, drafter): the tiny Llama and a random EAGLE-3.1 drafter for it, float32 on the CPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eagle_hf import EagleDrafter
+
+    torch.manual_seed(seed)
+    target = LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()
+    drafter = EagleDrafter.for_target(target, eagle31=True).eval()
+    return target, drafter
+
+
+def prompts(rows: int, seed: int = 1) -> dict:
+    """`rows` prompts that repeat their first half (48 tokens for one row; `RAGGED` lengths for a batch), left
+    padded."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [48] if rows == 1 else list(RAGGED[:rows])
+    width = max(lengths)
+    ids = torch.zeros(rows, width, dtype=torch.long)
+    mask = torch.zeros(rows, width, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        half = torch.randint(3, SHAPE["vocab_size"], (n // 2,), generator=g)
+        ids[b, width - n :], mask[b, width - n :] = torch.cat([half, half]), 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def run_kwargs(mode: str, cache: str, drafter, new_tokens: int) -> dict:
+    from transformers import CompileConfig
+
+    out = dict(MODES[mode], assistant_model=drafter, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        config = CompileConfig()
+        config._compile_all_devices = True  # (transformers compiles on accelerators only unless told)
+        out.update(cache_implementation="static", compile_config=config)
+    return out
+
+
+def reads(target, drafter, mode: str, cache: str, rows: int, new_tokens: int) -> dict:
+    """Reads a round over one call (after a warm call): median, mean, and the rounds counted."""
+    from eagle_hf.tools.sync_probe import probe_generate
+
+    kwargs = run_kwargs(mode, cache, drafter, new_tokens)
+    target.generate(**prompts(rows), **kwargs)
+    probe = probe_generate(target, prompts(rows), **kwargs)
+    counted = [r.reads for r in probe.rounds[2:-1]]  # (rounds[0]: before the first round; [1]: the prefill)
+    return {"reads median": statistics.median(counted) if counted else None,
+            "reads mean": statistics.fmean(counted) if counted else None, "rounds": len(counted)}
+
+
+def host_ms(target, drafter, mode: str, cache: str, rows: int, new_tokens: int, calls: int) -> float:
+    """Median over `calls` warm calls of (the call's time - its target forwards) / its rounds, in ms."""
+    import eagle_hf
+    from eagle_hf.hf.tree_loop import TreeLoop
+
+    kwargs = run_kwargs(mode, cache, drafter, new_tokens)
+    spent, inside = [0.0], [0]
+    forward, model_forward = TreeLoop.forward, type(target).forward
+
+    def timed(self, *args, **kw):  # eagle_hf's loop: its target forwards (the compiled one too)
+        start, inside[0] = time.perf_counter(), inside[0] + 1
+        try:
+            return forward(self, *args, **kw)
+        finally:
+            spent[0] += time.perf_counter() - start
+            inside[0] -= 1
+
+    def timed_model(self, *args, **kw):  # transformers' assisted loop: the target's forwards it runs
+        if inside[0]:
+            return model_forward(self, *args, **kw)
+        start = time.perf_counter()
+        try:
+            return model_forward(self, *args, **kw)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    samples = []
+    TreeLoop.forward, type(target).forward = timed, timed_model
+    try:
+        for call in range(calls + 2):  # (two warm-ups: compiles, first shapes)
+            spent[0] = 0.0
+            start = time.perf_counter()
+            target.generate(**prompts(rows), **kwargs)
+            total = time.perf_counter() - start
+            s = eagle_hf.last_stats()
+            if call >= 2:
+                samples.append(1000 * (total - spent[0]) / max(s.cycles + s.fallback_steps + s.final_steps, 1))
+    finally:
+        TreeLoop.forward, type(target).forward = forward, model_forward
+    return statistics.median(samples)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--only", choices=CACHES, default=None, help="one cache only")
+    parser.add_argument("--modes", default=";".join(MODES), help="modes, separated by ';'")
+    parser.add_argument("--rows", default="1,4", help="batch sizes, separated by ','")
+    parser.add_argument("--no-time", action="store_true", help="reads only")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    os.environ.setdefault("EAGLE_HF_COST_CACHE", "off")
+    torch.set_num_threads(1)
+    import eagle_hf
+
+    target, drafter = pair()
+    out = {"eagle_hf": str(Path(eagle_hf.__file__).parent), "cases": {}}
+    print("| cache | mode | rows | reads a round (median / mean) | host ms a round outside the target's forward |")
+    print("|---|---|---|---|---|")
+    for cache in [args.only] if args.only else CACHES:
+        for mode in args.modes.split(";"):
+            for rows in [int(r) for r in args.rows.split(",")]:
+                row = reads(target, drafter, mode, cache, rows, args.new_tokens)
+                if not args.no_time:
+                    row["host ms"] = host_ms(target, drafter, mode, cache, rows, args.new_tokens, args.calls)
+                out["cases"][f"{cache} | {mode} | {rows}"] = row
+                mean = row["reads mean"]
+                print(f"| {cache} | {mode} | {rows} | {row['reads median']} / "
+                      f"{'-' if mean is None else f'{mean:.2f}'} | {row.get('host ms', float('nan')):.2f} |",
+                      flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
