@@ -19,11 +19,10 @@ from eagle_hf.hf.version import CACHE_KEY, output_cache
 from eagle_hf.speculation.costs import CostModel
 from eagle_hf.speculation.drafting import DraftState, draft_tree
 from eagle_hf.speculation.round_plan import plan_round
-from eagle_hf.speculation.rounds import RoundTiming
+from eagle_hf.speculation.rounds import RoundTiming, Timer
 from eagle_hf.speculation.schedule import DraftLengthController
 from eagle_hf.speculation.speculator import Speculator
 from eagle_hf.speculation.stats import SpecDecodeStats
-from eagle_hf.speculation.timing import Timer
 from eagle_hf.speculation.tree import DraftTree
 from eagle_hf.speculation.verification import accept_sampling
 

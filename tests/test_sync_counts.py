@@ -182,7 +182,7 @@ def test_an_asynchronous_device_clock_leaves_no_reference_cycles(models, monkeyp
     returns (finished measurements handed over, the rest dropped). Found on the H200 (2026-11-26): the target's
     8k-token cache, 1.07 GiB, stayed allocated after each call until the garbage collector ran."""
     from eagle_hf.hf import call as call_module
-    from eagle_hf.speculation.timing import Timer
+    from eagle_hf.speculation.rounds import Timer
 
     class Event:  # a device queue that has always finished: elapsed times of zero
         def record(self):

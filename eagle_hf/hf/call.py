@@ -20,10 +20,10 @@ from ..drafter.modeling import EagleDrafter
 from ..errors import EagleCompatibilityError
 from ..programs import how_to_run
 from ..speculation.drafting import DraftState
+from ..speculation.rounds import Timer
 from ..speculation.settings import DraftSettings
 from ..speculation.speculator import DraftListener, Speculator
 from ..speculation.stats import SpecDecodeStats, merge_stats
-from ..speculation.timing import Timer
 from .costs import controller_for
 from .version import cache_in
 

@@ -26,11 +26,10 @@ from .copying import CopySource
 from .draft_programs import Chooser, TreeLayout, TreeRequest, host_trees, with_copies
 from .drafting import DraftState, draft_trees
 from .round_plan import RowPlan
-from .rounds import Round, RoundRecord
+from .rounds import Round, RoundRecord, Timer
 from .schedule import DraftLengthController
 from .settings import MAX_DEPTH, DraftSettings
 from .stats import SpecDecodeStats
-from .timing import Timer
 from .transfer import pack
 from .tree import COPY, EAGLE, DraftTree
 
