@@ -347,7 +347,7 @@ def test_wrong_shape(tmp_path):
     tensors = eagle31_tensors()
     tensors["midlayer.mlp.gate_proj.weight"] = torch.zeros(100, HIDDEN)
     folder = write(tmp_path / "d", eagle31_config(), tensors)
-    with pytest.raises(DrafterLoadError, match=r"midlayer\.mlp\.gate_proj\.weight has shape \(100, 64\).*\(128, 64\)"):
+    with pytest.raises(DrafterLoadError, match=r"midlayer\.mlp\.gate_proj\.weight in \S*model\.safetensors has shape \(100, 64\).*\(128, 64\)"):
         EagleDrafter.from_pretrained(folder)
 
 
