@@ -54,7 +54,7 @@ class EagleCandidateGenerator(CandidateGenerator):
             logp, idx = torch.log_softmax(draft_logits.float(), dim=-1).max(dim=-1)  # [1]
             return self.drafter.draft_to_target(idx), None, logp
         logits = self.drafter.target_logits(draft_logits.float())  # [1, V]
-        logits = process_logits(self.logits_processor, prefix, [drafted], logits)
+        logits = process_logits(self.logits_processor, prefix, drafted, logits)  # drafted: [1, d]
         logp = torch.log_softmax(logits, dim=-1)  # [1, V]
         token = draw(logp.exp()) if self.do_sample else logp.argmax(-1)  # [1]
         return token, (logits if self.do_sample else None), logp.gather(1, token[:, None])[:, 0].clamp(min=-69.0)
