@@ -4,11 +4,13 @@ Two kinds of drafter are used:
 
 * a *random* drafter (``tiny_drafter``): its drafts are almost always rejected, so every round exercises the
   rejection path, the one-row feature slices and the full-length KV crop;
-* an *oracle*: ``EagleCandidateGenerator._choose`` is patched to propose the true greedy continuation (taken
-  from plain ``generate()``) except at a few deliberately wrong positions. Most drafts are accepted, which
-  exercises multi-token acceptance, the target KV crop after partial acceptance and the slicing of
-  ``n_last_matches + 1`` feature rows. The drafter still runs (its state and chain are computed as usual);
-  only the token choice is replaced.
+* an *oracle*: the drafts are replaced by the true greedy continuation (taken from plain ``generate()``) except
+  at a few deliberately wrong positions. Most drafts are accepted, which exercises multi-token acceptance, the
+  target KV crop after partial acceptance and the slicing of ``n_last_matches + 1`` feature rows. The drafter
+  still reads every verified row; only its proposals are replaced.
+
+A greedy one-row chain runs in eagle_hf's loop (a tree with one child per node); transformers' assisted loop
+runs it where eagle_hf's loop cannot (`transformers_loop` forces it), and is tested here too.
 
 All models are tiny, random and float32. Greedy output must be token-for-token identical to plain ``generate()``.
 """
@@ -21,13 +23,14 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_drafter, tiny_target
+from conftest import VOCAB, patch_drafts, tiny_drafter, tiny_target
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import eagle_hf
 from eagle_hf import EagleCompatibilityError
 from eagle_hf.drafter.capture import default_aux_layer_ids, gather_aux, hidden_state_request
-from eagle_hf.hf import EagleCandidateGenerator
+from eagle_hf.hf import EagleCandidateGenerator, routing
+from eagle_hf.speculation.tree import DraftTree
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
 DRAFT_LENGTHS = [1, 3, 5, 8]
@@ -63,25 +66,43 @@ def plain(target, ids, **kwargs):
 
 @contextlib.contextmanager
 def oracle(reference: torch.Tensor, wrong_positions=(), vocab: int = VOCAB):
-    """Patch the drafter's token choice to propose ``reference`` (a full greedy sequence ``[1, T]``), except at
-    absolute positions in ``wrong_positions`` where it proposes a different token. Yields the list of proposals
+    """Make the drafter propose ``reference`` (a full greedy sequence ``[1, T]``), except at absolute positions in
+    ``wrong_positions`` where it proposes a different token, in whichever loop runs the chain: eagle_hf's (its
+    tree growth patched) or transformers' (the adapter's token choice patched). Yields the list of proposals
     ``(position, token)``."""
     ref = reference[0]
     proposals: list[tuple[int, int]] = []
+
+    def propose(pos: int) -> int:
+        token = int(ref[pos])
+        if pos in wrong_positions:
+            token = (token + 1) % vocab
+        proposals.append((pos, token))
+        return token
 
     def _choose(self, draft_logits, prefix, drafted):
         assert prefix.shape[0] == 1 and draft_logits.shape[0] == 1
         n = prefix.shape[1]
         assert torch.equal(prefix[0].cpu(), ref[:n].cpu()), "the accepted prefix left the greedy path"
-        pos = n + drafted.shape[-1]  # drafted: [1, d] the drafts so far
-        token = int(ref[pos])
-        if pos in wrong_positions:
-            token = (token + 1) % vocab
-        proposals.append((pos, token))
+        token = propose(n + drafted.shape[-1])  # drafted: [1, d] the drafts so far
         return torch.tensor([token]), None, torch.zeros(1)  # (target id, q logits, log-probability)
 
-    with mock.patch.object(EagleCandidateGenerator, "_choose", _choose):
+    def chain(position, root_token, depth, total_tokens):  # the root is the token at `position`
+        assert int(ref[position]) == root_token, "the accepted prefix left the greedy path"
+        tokens = [root_token] + [propose(p) for p in range(position + 1, min(position + depth + 1, len(ref)))]
+        tokens = tokens[:total_tokens]
+        return DraftTree(torch.tensor(tokens), torch.arange(-1, len(tokens) - 1), torch.zeros(len(tokens)))
+
+    with mock.patch.object(EagleCandidateGenerator, "_choose", _choose), patch_drafts(chain):
         yield proposals
+
+
+@contextlib.contextmanager
+def transformers_loop():
+    """Run one-row greedy chains in transformers' assisted loop (through the `CandidateGenerator` adapter), as
+    calls eagle_hf's loop cannot take do (a model or input it does not support)."""
+    with mock.patch.object(routing, "_own_loop_for_chain", lambda *args: None):
+        yield
 
 
 @contextlib.contextmanager
@@ -126,9 +147,15 @@ def check_stats(stats, prompt_len: int, out: torch.Tensor) -> None:
 
 
 # --------------------------------------------------------------------------------------- greedy exactness
-@pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_equals_plain_generate(family):
+@pytest.mark.parametrize("family,loop", [(family, "eagle_hf") for family in FAMILIES]
+                         + [("llama", "assisted"), ("gemma3", "assisted")])
+def test_greedy_equals_plain_generate(family, loop):
     target, drafter = models(family)
+    with transformers_loop() if loop == "assisted" else contextlib.nullcontext():
+        _greedy_equals_plain_generate(target, drafter, family)
+
+
+def _greedy_equals_plain_generate(target, drafter, family):
     total_accepted = 0
     for case_index, (plen, max_new) in enumerate(CASES):
         ids = prompt(plen, seed=case_index)
@@ -179,7 +206,7 @@ def test_drafter_cache_equals_recomputation(family, k):
     ids = prompt(plen, seed=5)
     expected = plain(target, ids, max_new_tokens=max_new)
     wrong = {plen + i for i in WRONG_NEW}
-    with capture_generators() as made, oracle(expected, wrong):
+    with transformers_loop(), capture_generators() as made, oracle(expected, wrong):
         out = target.generate(ids, assistant_model=drafter, max_new_tokens=max_new, num_assistant_tokens=k)
     assert torch.equal(out, expected)
     assert eagle_hf.last_stats().accepted >= max_new // 2  # multi-token acceptance happened
@@ -400,7 +427,7 @@ def test_stats_are_per_thread():
     barrier = threading.Barrier(2)
     main_before = eagle_hf.last_stats()
 
-    with capture_generators() as made:
+    with transformers_loop(), capture_generators() as made:
 
         def work(index):
             try:

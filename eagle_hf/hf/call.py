@@ -264,6 +264,13 @@ def check_batch(kwargs: dict, inputs, defaults=None) -> None:
             "(or call generate() once per prompt).")
 
 
+def samples(target, kwargs: dict) -> bool:
+    """Whether the call samples: its ``do_sample``, else its generation config's, else the target's."""
+    if kwargs.get("do_sample") is not None:
+        return bool(kwargs["do_sample"])
+    return bool(getattr(kwargs.get("generation_config") or target.generation_config, "do_sample", False))
+
+
 def prompt_length(kwargs: dict) -> int | None:
     inputs = kwargs.get("inputs", kwargs.get("input_ids"))
     return int(inputs.shape[-1]) if isinstance(inputs, torch.Tensor) else None

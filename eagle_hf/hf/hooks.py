@@ -29,6 +29,7 @@ from .call import (
     normalise_inputs,
     prepare_drafter,
     prompt_length,
+    samples,
     set_active_call,
     speculators_for,
 )
@@ -67,7 +68,7 @@ def generate(self, *args, **kwargs):
             kwargs["assistant_model"] = drafter
     routed = route(self, drafter, settings, kwargs)  # which loop runs the call and its settings, decided once
     call = EagleCall(drafter, aux_ids, routed.settings, listeners=list(kwargs.pop("draft_listeners", None) or []),
-                     streamer=kwargs.get("streamer"), sampling=_samples(self, kwargs), route=routed)
+                     streamer=kwargs.get("streamer"), sampling=samples(self, kwargs), route=routed)
     if routed.loop == "eagle_hf":
         kwargs.pop("assistant_model", None)
         kwargs["custom_generate"] = tree_custom_generate
@@ -102,13 +103,6 @@ def _run(self, kwargs: dict, call: EagleCall):
     _set_last(call.stats)
     logger.info("EAGLE generate (%s): %s", call.settings.mode, call.stats.summary())
     return out
-
-
-def _samples(target, kwargs: dict) -> bool:
-    """Whether the call samples: its ``do_sample``, else its generation config's, else the target's."""
-    if kwargs.get("do_sample") is not None:
-        return bool(kwargs["do_sample"])
-    return bool(getattr(kwargs.get("generation_config") or target.generation_config, "do_sample", False))
 
 
 def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,

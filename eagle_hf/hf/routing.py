@@ -15,9 +15,9 @@ from dataclasses import dataclass, replace
 
 from ..errors import EagleCompatibilityError
 from ..speculation.schedule import choose_tree_size
-from ..speculation.settings import DraftSettings
+from ..speculation.settings import MAX_DEPTH, DraftSettings
 from .cache import VERIFY_BUCKETS, cache_unsupported_reason, is_static, tree_unsupported_reason
-from .call import batch_rows, empty_prompt_reason, prompt_length
+from .call import batch_rows, empty_prompt_reason, prompt_length, samples
 from .costs import cost_model
 from .indexed import indexed_unsupported_reason
 from .version import cache_in
@@ -52,7 +52,8 @@ def route(target, drafter, settings: DraftSettings, kwargs: dict) -> Route:
         if why:
             logger.info("%s: eagle_hf's loop drafts the chain (a tree with top_k=1).", why)
             sources = "eagle" if settings.draft_sources == "auto" else settings.draft_sources  # (a chain's: the drafter)
-            settings = replace(settings, mode="tree", top_k=1, total_tokens=settings.depth + 1, draft_sources=sources)
+            longest = MAX_DEPTH if settings.schedule.startswith("heuristic") else settings.depth  # (it grows)
+            settings = replace(settings, mode="tree", top_k=1, total_tokens=longest + 1, draft_sources=sources)
     if settings.mode == "tree" and settings.total_tokens <= 0:  # -1: size the tree from the verify costs
         size = choose_tree_size(cost_model(target, drafter))  # (as learnt so far: the prior at first)
         settings = replace(settings, total_tokens=size)
@@ -114,6 +115,8 @@ def _own_loop_for_chain(target, settings: DraftSettings, kwargs: dict) -> str | 
         return f"Batch of {rows} rows"
     if settings.uses_copy:  # transformers' loop verifies one chain
         return "Copy drafting in chain mode"
+    if not samples(target, kwargs):  # ours drafts and verifies a round with one read; a sampled chain keeps
+        return "A greedy chain"       # transformers' loop and its exact-q acceptance
     return None
 
 

@@ -80,9 +80,9 @@ class DraftSettings:
         top_k: tree mode: children expanded per frontier node. Chain mode is ``top_k = 1``.
         total_tokens: tree mode: verified tokens per round, the root included; -1 sizes the tree from this
             device's measured verify costs.
-        confidence_threshold: chain: end the chain after a draft whose probability is below this (transformers'
-            ``assistant_confidence_threshold``); tree: prune branches whose cumulative draft probability is
-            below it (a fully pruned tree is a plain step). 0 turns it off.
+        confidence_threshold: chain (a tree with ``top_k = 1`` alike): end the chain after a draft whose
+            probability is below this (transformers' ``assistant_confidence_threshold``); tree: prune branches whose
+            cumulative draft probability is below it (a fully pruned tree is a plain step). 0 turns it off.
         probe_every: adaptive: the most plain steps before a dropped drafter tries again (doubles after each failed
             try; a drafter just below break-even tries sooner, once the plain steps absorb a try's expected loss).
         min_gain: adaptive: start drafting when the expected speedup over plain decoding exceeds this ...

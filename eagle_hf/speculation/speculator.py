@@ -291,7 +291,7 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
                           [total_tokens[i] if i in drafting else 1 for i in order])
     steps = state.steps
     grown = draft_trees(first.drafter, state, logits, hidden, [depths[i] if i in drafting else 0 for i in order],
-                        s.branching, request, s.confidence_threshold, prune=s.mode == "tree", choose=choose)
+                        s.branching, request, s.confidence_threshold, prune=s.branching > 1, choose=choose)
     if marks is not None:
         marks["drafted"] = timer.mark()
     for i in drafting:
