@@ -6,7 +6,8 @@ random weights in float32, and a drafter from `EagleDrafter.for_target`. Each ca
 generate() with the drafter (or copy drafting alone) against plain generate() on the same inputs. A cell is:
 
 * ``spec``: equal, and it speculated (drafts were verified)
-* ``plain``: equal, decoded plainly, with the reason logged as a warning (the reason is listed below the table)
+* ``plain``: equal, decoded plainly, with the reason logged (a warning, the first time for a model; listed below
+  the table)
 * ``silent``: equal, no drafts verified and no warning (the schedule may have chosen plain rounds)
 * ``DIFFERS``: the output is not plain generate()'s
 * ``CRASH``: it raised where plain generate() did not
@@ -54,6 +55,7 @@ TINY = dict(
 OVERRIDES: dict[str, dict] = {
     "gpt_neo": {"window_size": 8, "attention_types": [[["global", "local"], 2]]},
     "dots1": {"n_shared_experts": 1},
+    "bamba": {"attn_layer_indices": [1, 3]},
     "zaya": {"num_experts_per_tok": 1},
     "xlnet": {"d_head": 16},
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
@@ -158,9 +160,9 @@ class Cell:
     loop: str = ""  # the loop the call was routed to
 
 
-class _Warnings(logging.Handler):
+class _Messages(logging.Handler):
     def __init__(self):
-        super().__init__(logging.WARNING)
+        super().__init__(logging.INFO)
         self.messages: list[str] = []
 
     def emit(self, record):
@@ -186,9 +188,11 @@ def run_case(model, drafter, case: str) -> Cell:
         routes.append(original(*args, **kwargs))
         return routes[-1]
 
-    handler = _Warnings()
+    handler = _Messages()
     log = logging.getLogger("eagle_hf")
     log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
     hooks.route = spy
     try:
         with torch.no_grad():
@@ -200,15 +204,17 @@ def run_case(model, drafter, case: str) -> Cell:
     finally:
         hooks.route = original
         log.removeHandler(handler)
+        log.setLevel(level)
     loop = routes[-1].loop if routes else ""
     out_ids, ref_ids = getattr(out, "sequences", out), getattr(ref, "sequences", ref)
     if out_ids.shape != ref_ids.shape or not torch.equal(out_ids, ref_ids):
         return Cell("DIFFERS", _first_difference(out_ids, ref_ids), loop)
     stats = eagle_hf.last_stats()
     if stats is not None and stats.drafted > 0:
-        return Cell("spec", "; ".join(handler.messages), loop)
-    if handler.messages:
-        return Cell("plain", "; ".join(handler.messages), loop)
+        return Cell("spec", (routes[-1].reason or "") if routes else "", loop)
+    said = [m for m in handler.messages if "plainly" in m or "not possible" in m]
+    if said:  # (the reason is logged as a warning the first time, then at info level)
+        return Cell("plain", said[0], loop)
     return Cell("silent", "", loop)
 
 
