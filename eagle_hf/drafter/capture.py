@@ -91,3 +91,14 @@ def gather_aux(hidden_states: Sequence[torch.Tensor | None], aux_ids: Sequence[i
         taps.append(h)
     device = device or taps[0].device
     return torch.cat([t.to(device) for t in taps], dim=-1)
+
+
+def taps_unsupported_reason(target) -> str | None:
+    """Why an EAGLE drafter cannot read `target`'s hidden states (None: it can): they carry several residual
+    streams per token (hyper-connections, `hc_mult`: [B, T, k, H] rather than [B, T, H])."""
+    config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    streams = getattr(config, "hc_mult", None)
+    if isinstance(streams, int) and streams > 1:
+        return (f"its hidden states carry {streams} residual streams per token (hc_mult: [batch, tokens, {streams}, "
+                "hidden]), which an EAGLE drafter does not read")
+    return None

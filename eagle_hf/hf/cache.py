@@ -55,6 +55,11 @@ def tree_unsupported_reason(target) -> str | None:
                     "attn_implementation='eager' to keep the tree")
     if getattr(target, "_is_stateful", False):
         return "it is a stateful (recurrent) model whose state cannot be compacted to a tree path"
+    if getattr(text, "keep_window_size", None) is not None:
+        return ("its attention adds a dynamic mask of its own per head (keep_window_size), which eagle_hf's tree "
+                "attention does not take")
+    if getattr(text, "cross_attention_layers", None):
+        return "its cross-attention layers keep cache layers of their own, which a tree commit cannot cut to a path"
     return cacheless_reason(target)
 
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
+from ..drafter.capture import taps_unsupported_reason
 from ..speculation.schedule import choose_tree_size
 from ..speculation.settings import DraftSettings
 from .cache import VERIFY_BUCKETS, cache_unsupported_reason, cacheless_reason, is_static, tree_unsupported_reason
 from .call import batch_rows, empty_prompt_reason, prompt_length
 from .costs import cost_model
 from .indexed import indexed_unsupported_reason
-from .positions import positions_unsupported_reason
+from .probes import positions_unsupported_reason, verify_unsupported_reason
 from .version import cache_in
 from .windows import windows_unsupported_reason
 
@@ -79,9 +80,10 @@ def unsupported_reason(target, kwargs: dict) -> str | None:
     if special:
         return f"tree mode does not take {', '.join(special)} yet"
     cache, implementation = cache_in(kwargs), cache_implementation(target, kwargs)
-    reason = (tree_unsupported_reason(target) or cache_unsupported_reason(cache, implementation)
+    reason = (taps_unsupported_reason(target) or tree_unsupported_reason(target)
+              or cache_unsupported_reason(cache, implementation)
               or windows_unsupported_reason(target) or indexed_unsupported_reason(target)
-              or positions_unsupported_reason(target))
+              or verify_unsupported_reason(target) or positions_unsupported_reason(target))
     return f"{type(target).__name__}: {reason}" if reason else None
 
 
@@ -94,9 +96,12 @@ def plain_reason(target, settings: DraftSettings, kwargs: dict, reason: str | No
         return learnt, CROPPABLE
     if getattr(target, "_is_stateful", False):
         return f"{name} is stateful: its recurrent state cannot be cut back to the accepted tokens", CROPPABLE
-    cacheless = cacheless_reason(target)
+    taps = taps_unsupported_reason(target)
+    if taps:
+        return f"{name}: {taps}", "a drafter needs hidden states of one stream per token"
+    cacheless = cacheless_reason(target) or verify_unsupported_reason(target)
     if cacheless:
-        return f"{name}: {cacheless}", CROPPABLE
+        return f"{name}: {cacheless}", "speculation needs a model that verifies several tokens over a cache"
     if cache is not None and _uncroppable(cache):
         return f"the cache passed in has layers that cannot be cut back to the accepted tokens ({reason})", CROPPABLE
     if is_static(cache, cache_implementation(target, kwargs)):
