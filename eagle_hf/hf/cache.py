@@ -68,7 +68,8 @@ def cacheless_reason(target) -> str | None:
     forward takes no cache (every step recomputes the whole sequence), or it keeps its past in a format of its
     own (transformers builds it no `DynamicCache`)."""
     parameters = inspect.signature(type(target).forward).parameters
-    if not {"cache", "past_key_values"} & set(parameters):
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())  # (a wrapper's **kwargs)
+    if not open_ended and not {"cache", "past_key_values"} & set(parameters):
         return "its forward takes no cache (each step recomputes the whole sequence)"
     if not type(target)._supports_default_dynamic_cache():
         return "it keeps its past in a format of its own, not a transformers cache"
