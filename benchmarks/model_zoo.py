@@ -47,15 +47,20 @@ TINY = dict(
     bos_token_id=1, eos_token_id=None, pad_token_id=0, decoder_start_token_id=0, tie_word_embeddings=False,
     decoder_layers=4, encoder_layers=4, decoder_attention_heads=4, encoder_attention_heads=4, decoder_ffn_dim=128,
     encoder_ffn_dim=128, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16,
-    kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8, index_topk=4,
+    kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=16, v_head_dim=16, qk_nope_head_dim=16, rotary_dim=8, index_topk=4,
     index_head_dim=16, index_n_heads=4, n_group=1, topk_group=1, shared_experts_intermediate_size=32,
     num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
 )
 #: per family, the fields its config needs besides (or instead of) `TINY`
 OVERRIDES: dict[str, dict] = {
+    **{family: {"num_key_value_heads": 4}  # (multi-head latent attention: a key per head)
+       for family in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "youtu", "axk1",
+                      "axk2", "dory")},
     "gpt_neo": {"window_size": 8, "attention_types": [[["global", "local"], 2]]},
     "dots1": {"n_shared_experts": 1},
     "bamba": {"attn_layer_indices": [1, 3]},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention", "mamba", "attention"]},
     "zaya": {"num_experts_per_tok": 1},
     "xlnet": {"d_head": 16},
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
@@ -169,16 +174,26 @@ class _Messages(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def run_case(model, drafter, case: str) -> Cell:
-    """One case of one model against plain generate() on the same inputs."""
-    inputs = prompt(2 if case == "batch" else 1)
+def plain_output(model, rows: int, kept: dict):
+    """Plain generate() on the case's inputs (kept per number of rows: the cases share them), or its error."""
+    if rows not in kept:
+        try:
+            with torch.no_grad():
+                kept[rows] = model.generate(**prompt(rows), max_new_tokens=NEW_TOKENS, do_sample=False)
+        except Exception as e:  # noqa: BLE001
+            kept[rows] = e
+    return kept[rows]
+
+
+def run_case(model, drafter, case: str, kept: dict | None = None) -> Cell:
+    """One case of one model against plain generate() on the same inputs (`kept`: plain outputs so far)."""
+    rows = 2 if case == "batch" else 1
+    inputs = prompt(rows)
     asked = dict(CASES[case])
     common = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
-    try:
-        with torch.no_grad():
-            ref = model.generate(**inputs, **common)
-    except Exception as e:  # noqa: BLE001
-        return Cell("n/a", f"plain generate() raises {type(e).__name__}: {_first_line(e)}")
+    ref = plain_output(model, rows, {} if kept is None else kept)
+    if isinstance(ref, Exception):
+        return Cell("n/a", f"plain generate() raises {type(ref).__name__}: {_first_line(ref)}")
     if "draft_sources" not in asked or asked["draft_sources"] != "copy":
         asked["assistant_model"] = drafter
     routes = []
@@ -241,12 +256,12 @@ def run_family(model_type: str, cases) -> dict[str, Cell]:
     except Exception as e:  # noqa: BLE001
         cell = Cell("CRASH", f"EagleDrafter.for_target raises {type(e).__name__}: {_first_line(e)}")
         drafter = None
-    out = {}
+    out, kept = {}, {}
     for case in cases:
         if drafter is None and case != "copy":
             out[case] = cell
         else:
-            out[case] = run_case(model, drafter, case)
+            out[case] = run_case(model, drafter, case, kept)
     return out
 
 
@@ -260,7 +275,7 @@ def table(results: dict[str, dict[str, Cell]], cases) -> str:
     """The markdown table, the counts, and each non-speculating cell's reason."""
     lines = ["| family | " + " | ".join(cases) + " |", "|---|" + "---|" * len(cases)]
     for family, cells in results.items():
-        lines.append(f"| {family} | " + " | ".join(cells[c].outcome for c in cases) + " |")
+        lines.append(f"| {family} | " + " | ".join(_shown(cells[c]) for c in cases) + " |")
     counts: dict[str, int] = {}
     for cells in results.values():
         for cell in cells.values():
@@ -278,12 +293,21 @@ def table(results: dict[str, dict[str, Cell]], cases) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _shown(cell: Cell) -> str:
+    """A cell as the table shows it: a speculating one names its loop (eagle_hf's trees, or transformers' chain)."""
+    if cell.outcome == "spec":
+        return "spec (tree loop)" if cell.loop == "eagle_hf" else "spec (chain)"
+    return cell.outcome
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default="", help="comma-separated model types (default: all)")
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated cases")
     p.add_argument("--out", default="", help="write the table to this markdown file too")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (tiny models gain nothing from more)")
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     from transformers.utils import logging as hf_logging
 

@@ -95,10 +95,12 @@ def gather_aux(hidden_states: Sequence[torch.Tensor | None], aux_ids: Sequence[i
 
 def taps_unsupported_reason(target) -> str | None:
     """Why an EAGLE drafter cannot read `target`'s hidden states (None: it can): they carry several residual
-    streams per token (hyper-connections, `hc_mult`: [B, T, k, H] rather than [B, T, H])."""
+    streams per token (Hunyuan V4's hyper-connections, `hc_mult`: [B, T, k, H]; Gemma 3n's AltUp,
+    `altup_num_inputs`: [k, B, T, H]; rather than [B, T, H])."""
     config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    streams = getattr(config, "hc_mult", None)
-    if isinstance(streams, int) and streams > 1:
-        return (f"its hidden states carry {streams} residual streams per token (hc_mult: [batch, tokens, {streams}, "
-                "hidden]), which an EAGLE drafter does not read")
+    for field in ("hc_mult", "altup_num_inputs"):  # (Hunyuan V4's hyper-connections, Gemma 3n's AltUp)
+        streams = getattr(config, field, None)
+        if isinstance(streams, int) and streams > 1:
+            return (f"its hidden states carry {streams} streams per token ({field}: 4D hidden states), which an "
+                    "EAGLE drafter does not read")
     return None

@@ -317,9 +317,12 @@ class EagleDrafter(PreTrainedModel):
             aux_layer_ids=aux_layer_ids,
             target_model=getattr(target, "name_or_path", None),
         )
+        embedding = target.get_input_embeddings().weight  # [V, E]
+        if embedding.shape[-1] != kwargs["hidden_size"]:  # (ELECTRA, RemBERT: embeddings narrower than the layers)
+            kwargs["own_embedding"] = True  # the target's cannot be shared: the drafter ships one of its width
         kwargs.update(overrides)
         drafter = cls(EagleConfig(**kwargs))
-        return drafter.to(target.get_input_embeddings().weight.dtype)
+        return drafter.to(embedding.dtype)
 
     # ------------------------------------------------------------------ target binding
     def bind_target_embedding(self, embedding: nn.Module) -> None:
