@@ -61,8 +61,9 @@ def test_zoo_slice_equals_plain_decoding(family):
         assert tree.outcome == "spec", tree
 
 
-class _PositionBlind(__import__("transformers").LlamaForCausalLM):
-    """A Llama that takes position_ids and ignores them (positions by slot, as some models count them)."""
+class _PositionBlind(__import__("transformers").GPT2LMHeadModel):
+    """A GPT-2 that takes position_ids and ignores them (it counts positions from the cache length, as some models
+    do): its config (no rotary positions) cannot say it, the probe finds it."""
 
     def forward(self, input_ids=None, position_ids=None, **kwargs):
         return super().forward(input_ids=input_ids, **kwargs)
@@ -73,18 +74,28 @@ def test_a_model_whose_logits_ignore_position_ids_runs_chains(caplog):
     nodes would be read at their slots); the chain in transformers' loop is exact."""
     from eagle_hf.hf.probes import positions_unsupported_reason
 
-    llama = tiny_target("llama", layers=2)
-    assert positions_unsupported_reason(llama) is None
-    blind = _PositionBlind(llama.config).eval()
-    blind.load_state_dict(llama.state_dict())
+    gpt2 = tiny_model("gpt2")
+    assert positions_unsupported_reason(gpt2) is None
+    blind = _PositionBlind(gpt2.config).eval()
+    blind.load_state_dict(gpt2.state_dict())
     blind.generation_config.pad_token_id = 0
     assert "do not follow position_ids" in positions_unsupported_reason(blind)
-    drafter = tiny_drafter(blind)
-    ids = torch.randint(1, 96, (1, 10), generator=torch.Generator().manual_seed(3))
+    drafter = EagleDrafter.for_target(blind).float().eval()
+    ids = torch.randint(1, 512, (1, 10), generator=torch.Generator().manual_seed(3))
     with caplog.at_level(logging.WARNING, logger="eagle_hf"):
         out = blind.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter, draft_mode="tree")
     assert "falling back to chain" in caplog.text and "position_ids" in caplog.text
     assert torch.equal(out, blind.generate(ids, max_new_tokens=12, do_sample=False))
+
+
+def test_falcon_with_alibi_runs_chains():
+    """Falcon's `alibi` option: its bias reads cache slots, whatever position_ids say (its config says it)."""
+    from eagle_hf.hf.probes import positions_unsupported_reason
+
+    falcon = tiny_model("falcon")
+    assert positions_unsupported_reason(falcon) is None
+    falcon.config.alibi = True
+    assert "ALiBi" in positions_unsupported_reason(falcon)
 
 
 def test_gpt_neo_local_windows_are_read():

@@ -15,7 +15,9 @@ Such a model runs no trees: transformers' assisted loop verifies one chain, whos
 The forward's signature says it where it takes no `position_ids`; otherwise a probe (two forwards of four tokens,
 the last one's position moved) tells whether its logits change.
 
-Each probe runs once per model class and config (a few tiny forwards, without gradients).
+Each probe runs once per model class and config (a few tiny forwards, without gradients), and only where the
+config does not say it: a config with rotary positions (`rope_parameters`) reads position_ids and keeps
+transformers' cache; one with `alibi` set (Falcon's option) does not read them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ _PROBED: dict[tuple[str, type, str], str | None] = {}
 
 def verify_unsupported_reason(target) -> str | None:
     """Why a forward of several new tokens over the model's cache fails (None: it runs)."""
-    return _probed("verify", target, _probe_verify)
+    return None if _rotary(target) else _probed("verify", target, _probe_verify)
 
 
 def positions_unsupported_reason(target) -> str | None:
@@ -43,7 +45,17 @@ def positions_unsupported_reason(target) -> str | None:
     if "position_ids" not in inspect.signature(type(target).forward).parameters:
         return ("its forward takes no position_ids (it counts positions by cache slot), so a draft tree's nodes "
                 "would be read at their slots, not their depths")
-    return _probed("positions", target, _probe_positions)
+    if getattr(target.config.get_text_config(), "alibi", False):  # (Falcon's option)
+        return ("its ALiBi bias reads cache slots, not position_ids, so a draft tree's nodes would be read at their "
+                "slots, not their depths")
+    return None if _rotary(target) else _probed("positions", target, _probe_positions)
+
+
+def _rotary(target) -> bool:
+    """Whether the config says the model places tokens by rotary positions (`rope_parameters`): such a model reads
+    the position_ids it is given and keeps transformers' cache, so the probes have nothing to learn."""
+    text = target.config.get_text_config()
+    return bool(getattr(text, "rope_parameters", None) or getattr(text, "rope_theta", None))
 
 
 def _probed(name: str, target, probe) -> str | None:
