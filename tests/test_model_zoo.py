@@ -191,3 +191,20 @@ def test_the_cache_a_model_turns_off_by_default_is_kept(monkeypatch):
     with pytest.raises(eagle_hf.EagleCompatibilityError, match="use_cache=False"):
         mpt.generate(ids, max_new_tokens=4, use_cache=False, assistant_model=drafter)
     assert hooks.generate is not None
+
+
+def test_the_text_generation_pipeline_takes_the_drafter_as_its_assistant():
+    """transformers' pipeline compares an assistant's special tokens with its model's: a drafter's config repeats
+    its target's, so `pipeline(..., assistant_model=drafter)` needs no assistant tokenizer, and its text is plain
+    decoding's."""
+    from conftest import word_tokenizer
+    from transformers import pipeline
+
+    target = tiny_target("llama", layers=2)
+    drafter = tiny_drafter(target)
+    assert drafter.config.pad_token_id == target.config.pad_token_id
+    tok = word_tokenizer()
+    plain = pipeline("text-generation", model=target, tokenizer=tok)
+    spec = pipeline("text-generation", model=target, tokenizer=tok, assistant_model=drafter)
+    kwargs = dict(max_new_tokens=8, do_sample=False)
+    assert spec("wa wb wc", **kwargs)[0]["generated_text"] == plain("wa wb wc", **kwargs)[0]["generated_text"]

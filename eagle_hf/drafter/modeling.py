@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
 from ..compat import rope_init
-from .config import EagleConfig, __version__, target_shape
+from .config import SPECIAL_TOKENS, EagleConfig, __version__, target_shape
 
 logger = logging.getLogger(__name__)
 
@@ -316,6 +316,7 @@ class EagleDrafter(PreTrainedModel):
             norm_output=eagle31,
             aux_layer_ids=aux_layer_ids,
             target_model=getattr(target, "name_or_path", None),
+            **{token: getattr(text, token, None) for token in SPECIAL_TOKENS},
         )
         embedding = target.get_input_embeddings().weight  # [V, E]
         if embedding.shape[-1] != kwargs["hidden_size"]:  # (ELECTRA, RemBERT: embeddings narrower than the layers)
