@@ -20,7 +20,8 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
 from ..compat import rope_init
-from .config import SPECIAL_TOKENS, EagleConfig, __version__, target_shape
+from .config import SPECIAL_TOKENS, EagleConfig, __version__
+from .shape import target_shape
 
 logger = logging.getLogger(__name__)
 
