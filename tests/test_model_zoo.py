@@ -208,3 +208,18 @@ def test_the_text_generation_pipeline_takes_the_drafter_as_its_assistant():
     spec = pipeline("text-generation", model=target, tokenizer=tok, assistant_model=drafter)
     kwargs = dict(max_new_tokens=8, do_sample=False)
     assert spec("wa wb wc", **kwargs)[0]["generated_text"] == plain("wa wb wc", **kwargs)[0]["generated_text"]
+
+
+def test_output_attentions_are_returned_as_plain_decoding_returns_them(caplog):
+    """With eager attention, output_attentions in a dict-returning call decodes plainly (a warning names it) and
+    returns each step's attentions as plain generate() does; without return_dict_in_generate it speculates."""
+    target = tiny_target("llama", layers=2, attn_implementation="eager")
+    drafter = tiny_drafter(target)
+    ids = torch.randint(1, 96, (1, 6), generator=torch.Generator().manual_seed(4)).to(test_device())
+    kwargs = dict(max_new_tokens=5, do_sample=False, output_attentions=True, return_dict_in_generate=True)
+    plain = target.generate(ids, **kwargs)
+    with caplog.at_level(logging.WARNING, logger="eagle_hf"):
+        out = target.generate(ids, assistant_model=drafter, **kwargs)
+    assert "output_attentions" in caplog.text and torch.equal(out.sequences, plain.sequences)
+    assert len(out.attentions) == len(plain.attentions)
+    assert all(torch.equal(a, b) for step, ref in zip(out.attentions, plain.attentions) for a, b in zip(step, ref))

@@ -54,6 +54,7 @@ def route(target, drafter, settings: DraftSettings, kwargs: dict) -> Route:
     new object; the caller's are not changed)."""
     reason = unsupported_reason(target, kwargs) or (empty_prompt_reason(kwargs) if drafter is not None else None)
     plain = plain_reason(target, settings, kwargs, reason) if reason or _model_key(target) in _PLAIN_LEARNT else None
+    plain = plain or _attentions_asked(target, kwargs)
     if plain:
         _log_plain_once(target, *plain)
         return Route("plain", replace(settings), plain[0])
@@ -115,6 +116,18 @@ def plain_reason(target, settings: DraftSettings, kwargs: dict, reason: str | No
         why = f"a batch of {rows} rows runs in eagle_hf's loop only, which cannot run it ({reason})"
         return why, "call generate() once per prompt to speculate as a chain"
     return None
+
+
+def _attentions_asked(target, kwargs: dict) -> tuple[str, str] | None:
+    """output_attentions in a call that returns a dict: neither loop returns the attentions of each step as plain
+    decoding does, so the call decodes plainly and returns them (None: not asked)."""
+    config = _generation_config(target, kwargs)
+    asked = kwargs.get("output_attentions", getattr(config, "output_attentions", False))
+    returned = kwargs.get("return_dict_in_generate", getattr(config, "return_dict_in_generate", False))
+    if not (asked and returned):
+        return None
+    return ("output_attentions: speculative decoding does not return each step's attentions",
+            "drop output_attentions (or return_dict_in_generate)")
 
 
 def remember_plain(target, why: str) -> None:
