@@ -53,7 +53,8 @@ def route(target, drafter, settings: DraftSettings, kwargs: dict) -> Route:
     """Decide the call's loop and the settings it runs with (`Route.settings`: `settings` settled for the loop, a
     new object; the caller's are not changed)."""
     reason = unsupported_reason(target, kwargs) or (empty_prompt_reason(kwargs) if drafter is not None else None)
-    plain = plain_reason(target, settings, kwargs, reason) if reason or _model_key(target) in _PLAIN_LEARNT else None
+    learnt = bool(_PLAIN_LEARNT) and _model_key(target) in _PLAIN_LEARNT  # (a config's key only where one was learnt)
+    plain = plain_reason(target, settings, kwargs, reason) if reason or learnt else None
     plain = plain or _attentions_asked(target, kwargs)
     if plain:
         _log_plain_once(target, *plain)
@@ -92,7 +93,7 @@ def plain_reason(target, settings: DraftSettings, kwargs: dict, reason: str | No
     """Why no loop can run a call that eagle_hf's loop cannot run (`reason`), and what would make it speculate
     (None: transformers' assisted loop takes it, as a chain of the drafter's drafts)."""
     name, cache, rows = type(target).__name__, cache_in(kwargs), batch_rows(kwargs)
-    learnt = _PLAIN_LEARNT.get(_model_key(target))
+    learnt = _PLAIN_LEARNT.get(_model_key(target)) if _PLAIN_LEARNT else None
     if learnt:
         return learnt, CROPPABLE
     if getattr(target, "_is_stateful", False):
