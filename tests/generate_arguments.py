@@ -66,7 +66,7 @@ ARGUMENTS: dict[str, tuple[str, object, str]] = {
     "output_logits": ("equal", True, "per emitted token"),
     "output_hidden_states": ("equal", True,
                              "batch 1; a batch: refused (per-step hidden states of rows that draft apart)"),
-    "output_attentions": ("transformers", True, "sdpa has none; as plain generate()"),
+    "output_attentions": ("transformers", True, "with return_dict_in_generate: decodes plainly (a warning), attentions as plain generate()'s"),
     "streamer": ("equal", None, "tests/test_generate.py"),
     # ---------------------------------------------------------------- cache and compile
     "use_cache": ("refused", False, "drafts are verified against the KV cache"),

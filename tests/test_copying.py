@@ -242,17 +242,18 @@ def test_sampling_with_copy_branches_is_lossless():
     assert p12 > 1e-3 and p23 > 1e-3, (p12, p23)
 
 
-def test_copy_drafting_where_the_own_loop_cannot_run():
-    """A target whose layers the tree mask cannot cover runs chains in transformers' loop: copy alone is refused
-    before any compute (with the alternatives named); both sources fall back to the drafter alone, exactly."""
+def test_copy_drafting_where_the_own_loop_cannot_run(caplog):
+    """A target whose layers the tree mask cannot cover runs chains in transformers' loop: copy alone decodes
+    plainly with a warning that names why and the alternatives; both sources fall back to the drafter alone,
+    exactly."""
     from test_tree import unmaskable_target
-
-    from eagle_hf.errors import EagleCompatibilityError
 
     target = unmaskable_target()
     drafter = tiny_drafter(target)
-    with pytest.raises(EagleCompatibilityError, match="prompt_lookup_num_tokens"):
-        target.generate(REPEAT, max_new_tokens=8, do_sample=False, draft_sources="copy")
+    with caplog.at_level("WARNING", logger="eagle_hf"):
+        out = target.generate(REPEAT, max_new_tokens=8, do_sample=False, draft_sources="copy")
+    assert "Decoding plainly" in caplog.text and "prompt_lookup_num_tokens" in caplog.text
+    assert torch.equal(out, target.generate(REPEAT, max_new_tokens=8, do_sample=False))
     ref = target.generate(REPEAT, max_new_tokens=12, do_sample=False)
     out = target.generate(REPEAT, max_new_tokens=12, do_sample=False, assistant_model=drafter,
                           draft_sources="eagle+copy")

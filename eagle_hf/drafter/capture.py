@@ -91,3 +91,16 @@ def gather_aux(hidden_states: Sequence[torch.Tensor | None], aux_ids: Sequence[i
         taps.append(h)
     device = device or taps[0].device
     return torch.cat([t.to(device) for t in taps], dim=-1)
+
+
+def taps_unsupported_reason(target) -> str | None:
+    """Why an EAGLE drafter cannot read `target`'s hidden states (None: it can): they carry several residual
+    streams per token (Hunyuan V4's hyper-connections, `hc_mult`: [B, T, k, H]; Gemma 3n's AltUp,
+    `altup_num_inputs`: [k, B, T, H]; rather than [B, T, H])."""
+    config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    for field in ("hc_mult", "altup_num_inputs"):  # (Hunyuan V4's hyper-connections, Gemma 3n's AltUp)
+        streams = getattr(config, field, None)
+        if isinstance(streams, int) and streams > 1:
+            return (f"its hidden states carry {streams} streams per token ({field}: 4D hidden states), which an "
+                    "EAGLE drafter does not read")
+    return None

@@ -19,6 +19,11 @@ EAGLE3_ARCHITECTURES = (
 )
 SPECULATORS_ARCHITECTURES = ("Eagle3DraftModel", "Eagle3Speculator")
 
+#: the target's special token ids that a drafter's config repeats (transformers' pipeline compares an assistant's
+#: with its model's before it takes the assistant without a tokenizer of its own)
+SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
 class EagleConfig(PretrainedConfig):
     r"""Configuration of an EAGLE-3 / EAGLE-3.1 drafter.
 
@@ -97,6 +102,8 @@ class EagleConfig(PretrainedConfig):
         self.own_embedding = bool(own_embedding)
         self.draft_settings = dict(draft_settings or {})  # overrides of the DraftSettings defaults only
         self.target_model = target_model
+        for token in SPECIAL_TOKENS:  # the target's (the drafter reads its tokenizer): pipelines compare them
+            setattr(self, token, kwargs.pop(token, None))
         kwargs.pop("architectures", None)
         super().__init__(tie_word_embeddings=tie_word_embeddings, architectures=["LlamaForCausalLMEagle3"], **kwargs)
         self.validate_eagle()

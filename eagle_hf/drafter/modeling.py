@@ -20,7 +20,8 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
 from ..compat import rope_init
-from .config import EagleConfig, __version__
+from .config import SPECIAL_TOKENS, EagleConfig, __version__
+from .shape import target_shape
 
 logger = logging.getLogger(__name__)
 
@@ -301,7 +302,8 @@ class EagleDrafter(PreTrainedModel):
 
     @classmethod
     def for_target(cls, target, draft_vocab_size: int | None = None, eagle31: bool = True, aux_layer_ids=None, **overrides):
-        """A freshly initialised drafter shaped for `target` (same width and heads, target's embedding)."""
+        """A freshly initialised drafter shaped for `target` (same width and heads, target's embedding; the sizes
+        its family names otherwise or per layer: `target_shape`)."""
         text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
         if aux_layer_ids is None:  # shallow targets (< 5 layers) have fewer than 3 distinct default taps
             from .capture import default_aux_layer_ids
@@ -309,24 +311,20 @@ class EagleDrafter(PreTrainedModel):
             default_ids = default_aux_layer_ids(int(text.num_hidden_layers))
             aux_layer_ids = default_ids if len(default_ids) != 3 else None
         kwargs = dict(
-            hidden_size=text.hidden_size,
-            intermediate_size=getattr(text, "intermediate_size", 4 * text.hidden_size),
-            num_attention_heads=text.num_attention_heads,
-            num_key_value_heads=getattr(text, "num_key_value_heads", text.num_attention_heads),
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-            vocab_size=text.vocab_size,
+            **target_shape(text),
             draft_vocab_size=draft_vocab_size or text.vocab_size,
-            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
-            rope_theta=(getattr(text, "rope_parameters", None) or {}).get("rope_theta", 10000.0),
-            max_position_embeddings=getattr(text, "max_position_embeddings", 2048),
             fc_norm=eagle31,
             norm_output=eagle31,
             aux_layer_ids=aux_layer_ids,
             target_model=getattr(target, "name_or_path", None),
+            **{token: getattr(text, token, None) for token in SPECIAL_TOKENS},
         )
+        embedding = target.get_input_embeddings().weight  # [V, E]
+        if embedding.shape[-1] != kwargs["hidden_size"]:  # (ELECTRA, RemBERT: embeddings narrower than the layers)
+            kwargs["own_embedding"] = True  # the target's cannot be shared: the drafter ships one of its width
         kwargs.update(overrides)
         drafter = cls(EagleConfig(**kwargs))
-        return drafter.to(target.get_input_embeddings().weight.dtype)
+        return drafter.to(embedding.dtype)
 
     # ------------------------------------------------------------------ target binding
     def bind_target_embedding(self, embedding: nn.Module) -> None:

@@ -3,6 +3,7 @@ attention masks of a verify forward."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -54,6 +55,24 @@ def tree_unsupported_reason(target) -> str | None:
                     "attn_implementation='eager' to keep the tree")
     if getattr(target, "_is_stateful", False):
         return "it is a stateful (recurrent) model whose state cannot be compacted to a tree path"
+    if getattr(text, "keep_window_size", None) is not None:
+        return ("its attention adds a dynamic mask of its own per head (keep_window_size), which eagle_hf's tree "
+                "attention does not take")
+    if getattr(text, "cross_attention_layers", None):
+        return "its cross-attention layers keep cache layers of their own, which a tree commit cannot cut to a path"
+    return cacheless_reason(target)
+
+
+def cacheless_reason(target) -> str | None:
+    """Why `target` keeps no transformers cache that drafts can be verified against (None: it keeps one): its
+    forward takes no cache (every step recomputes the whole sequence), or it keeps its past in a format of its
+    own (transformers builds it no `DynamicCache`)."""
+    parameters = inspect.signature(type(target).forward).parameters
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())  # (a wrapper's **kwargs)
+    if not open_ended and not {"cache", "past_key_values"} & set(parameters):
+        return "its forward takes no cache (each step recomputes the whole sequence)"
+    if not type(target)._supports_default_dynamic_cache():
+        return "it keeps its past in a format of its own, not a transformers cache"
     return None
 
 

@@ -172,6 +172,16 @@ def check_call(kwargs: dict, defaults=None) -> None:
         check_batch(kwargs, inputs, defaults)
 
 
+def cache_on_by_default(kwargs: dict, defaults) -> None:
+    """A model whose own generation config turns the cache off (MPT's) decodes with it when the call does not say:
+    drafts are verified against the cache (in place in `kwargs`; an explicit use_cache=False is `check_call`'s)."""
+    asked = "use_cache" in kwargs or getattr(kwargs.get("generation_config"), "use_cache", None) is not None
+    if not asked and getattr(defaults, "use_cache", True) is False:
+        logger.info("The model's generation config turns the cache off; drafts are verified against it, so this call "
+                    "keeps one (the output is the same)")
+        kwargs["use_cache"] = True
+
+
 def check_prompt(kwargs: dict, inputs) -> None:
     """The prompt's tensors: shapes plain generate() reads, or fails on deep inside; ids that drafting needs."""
     mask = kwargs.get("attention_mask")

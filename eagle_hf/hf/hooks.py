@@ -3,7 +3,8 @@
 * ``GenerationMixin.generate`` is wrapped to validate the drafter and the call before anything runs, resolve
   the draft settings, decide once which loop runs the call (`routing.route`), and publish the call's
   :class:`SpecDecodeStats`. Transformers' assisted loop verifies a chain; eagle_hf's loop runs
-  `tree_custom_generate` through generate()'s own ``custom_generate`` argument.
+  `tree_custom_generate` through generate()'s own ``custom_generate`` argument; a call that neither loop can run
+  is transformers' plain generate() without the drafter.
 * ``GenerationMixin._get_candidate_generator`` returns our chain adapter when the assistant is an EAGLE drafter.
 """
 
@@ -24,6 +25,7 @@ from .call import (
     active_call,
     as_keywords,
     batch_rows,
+    cache_on_by_default,
     check_call,
     check_compatible,
     normalise_inputs,
@@ -35,10 +37,10 @@ from .call import (
 )
 from .candidate import EagleCandidateGenerator
 from .costs import keep_acceptance, keep_costs
-from .routing import route
+from .routing import remember_plain, route, uncroppable_error
 from .stopping import eos_ids, stop_strings_as_criterion, trim_at_stopping_criteria
 from .tree_loop import tree_custom_generate
-from .version import check_transformers_version
+from .version import cache_in, check_transformers_version
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ def generate(self, *args, **kwargs):
     kwargs = as_keywords(args, kwargs)
     check_transformers_version()
     aux_ids = check_compatible(self, drafter) if drafter is not None else []
+    cache_on_by_default(kwargs, self.generation_config)
     check_call(kwargs, self.generation_config)
     normalise_inputs(kwargs)
     saved = drafter.config.draft_settings if drafter is not None else None
@@ -73,9 +76,22 @@ def generate(self, *args, **kwargs):
         kwargs.pop("assistant_model", None)
         kwargs["custom_generate"] = tree_custom_generate
         stop_strings_as_criterion(kwargs, self.generation_config)
+    elif routed.loop == "plain":
+        kwargs.pop("assistant_model", None)
     for key in OWN_KEYWORDS:
         kwargs.pop(key, None)
-    return _run(self, kwargs, call)
+    if routed.loop != "assisted" or cache_in(kwargs) is not None:
+        return _run(self, kwargs, call)
+    try:
+        return _run(self, kwargs, call)
+    except ValueError as e:  # transformers' assisted loop learns only after the prefill that it cannot crop
+        if not uncroppable_error(e):
+            raise
+    why = f"transformers' assisted loop cannot cut back {type(self).__name__}'s cache after its prefill"
+    remember_plain(self, why)
+    plain = route(self, drafter, settings, kwargs)  # (now "plain", with its warning)
+    kwargs.pop("assistant_model", None)
+    return _run(self, kwargs, EagleCall(drafter, aux_ids, plain.settings, route=plain))
 
 
 def _run(self, kwargs: dict, call: EagleCall):

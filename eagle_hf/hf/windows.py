@@ -9,6 +9,11 @@ mask says what each layer type reads: the tree mask for full-attention layers, t
 each node's window or chunk hidden for the others, by the tokens' positions (a batch's rows have holes among
 their slots). transformers' models with layer types take such masks as a dict keyed by layer type; a model
 without layer types (Mistral) applies its one window to every layer, and takes the one mask.
+
+GPT-Neo names its layer types otherwise (`attention_layers`: "global" and "local", the window `window_size`) and
+applies its local window inside the model, by cache slot: a tree's nodes sit in slots past their positions, so
+the model itself would hide keys that plain decoding of their path reads. No mask can widen that window: such a
+model runs chains in transformers' loop, whose slots are its positions.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class Window(NamedTuple):
 #: the layer types a verify forward can mask (transformers' names; indexed layers read the whole context, their
 #: indexer choosing among the keys the mask lets through: `eagle_hf.hf.indexed`)
 MASKABLE = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention")
+#: layer types whose window the model applies itself by cache slot (GPT-Neo's), whatever mask it is passed
+BY_SLOT = ("local",)
 
 
 def layer_windows(target) -> dict[str, Window | None] | None:
@@ -37,20 +44,34 @@ def layer_windows(target) -> dict[str, Window | None] | None:
     text = target.config.get_text_config()
     window = getattr(text, "sliding_window", None) if getattr(text, "use_sliding_window", True) else None
     chunk = getattr(text, "attention_chunk_size", None)
-    types = getattr(text, "layer_types", None)
+    local = getattr(text, "window_size", None)
+    types = getattr(text, "layer_types", None) or _attention_layers(text)
     if types:
-        if all(t == "full_attention" for t in types):
+        if all(t in ("full_attention", "global") for t in types):
             return None
         reach = {"full_attention": None, "indexed_attention": None, "sliding_attention": window and Window(window),
-                 "chunked_attention": chunk and Window(chunk, chunked=True)}
+                 "chunked_attention": chunk and Window(chunk, chunked=True), "global": None,
+                 "local": local and Window(local)}
         return {t: reach.get(t) for t in sorted(set(types))}  # (other types: `windows_unsupported_reason`)
     return {"": Window(window)} if window is not None else None
 
 
+def _attention_layers(text) -> list[str] | None:
+    """GPT-Neo's layer types (`attention_layers`, a list of "global" and "local"), where the config has them."""
+    types = getattr(text, "attention_layers", None)
+    return list(types) if isinstance(types, (list, tuple)) and all(isinstance(t, str) for t in types) else None
+
+
 def windows_unsupported_reason(target) -> str | None:
-    """Why a verify forward cannot mask `target`'s layers (None when it can): layer types it does not know."""
-    windows = layer_windows(target)
-    other = sorted(set(windows or ()) - {"", *MASKABLE})
+    """Why a verify forward cannot mask `target`'s layers (None when it can): layer types it does not know, or
+    windows the model applies itself by cache slot."""
+    windows = layer_windows(target) or {}
+    by_slot = [t for t in BY_SLOT if windows.get(t) is not None]
+    if by_slot:
+        size = windows[by_slot[0]].size
+        return (f"its {', '.join(by_slot)} attention layers (window_size={size}) hide keys by cache slot, which a "
+                "draft tree's nodes do not follow")
+    other = sorted(set(windows) - {"", *MASKABLE, "global"})
     return f"its {', '.join(other)} layers cannot take a tree mask yet" if other else None
 
 
