@@ -39,6 +39,7 @@ SLICE = {
     "doge": "assisted",  # a dynamic mask per head
     "cohere2_moe": "eagle_hf",  # rms_norm_eps None: the drafter reads layer_norm_eps
     "mpt": "assisted",  # its generation config turns the cache off; ALiBi
+    "moshi": "assisted",  # its sliding window kept by its cache, its mask full causal: chains
 }
 
 #: the cases the slice runs (the benchmark runs the default and chain cases too)

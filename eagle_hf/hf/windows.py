@@ -36,6 +36,9 @@ class Window(NamedTuple):
 MASKABLE = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention")
 #: layer types whose window the model applies itself by cache slot (GPT-Neo's), whatever mask it is passed
 BY_SLOT = ("local",)
+#: model types whose `sliding_window` their cache keeps (it drops the keys that leave the window) while their layers
+#: build a full causal mask (Moshi's): a tree's cache keeps every key, so its forwards would read past the window
+WINDOW_BY_CACHE = ("moshi",)
 
 
 def layer_windows(target) -> dict[str, Window | None] | None:
@@ -66,6 +69,10 @@ def windows_unsupported_reason(target) -> str | None:
     """Why a verify forward cannot mask `target`'s layers (None when it can): layer types it does not know, or
     windows the model applies itself by cache slot."""
     windows = layer_windows(target) or {}
+    if windows and getattr(target.config, "model_type", None) in WINDOW_BY_CACHE:
+        size = target.config.get_text_config().sliding_window
+        return (f"its cache keeps its window (sliding_window={size}) and its layers "
+                "mask nothing more, while a draft tree's cache keeps every key")
     by_slot = [t for t in BY_SLOT if windows.get(t) is not None]
     if by_slot:
         size = windows[by_slot[0]].size
