@@ -11,7 +11,7 @@ import torch
 from conftest import test_device, tiny_drafter, tiny_target
 
 import eagle_hf
-from benchmarks.model_zoo import run_family, tiny_model
+from benchmarks.model_zoo import run_case, run_family, tiny_model
 from eagle_hf import DrafterLoadError, EagleDrafter
 from eagle_hf.hf import hooks
 
@@ -52,7 +52,7 @@ def test_zoo_slice_equals_plain_decoding(family):
     runs in the loop the model's kind allows."""
     cells = run_family(family, SLICE_CASES)
     bad = {case: (cell.outcome, cell.detail) for case, cell in cells.items()
-           if cell.outcome in ("DIFFERS", "CRASH", "n/a")}
+           if cell.outcome in ("DIFFERS", "CRASH", "n/a", "silent")}
     assert not bad, bad
     tree = cells["tree"]
     assert tree.loop == SLICE[family], (tree.loop, tree.detail)
@@ -60,6 +60,13 @@ def test_zoo_slice_equals_plain_decoding(family):
         assert all(cell.outcome == "plain" for cell in cells.values()), cells
     else:
         assert tree.outcome == "spec", tree
+
+
+def test_a_call_that_verified_no_draft_says_why():
+    """Copy drafting alone on a text that does not repeat verifies no draft: the call says so, and why."""
+    cell = run_case(tiny_model("gpt2"), None, "copy")
+    assert cell.outcome == "plain", cell
+    assert "copy drafting found no earlier occurrence" in cell.detail
 
 
 class _PositionBlind(__import__("transformers").GPT2LMHeadModel):

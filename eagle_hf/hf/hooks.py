@@ -118,7 +118,25 @@ def _run(self, kwargs: dict, call: EagleCall):
             call.stats.new_tokens = int(sequences.shape[-1] - prompt_len)
     _set_last(call.stats)
     logger.info("EAGLE generate (%s): %s", call.settings.mode, call.stats.summary())
+    why = _why_no_drafts(call)
+    if why:
+        logger.info("This call decoded plainly, without verifying a draft: %s", why)
     return out
+
+
+def _why_no_drafts(call: EagleCall) -> str | None:
+    """Why a call that could speculate verified no draft (None: it verified some, or was routed to plain decoding,
+    whose warning said why)."""
+    stats = call.stats
+    if stats.drafted or stats.cycles or getattr(call.route, "loop", None) == "plain":
+        return None
+    if not stats.fallback_steps:
+        return "no round had room for a draft (max_new_tokens)" if stats.final_steps else None
+    if call.settings.draft_sources == "copy":
+        return ("copy drafting found no earlier occurrence of the text's last tokens to continue (it drafts where "
+                "the output repeats the prompt or itself)")
+    return ("the adaptive schedule found that drafting does not pay at the drafter's acceptance on this text "
+            "(num_assistant_tokens_schedule='constant' drafts every round)")
 
 
 def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
