@@ -33,9 +33,6 @@ logger = logging.getLogger(__name__)
 STATIC_CACHE_ROOM = VERIFY_BUCKETS[-1]
 #: inputs eagle_hf's loop cannot take yet: the call runs in transformers' assisted loop
 CHAIN_ONLY_INPUTS = ("pixel_values", "image_grid_thw", "token_type_ids", "inputs_embeds")
-
-LOOPS = ("assisted", "eagle_hf", "plain")
-
 #: what makes a model that decodes plainly for its cache speculate
 CROPPABLE = "speculation needs a model whose cache can be cut back to the accepted tokens (attention layers)"
 #: (model class, config) -> why transformers' assisted loop cannot run it, learnt at a first call (`remember_plain`)
