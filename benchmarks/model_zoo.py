@@ -59,6 +59,8 @@ OVERRIDES: dict[str, dict] = {
     "gpt_neo": {"window_size": 8, "attention_types": [[["global", "local"], 2]]},
     "dots1": {"n_shared_experts": 1},
     "bamba": {"attn_layer_indices": [1, 3]},
+    "falcon_h1": {"mamba_chunk_size": 8},  # (a several-token forward pads to a chunk: 256 by default)
+    "nemotron_h": {"chunk_size": 8},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
     "granitemoehybrid": {"layer_types": ["mamba", "attention", "mamba", "attention"]},
     "zaya": {"num_experts_per_tok": 1},
@@ -103,17 +105,18 @@ NEW_TOKENS = 12
 MAX_PARAMETERS = 20_000_000
 
 
-def tiny_model(model_type: str):
-    """The family's causal LM, tiny, float32, eval mode (seeded)."""
+def tiny_model(model_type: str, vocab: int = VOCAB):
+    """The family's causal LM, tiny (`vocab` tokens), float32, eval mode (seeded)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     override = OVERRIDES.get(model_type, {})
     config_class = CONFIG_MAPPING[model_type]
     text_class = (getattr(config_class, "sub_configs", None) or {}).get("text_config")
-    fields = {**_known(text_class or config_class, TINY), **override}
+    tiny = {**TINY, "vocab_size": vocab, "vocab_size_per_layer_input": vocab}
+    fields = {**_known(text_class or config_class, tiny), **override}
     if text_class is not None:
-        config = AutoConfig.for_model(model_type, text_config=fields, **_known(config_class, TINY))
+        config = AutoConfig.for_model(model_type, text_config=fields, **_known(config_class, tiny))
     else:
         config = AutoConfig.for_model(model_type, **fields)
     with torch.device("meta"):  # (counted before any memory is taken: some fields are vocabulary-sized)

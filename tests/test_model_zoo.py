@@ -33,7 +33,8 @@ SLICE = {
     "marian": "assisted",  # positions counted by cache slot (no position_ids): chains
     "gpt_neo": "assisted",  # local windows named attention_layers / window_size, applied by slot: chains
     "bloom": "assisted",  # ALiBi (no position_ids; its bias reads slots): chains
-    "mamba": "plain",  # recurrent state
+    "mamba": "plain",  # recurrent state alone
+    "falcon_h1": "eagle_hf",  # a hybrid (recurrent layers beside attention): chains whose states are rewound
     "openai-gpt": "plain",  # no cache at all
     "prophetnet": "plain",  # one token at a time over its cache (probed)
     "doge": "assisted",  # a dynamic mask per head

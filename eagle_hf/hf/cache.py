@@ -7,7 +7,13 @@ import inspect
 import logging
 
 import torch
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+)
 
 from ..programs import Program
 from ..speculation.ragged import KeptMask, Ragged, SlotBuffers
@@ -22,6 +28,7 @@ from .indexed import (
     regather_index_keys,
     select_index_rows,
 )
+from .recurrent import attention_layers, is_hybrid, recurrent_layers, select_recurrent_rows
 from .version import cache_kwarg
 
 logger = logging.getLogger(__name__)
@@ -53,7 +60,7 @@ def tree_unsupported_reason(target) -> str | None:
         if getattr(text, "model_type", "") == "gpt_oss":
             return ("its attention has sinks, which eagle_hf's tree attention does not; load it with "
                     "attn_implementation='eager' to keep the tree")
-    if getattr(target, "_is_stateful", False):
+    if getattr(target, "_is_stateful", False) and not is_hybrid(target):  # (a hybrid's state is rewound: chains)
         return "it is a stateful (recurrent) model whose state cannot be compacted to a tree path"
     if getattr(text, "keep_window_size", None) is not None:
         return ("its attention adds a dynamic mask of its own per head (keep_window_size), which eagle_hf's tree "
@@ -83,7 +90,8 @@ def cache_unsupported_reason(cache=None, implementation: str | None = None) -> s
         if any(type(layer) in _WINDOWED and layer.is_initialized for layer in cache.layers):
             return ("the cache passed in holds sliding-window layers that keep only their window; a draft tree "
                     "needs a fresh cache (eagle_hf keeps every token's keys during a call)")
-        kinds = {type(layer) for layer in cache.layers}
+        recurrent = {id(layer) for layer in recurrent_layers(cache)}  # (a hybrid's: rewound by the loop)
+        kinds = {type(layer) for layer in cache.layers if id(layer) not in recurrent} - {DummyLayer}
         if kinds and not (kinds <= {*_DYNAMIC, GrowingLayer} or kinds <= set(_STATIC)):
             names = ", ".join(sorted(k.__name__ for k in kinds))
             return f"its cache ({names} layers) cannot hold draft trees (dynamic and static caches can)"
@@ -235,7 +243,7 @@ def commit_accepted(cache, past_len: int, index: torch.Tensor | None, width: int
     ``past_len .. past_len+K-1`` and the cache is cropped there. A shorter row's slots after its own path are holes
     its mask hides (`eagle_hf.speculation.ragged`). O(B * K) per layer: the prefix is never copied, no layer is rebuilt."""
     end = past_len + width
-    for layer in cache.layers:
+    for layer in attention_layers(cache):  # (a recurrent layer's state is rewound by the loop: `hf.recurrent`)
         if index is not None:
             _move_accepted(layer, past_len, index, width)
         if layer.keys.shape[2] > end:  # (a view: the next forward writes after it, `GrowingLayer`)
@@ -245,7 +253,9 @@ def commit_accepted(cache, past_len: int, index: torch.Tensor | None, width: int
 
 def select_cache(cache, rows: torch.Tensor) -> None:
     """Keep the given batch rows (an index tensor) in every layer."""
-    for layer in cache.layers:
+    for layer in recurrent_layers(cache):
+        select_recurrent_rows(layer, rows)
+    for layer in attention_layers(cache):
         if isinstance(layer, GrowingLayer):
             layer.select_rows(rows)
         else:
@@ -256,7 +266,7 @@ def select_cache(cache, rows: torch.Tensor) -> None:
 
 def regather_cache(cache, index: torch.Tensor) -> None:
     """Row b keeps its slots ``index[b]`` ([B, L'] per row), in every layer (the holes' compaction)."""
-    for layer in cache.layers:
+    for layer in attention_layers(cache):
         if isinstance(layer, GrowingLayer):
             layer.regather(index)
         else:

@@ -35,7 +35,7 @@ _PROBED: dict[tuple[str, type, str], str | None] = {}
 
 def verify_unsupported_reason(target) -> str | None:
     """Why a forward of several new tokens over the model's cache fails (None: it runs)."""
-    return None if _rotary(target) else _probed("verify", target, _probe_verify)
+    return None if _rotary(target) else probed("verify", target, _probe_verify)
 
 
 def positions_unsupported_reason(target) -> str | None:
@@ -48,7 +48,7 @@ def positions_unsupported_reason(target) -> str | None:
     if getattr(target.config.get_text_config(), "alibi", False):  # (Falcon's option)
         return ("its ALiBi bias reads cache slots, not position_ids, so a draft tree's nodes would be read at their "
                 "slots, not their depths")
-    return None if _rotary(target) else _probed("positions", target, _probe_positions)
+    return None if _rotary(target) else probed("positions", target, _probe_positions)
 
 
 def _rotary(target) -> bool:
@@ -58,7 +58,8 @@ def _rotary(target) -> bool:
     return bool(getattr(text, "rope_parameters", None) or getattr(text, "rope_theta", None))
 
 
-def _probed(name: str, target, probe) -> str | None:
+def probed(name: str, target, probe) -> str | None:
+    """`probe(target)`'s answer, run once per probe name, model class and config."""
     key = (name, type(target), target.config.to_json_string(use_diff=False))
     if key not in _PROBED:
         _PROBED[key] = probe(target)

@@ -24,6 +24,7 @@ from .call import batch_rows, empty_prompt_reason, prompt_length, samples
 from .costs import cost_model
 from .indexed import indexed_unsupported_reason
 from .probes import positions_unsupported_reason, verify_unsupported_reason
+from .recurrent import hybrid_unsupported_reason, is_hybrid
 from .version import cache_in
 from .windows import windows_unsupported_reason
 
@@ -58,6 +59,8 @@ def route(target, drafter, settings: DraftSettings, kwargs: dict) -> Route:
         return Route("plain", replace(settings), plain[0])
     if reason:
         settings = _fall_back(target, settings, reason)
+    elif is_hybrid(target):
+        settings = _hybrid_chain(target, settings)
     elif settings.mode == "chain":
         why = _own_loop_for_chain(target, settings, kwargs)
         if why:
@@ -83,8 +86,19 @@ def unsupported_reason(target, kwargs: dict) -> str | None:
     reason = (taps_unsupported_reason(target) or tree_unsupported_reason(target)
               or cache_unsupported_reason(cache, implementation)
               or windows_unsupported_reason(target) or indexed_unsupported_reason(target)
-              or verify_unsupported_reason(target) or positions_unsupported_reason(target))
+              or verify_unsupported_reason(target) or positions_unsupported_reason(target)
+              or _hybrid_unsupported_reason(target, cache, implementation))
     return f"{type(target).__name__}: {reason}" if reason else None
+
+
+def _hybrid_unsupported_reason(target, cache, implementation: str | None) -> str | None:
+    """Why eagle_hf's loop cannot rewind a hybrid target's recurrent layers in this call (None: it can, or the
+    target is no hybrid)."""
+    if not is_hybrid(target):
+        return None
+    if is_static(cache, implementation):
+        return "its recurrent layers are rewound in a dynamic cache only"
+    return hybrid_unsupported_reason(target)
 
 
 def plain_reason(target, settings: DraftSettings, kwargs: dict, reason: str | None = None) -> tuple[str, str] | None:
@@ -95,6 +109,8 @@ def plain_reason(target, settings: DraftSettings, kwargs: dict, reason: str | No
     if learnt:
         return learnt, CROPPABLE
     if getattr(target, "_is_stateful", False):
+        if is_hybrid(target):
+            return reason, "a dynamic cache, and a model whose multi-token forward continues its recurrent state"
         return f"{name} is stateful: its recurrent state cannot be cut back to the accepted tokens", CROPPABLE
     taps = taps_unsupported_reason(target)
     if taps:
@@ -171,6 +187,20 @@ def _fall_back(target, settings: DraftSettings, reason: str) -> DraftSettings:
         logger.info("Copy drafting is not possible here (%s); the drafter drafts alone.", reason)
         settings = replace(settings, draft_sources="eagle")
     return settings
+
+
+def _hybrid_chain(target, settings: DraftSettings) -> DraftSettings:
+    """A hybrid target's settings: chains in eagle_hf's loop, which rewinds its recurrent layers
+    (`eagle_hf.hf.recurrent`); a tree asked for falls back to a chain of its depth, copy branches beside the
+    drafter are left out (they would make a tree), and copy drafting alone drafts one branch."""
+    why = "its recurrent layers read tokens in order, so a tree's branches would each need their own state"
+    if settings.mode == "tree" and settings.top_k > 1 and settings.uses_eagle:
+        _log_fallback_once(target, f"{type(target).__name__}: {why}", asked="mode" in settings.sources)
+    if settings.draft_sources == "eagle+copy" or (settings.draft_sources == "auto" and settings.mode == "tree"):
+        logger.info("Copy branches beside the drafter are left out on %s: %s.", type(target).__name__, why)
+    sources = "copy" if settings.draft_sources == "copy" else "eagle"
+    longest = MAX_DEPTH if settings.schedule.startswith("heuristic") else settings.depth  # (a heuristic grows)
+    return replace(settings, mode="tree", top_k=1, total_tokens=longest + 1, draft_sources=sources, copy_branches=1)
 
 
 def _own_loop_for_chain(target, settings: DraftSettings, kwargs: dict) -> str | None:

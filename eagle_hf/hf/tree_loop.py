@@ -14,6 +14,7 @@ batch, unless the batch with it is measured to be cheaper than without it: then 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ from ..speculation.transfer import pack, to_device
 from ..speculation.tree import DraftTree
 from ..speculation.verification import accept_drawn, draw, process_logits, sampling_draws, verify_greedy
 from .attention import TREE_PREFIX, routed_kernel, split_keys_from
-from .cache import VERIFY_BUCKETS, stacked_ancestor_masks, tree_cache
+from .cache import VERIFY_BUCKETS, commit_accepted, stacked_ancestor_masks, tree_cache
 from .call import active_call, finish_rows, speculators_for
 from .costs import cost_model
 from .indexed import has_indexed_layers
@@ -45,6 +46,7 @@ from .models import (
     specialise_width,
     warming_up,
 )
+from .recurrent import Snapshot, is_hybrid, steps_tokens, stepwise
 from .stopping import eos_ids
 from .version import cache_in, cache_kwarg
 from .windows import key_positions, layer_windows, window_masks
@@ -136,6 +138,13 @@ class TreeLoop:
                      else cost_model(target, compiled=compiled is not None))
         self.compiling = False  # whether this round's verify forward compiled a graph
         self.timer = speculators[0].timer  # shared by the rows
+        # a hybrid target's recurrent layers: copied before each verify, rewound where a round keeps fewer tokens
+        # than it verified (`eagle_hf.hf.recurrent`); the verify's inputs, kept for that replay
+        self.rewinds = is_hybrid(target)
+        # (and whose recurrent layers take a verify's tokens one at a time: their several-token form drops the state)
+        self.stepwise = self.rewinds and steps_tokens(target)
+        self.saved: Snapshot | None = None
+        self.fed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def valid(self) -> torch.Tensor | None:
@@ -253,6 +262,8 @@ class TreeLoop:
                               host.get("real"))
             outcomes, chosen = self.accept(active, trees, out.logits, host)  # chosen: [B, N] or None
         self.timer.read_back()
+        if self.rewinds:
+            self.rewind(active, in_lockstep(active, outcomes), past_len, width)
         self.commit(active, trees, outcomes, chosen, out.hidden_states, past_len, width)
 
     def verify(self, tokens: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor | None, width: int,
@@ -261,6 +272,9 @@ class TreeLoop:
         [B, N, N] (None: plain steps), `real`: the flat positions of real nodes (None: all), from `past_len`."""
         rows = tokens.shape[0]
         mask = self.verify_mask(tree, rows, width, positions)
+        if self.rewinds:
+            self.saved = Snapshot(self.cache.cache) if width > 1 else None
+            self.fed = tokens, positions
         marks["verify"] = self.timer.mark()
         graphs = compiled_graphs() if self.compiled is not None else 0
         kernel = {}
@@ -268,7 +282,7 @@ class TreeLoop:
             kernel = dict(self.tree_kwargs)
             if self.split_from is not None and past_len >= self.split_from and not self.cache.ragged.holes:
                 kernel[TREE_PREFIX] = past_len  # every node sees the committed slots: split them (long contexts)
-        with head_on_positions(self.target, real, (rows, width)):  # padding needs no logits
+        with head_on_positions(self.target, real, (rows, width)), self.recurrent_steps():  # padding: no logits
             out = self.forward(tokens, attention_mask=mask, position_ids=positions, all_rows=width > 1, **kernel)
         marks["verified"] = self.timer.mark()
         if self.compiled is not None:  # (a forward that compiled a graph, or recorded one: its time is no cost)
@@ -288,6 +302,27 @@ class TreeLoop:
             path, token = verify_greedy(tree, [int(mine[c]) for c in cols])
             outcomes.append(self.outcome(row, tree, path, token, columns=cols))
         return trees, outcomes
+
+    def rewind(self, active: list[Row], outcomes: list[Outcome], past_len: int, written: int) -> None:
+        """A hybrid target's cache after a round that keeps fewer tokens than its verify wrote (`written`): the
+        recurrent layers' states put back as they were before the verify and the kept tokens replayed over them;
+        the attention layers' slots after the committed ones are rewritten by the replay, as the verify wrote
+        them (`eagle_hf.hf.recurrent`). The rows keep as many tokens each (`in_lockstep`)."""
+        kept = max(len(o.keep) for o in outcomes)
+        if self.saved is None or kept == written:
+            return
+        self.saved.restore()
+        commit_accepted(self.cache.cache, past_len, None, 0)  # the attention layers end at the committed slots
+        tokens, positions = (t[:, :kept] for t in self.fed)  # [B, K] the kept nodes: a chain's first K
+        chain = torch.ones(kept, kept, dtype=torch.bool, device=tokens.device).tril()  # [K, K]
+        mask = self.verify_mask(chain.expand(len(active), -1, -1), len(active), kept, positions)
+        with self.recurrent_steps():
+            self.target(input_ids=tokens, attention_mask=mask, position_ids=positions, **self.cache.forward_kwargs(),
+                        use_cache=True, logits_to_keep=1, **self.tree_kwargs)
+
+    def recurrent_steps(self):
+        """Where a hybrid target's recurrent layers take a forward's tokens one at a time (`stepwise`)."""
+        return stepwise(self.target) if self.stepwise else contextlib.nullcontext()
 
     def verify_width(self, largest: int) -> int:
         """The verify forward's width for trees of at most `largest` nodes: that, or with a compiled forward the
@@ -498,6 +533,20 @@ class TreeLoop:
         """[B, T'] the rows, finished ones padded with the pad token after their end (as plain generate(), and as
         the buffer holds them)."""
         return rows[0].ids[:, : max(r.length for r in rows)]
+
+
+def in_lockstep(active: list[Row], outcomes: list[Outcome]) -> list[Outcome]:
+    """Every row keeps as many tokens as the row that emitted fewest this round (a hybrid target's recurrent
+    state advances for the whole batch at once: `eagle_hf.hf.recurrent`). A row cut back drops verified tokens,
+    which it drafts again, and its stop if it had one (the stop came last): as exact as a shorter accepted run.
+    Padding rows emit nothing and are left as they are. Changes `outcomes` in place; returns them."""
+    least = min((len(o.new) for o in outcomes if o.new), default=0)
+    for row, o in zip(active, outcomes):
+        if len(o.new) > least:
+            o.new, o.keep, o.cut = o.new[:least], o.keep[:least], False
+            o.path = None if o.path is None else o.path[:least]
+            row.done = False
+    return outcomes
 
 
 def stack_steps(per_row: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:

@@ -34,6 +34,9 @@ class Window(NamedTuple):
 #: the layer types a verify forward can mask (transformers' names; indexed layers read the whole context, their
 #: indexer choosing among the keys the mask lets through: `eagle_hf.hf.indexed`)
 MASKABLE = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention")
+#: layer types that read the whole context or none: a hybrid layer's attention beside its recurrent state, and layers
+#: without attention (recurrent, convolution, MLP or MoE layers of hybrid models: `eagle_hf.hf.recurrent`)
+WHOLE_CONTEXT = ("hybrid", "linear_attention", "conv", "mamba", "mlp", "moe", "dummy")
 #: layer types whose window the model applies itself by cache slot (GPT-Neo's), whatever mask it is passed
 BY_SLOT = ("local",)
 #: model types whose `sliding_window` their cache keeps (it drops the keys that leave the window) while their layers
@@ -50,7 +53,7 @@ def layer_windows(target) -> dict[str, Window | None] | None:
     local = getattr(text, "window_size", None)
     types = getattr(text, "layer_types", None) or _attention_layers(text)
     if types:
-        if all(t in ("full_attention", "global") for t in types):
+        if all(t in ("full_attention", "global", *WHOLE_CONTEXT) for t in types):
             return None
         reach = {"full_attention": None, "indexed_attention": None, "sliding_attention": window and Window(window),
                  "chunked_attention": chunk and Window(chunk, chunked=True), "global": None,
@@ -78,7 +81,7 @@ def windows_unsupported_reason(target) -> str | None:
         size = windows[by_slot[0]].size
         return (f"its {', '.join(by_slot)} attention layers (window_size={size}) hide keys by cache slot, which a "
                 "draft tree's nodes do not follow")
-    other = sorted(set(windows) - {"", *MASKABLE, "global"})
+    other = sorted(set(windows) - {"", *MASKABLE, "global", *WHOLE_CONTEXT})
     return f"its {', '.join(other)} layers cannot take a tree mask yet" if other else None
 
 
