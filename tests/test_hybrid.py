@@ -106,6 +106,22 @@ def test_hybrid_greedy_equals_plain_with_rewinds(family, mode, rows):
     assert max(stats.draft_length_per_cycle) <= 5  # chains (a tree's top-k is 1 here)
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("family", ["qwen3_next", "jamba"])
+def test_hybrid_on_a_static_cache(family, rows):
+    """transformers' static cache for a hybrid: static attention layers beside the recurrent ones (rewound the
+    same way); a model whose layers keep both in one cache layer (Falcon-H1) decodes plainly there."""
+    target, drafter = models(family)
+    inputs = prompt(rows)
+    static = {"cache_implementation": "static", "max_new_tokens": NEW, "do_sample": False}
+    with torch.no_grad():
+        expected = target.generate(**inputs, **static)
+        with oracle(expected, inputs["attention_mask"]), count_rewinds() as counts:
+            out = target.generate(**inputs, assistant_model=drafter, **static, **MODES["chain"])
+    assert torch.equal(out, expected)
+    assert eagle_hf.last_stats().accepted > 0 and counts["replays"] > 0
+
+
 def test_hybrid_with_a_random_drafter_and_copy_drafting_alone():
     target, drafter = models("qwen3_next")
     inputs = prompt(2)

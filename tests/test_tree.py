@@ -283,11 +283,8 @@ def test_layer_windows_by_layer_type():
     assert layer_windows(tiny_target("mistral_window", layers=2)) == {"": Window(8)}
     assert layer_windows(tiny_target("llama", layers=2)) is None
     text = SimpleNamespace(layer_types=["full_attention", "linear_attention"], sliding_window=None)
-    hybrid = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: text))
-    assert layer_windows(hybrid) is None  # (a recurrent layer takes no mask: `eagle_hf.hf.recurrent`)
-    text = SimpleNamespace(layer_types=["full_attention", "hybrid_sliding"], sliding_window=None)
     odd = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: text))
-    assert "hybrid_sliding layers cannot take a tree mask" in windows_unsupported_reason(odd)
+    assert "linear_attention layers cannot take a tree mask" in windows_unsupported_reason(odd)
     assert windows_unsupported_reason(tiny_target("llama4", layers=4)) is None
 
 

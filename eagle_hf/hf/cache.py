@@ -104,7 +104,8 @@ def is_static(cache=None, implementation: str | None = None) -> bool:
     """Whether the call's cache is transformers' static cache (`cache` passed in, else generate()'s
     `cache_implementation`)."""
     if cache is not None:
-        return bool(cache.layers) and all(type(layer) in _STATIC for layer in cache.layers)
+        layers = attention_layers(cache)  # (a hybrid's recurrent layers are the same in either cache)
+        return bool(layers) and all(type(layer) in _STATIC for layer in layers)
     return implementation == "static"
 
 
@@ -127,7 +128,7 @@ def tree_cache(cache, ragged: Ragged | None = None, slots: int | None = None) ->
     if reason:  # (generate() falls back to chain mode before this: a cache passed some other way)
         raise NotImplementedError(f"Tree mode: {reason}. Use draft_mode='chain' or cache_implementation='dynamic'.")
     if is_static(cache):
-        hold_whole_windows(cache, slots or max(layer.max_cache_len for layer in cache.layers))
+        hold_whole_windows(cache, slots or max(layer.max_cache_len for layer in attention_layers(cache)))
         return StaticTreeCache(cache, ragged)
     return TreeCache(cache, ragged)
 
@@ -367,6 +368,11 @@ class TreeCache:
         self.ragged.append(lengths, width, valid, device)
         self._mask.arrive(past_len, width, valid)  # the new slots' columns, for every query row
 
+    def drop_written(self, past_len: int, written: int) -> None:
+        """The `written` slots a verify wrote after the `past_len` committed ones go (a hybrid target's replay
+        writes the kept ones again: `eagle_hf.hf.recurrent`)."""
+        self._keep(past_len, None, 0, written)
+
     def select_rows(self, rows: list[int], index: torch.Tensor) -> None:
         """Keep these batch rows (`index`: the same on the device); slots no row reads go at the next compaction."""
         self.ragged.select(rows, index)
@@ -394,6 +400,7 @@ class StaticTreeCache(TreeCache):
 
     def __init__(self, cache, ragged: Ragged | None = None):
         super().__init__(cache, ragged)
+        self.layers = attention_layers(cache)  # (a hybrid's recurrent layers are rewound by the loop)
         self._start = int(cache.get_seq_length())  # (once, before the prefill: a static cache passed in may hold a
         # prefix; transformers keeps the position as a tensor)
         self._dirty = 0  # the kept mask's tree-block columns end here at most (cleared before the next block)
@@ -402,7 +409,7 @@ class StaticTreeCache(TreeCache):
 
     @property
     def capacity(self) -> int:
-        return self.cache.layers[0].max_cache_len
+        return self.layers[0].max_cache_len
 
     @property
     def length(self) -> int:
@@ -442,24 +449,24 @@ class StaticTreeCache(TreeCache):
         `CommitProgram` launch); layers with an indexer's keys (`eagle_hf.hf.indexed`) one by one. When the first
         K nodes are kept (a chain, or a tree's greedy path: it comes first), nothing moves: every layer's write
         position, `written` after the committed ones since the verify, steps back in one operation."""
-        indexed = any(type(layer) in STATIC_INDEXED for layer in self.cache.layers)
+        indexed = any(type(layer) in STATIC_INDEXED for layer in self.layers)
         if index is None and written is not None and not indexed:
-            torch._foreach_sub_([layer.cumulative_length for layer in self.cache.layers], written - width)
+            torch._foreach_sub_([layer.cumulative_length for layer in self.layers], written - width)
             return
         if indexed:
-            for layer in self.cache.layers:
+            for layer in self.layers:
                 if index is not None:
                     _move_accepted(layer, past_len, index, width)
                 layer.cumulative_length.fill_(past_len + width)
                 end_index_keys(layer, past_len + width)
             return
-        rows, bucket = self.cache.layers[0].keys.shape[0], 1 << (width - 1).bit_length()
-        buffers = tuple(t.data_ptr() for layer in self.cache.layers for t in (layer.keys, layer.values))
+        rows, bucket = self.layers[0].keys.shape[0], 1 << (width - 1).bit_length()
+        buffers = tuple(t.data_ptr() for layer in self.layers for t in (layer.keys, layer.values))
         key = (rows, bucket, buffers, torch.is_inference_mode_enabled())
         program = self._commits.get(key)
         if program is None:
             self._commits.clear()  # (the buffers moved: rows left the batch)
-            program = self._commits[key] = CommitProgram(self.cache.layers, rows, bucket, self.how)
+            program = self._commits[key] = CommitProgram(self.layers, rows, bucket, self.how)
         program(past_len, index, width)
 
 

@@ -123,8 +123,18 @@ def recurrent_layers(cache) -> list:
 
 def attention_layers(cache) -> list:
     """The layers of `cache` that keep keys and values per token (hybrid layers too; not the recurrent-only ones,
-    nor the placeholders of layers without attention)."""
-    return [layer for layer in cache.layers if isinstance(getattr(layer, "keys", None), torch.Tensor)]
+    nor the placeholders of layers without attention), before their first write too."""
+    from transformers.cache_utils import DummyLayer
+
+    return [layer for layer in cache.layers if hasattr(layer, "keys") and not isinstance(layer, DummyLayer)]
+
+
+def mixed_layers_reason(target) -> str | None:
+    """Why a static cache cannot hold this hybrid target in eagle_hf's loop (None: it can): layers that keep keys
+    and a recurrent state in one cache layer (Falcon-H1's, Zamba's)."""
+    if any(t in ("hybrid", "hybrid_sliding") for t in layer_types(target)):
+        return "its layers keep keys and a recurrent state together, which a static tree cache does not hold yet"
+    return None
 
 
 class Snapshot:

@@ -24,7 +24,7 @@ from .call import batch_rows, empty_prompt_reason, prompt_length, samples
 from .costs import cost_model
 from .indexed import indexed_unsupported_reason
 from .probes import positions_unsupported_reason, verify_unsupported_reason
-from .recurrent import hybrid_unsupported_reason, is_hybrid
+from .recurrent import hybrid_unsupported_reason, is_hybrid, mixed_layers_reason
 from .version import cache_in
 from .windows import windows_unsupported_reason
 
@@ -96,8 +96,8 @@ def _hybrid_unsupported_reason(target, cache, implementation: str | None) -> str
     target is no hybrid)."""
     if not is_hybrid(target):
         return None
-    if is_static(cache, implementation):
-        return "its recurrent layers are rewound in a dynamic cache only"
+    if is_static(cache, implementation) and mixed_layers_reason(target):
+        return mixed_layers_reason(target)
     return hybrid_unsupported_reason(target)
 
 
@@ -110,7 +110,8 @@ def plain_reason(target, settings: DraftSettings, kwargs: dict, reason: str | No
         return learnt, CROPPABLE
     if getattr(target, "_is_stateful", False):
         if is_hybrid(target):
-            return reason, "a dynamic cache, and a model whose multi-token forward continues its recurrent state"
+            return reason, ("the default dynamic cache where the reason is the static cache's; otherwise a model whose "
+                            "forward over several tokens continues its recurrent state as one-token decoding does")
         return f"{name} is stateful: its recurrent state cannot be cut back to the accepted tokens", CROPPABLE
     taps = taps_unsupported_reason(target)
     if taps:

@@ -34,7 +34,7 @@ from ..speculation.transfer import pack, to_device
 from ..speculation.tree import DraftTree
 from ..speculation.verification import accept_drawn, draw, process_logits, sampling_draws, verify_greedy
 from .attention import TREE_PREFIX, routed_kernel, split_keys_from
-from .cache import VERIFY_BUCKETS, commit_accepted, stacked_ancestor_masks, tree_cache
+from .cache import VERIFY_BUCKETS, stacked_ancestor_masks, tree_cache
 from .call import active_call, finish_rows, speculators_for
 from .costs import cost_model
 from .indexed import has_indexed_layers
@@ -262,9 +262,8 @@ class TreeLoop:
                               host.get("real"))
             outcomes, chosen = self.accept(active, trees, out.logits, host)  # chosen: [B, N] or None
         self.timer.read_back()
-        if self.rewinds:
-            self.rewind(active, in_lockstep(active, outcomes), past_len, width)
-        self.commit(active, trees, outcomes, chosen, out.hidden_states, past_len, width)
+        slots = self.rewind(active, in_lockstep(active, outcomes), past_len, width) if self.rewinds else width
+        self.commit(active, trees, outcomes, chosen, out.hidden_states, past_len, width, slots)
 
     def verify(self, tokens: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor | None, width: int,
                marks: dict, past_len: int, real: torch.Tensor | None = None):
@@ -303,22 +302,24 @@ class TreeLoop:
             outcomes.append(self.outcome(row, tree, path, token, columns=cols))
         return trees, outcomes
 
-    def rewind(self, active: list[Row], outcomes: list[Outcome], past_len: int, written: int) -> None:
+    def rewind(self, active: list[Row], outcomes: list[Outcome], past_len: int, written: int) -> int:
         """A hybrid target's cache after a round that keeps fewer tokens than its verify wrote (`written`): the
         recurrent layers' states put back as they were before the verify and the kept tokens replayed over them;
         the attention layers' slots after the committed ones are rewritten by the replay, as the verify wrote
-        them (`eagle_hf.hf.recurrent`). The rows keep as many tokens each (`in_lockstep`)."""
+        them (`eagle_hf.hf.recurrent`). The rows keep as many tokens each (`in_lockstep`). Returns the slots
+        the cache now holds after the committed ones."""
         kept = max(len(o.keep) for o in outcomes)
         if self.saved is None or kept == written:
-            return
+            return written
         self.saved.restore()
-        commit_accepted(self.cache.cache, past_len, None, 0)  # the attention layers end at the committed slots
+        self.cache.drop_written(past_len, written)  # the attention layers end at the committed slots
         tokens, positions = (t[:, :kept] for t in self.fed)  # [B, K] the kept nodes: a chain's first K
         chain = torch.ones(kept, kept, dtype=torch.bool, device=tokens.device).tril()  # [K, K]
         mask = self.verify_mask(chain.expand(len(active), -1, -1), len(active), kept, positions)
         with self.recurrent_steps():
             self.target(input_ids=tokens, attention_mask=mask, position_ids=positions, **self.cache.forward_kwargs(),
                         use_cache=True, logits_to_keep=1, **self.tree_kwargs)
+        return kept
 
     def recurrent_steps(self):
         """Where a hybrid target's recurrent layers take a forward's tokens one at a time (`stepwise`)."""
@@ -409,9 +410,10 @@ class TreeLoop:
                        len(new) < len(proposed), path)
 
     def commit(self, active: list[Row], trees: list[DraftTree], outcomes: list[Outcome], chosen, hidden_states,
-               past_len: int, written: int) -> None:
+               past_len: int, written: int, slots: int | None = None) -> None:
         """Keep each row's accepted nodes in the cache (in place), hand them to the drafter with the tokens that
-        follow them, and append the emitted tokens. `written`: the nodes the verify forward wrote per row (N)."""
+        follow them, and append the emitted tokens. `written`: the nodes the verify forward wrote per row (N);
+        `slots`: those the cache holds after the committed ones now (None: `written`; fewer after a rewind)."""
         keeps = [o.keep for o in outcomes]
         lengths = [len(k) for k in keeps]
         width = max(lengths)  # K: every row's cache grows by the longest path
@@ -425,7 +427,7 @@ class TreeLoop:
         host = pack(self.device, **arrays) if arrays else {}
         index = host.get("index")  # [B, K] or None: the first K nodes
         self.cache.commit(past_len, index, lengths, host["valid"].bool() if "valid" in host else None, self.device,
-                          written)
+                          written if slots is None else slots)
         if chosen is not None:  # greedy: the emitted token after node n is the target's choice there
             new_tokens = (chosen if width == written else chosen[:, :width]) if index is None \
                 else chosen.gather(1, index)  # [B, K]

@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 
+from .recurrent import RECURRENT_TYPES, is_hybrid
+
 
 class Window(NamedTuple):
     """What a layer type reads besides the causal rule: the last `size` positions, or (`chunked`) the positions
@@ -34,9 +36,11 @@ class Window(NamedTuple):
 #: the layer types a verify forward can mask (transformers' names; indexed layers read the whole context, their
 #: indexer choosing among the keys the mask lets through: `eagle_hf.hf.indexed`)
 MASKABLE = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention")
-#: layer types that read the whole context or none: a hybrid layer's attention beside its recurrent state, and layers
-#: without attention (recurrent, convolution, MLP or MoE layers of hybrid models: `eagle_hf.hf.recurrent`)
-WHOLE_CONTEXT = ("hybrid", "linear_attention", "conv", "mamba", "mlp", "moe", "dummy")
+#: layer types that read the whole context or no context: a hybrid layer's attention beside its recurrent state,
+#: MLP or MoE layers without attention; a hybrid model's recurrent layers too (`RECURRENT_TYPES`: rewound by the
+#: loop, `eagle_hf.hf.recurrent`), not those of a model whose convolutions its cache crops (LFM2's: a tree's branches
+#: would run through them in a row)
+WHOLE_CONTEXT = ("hybrid", "mlp", "moe", "dummy")
 #: layer types whose window the model applies itself by cache slot (GPT-Neo's), whatever mask it is passed
 BY_SLOT = ("local",)
 #: model types whose `sliding_window` their cache keeps (it drops the keys that leave the window) while their layers
@@ -53,7 +57,8 @@ def layer_windows(target) -> dict[str, Window | None] | None:
     local = getattr(text, "window_size", None)
     types = getattr(text, "layer_types", None) or _attention_layers(text)
     if types:
-        if all(t in ("full_attention", "global", *WHOLE_CONTEXT) for t in types):
+        unmasked = ("full_attention", "global", *WHOLE_CONTEXT, *(RECURRENT_TYPES if is_hybrid(target) else ()))
+        if all(t in unmasked for t in types):
             return None
         reach = {"full_attention": None, "indexed_attention": None, "sliding_attention": window and Window(window),
                  "chunked_attention": chunk and Window(chunk, chunked=True), "global": None,
