@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as err:
             results["servers"][name] = {"error": str(err)}
             continue
-        url, per_level = f"http://{HOST}:{port}", {}
+        url, per_level, memory = f"http://{HOST}:{port}", {}, []
         texts[name] = {}
         try:
             asyncio.run(level(url, model, prompts, 1, 1, 8, deadline, args.request_timeout))  # warm-up
@@ -309,11 +309,13 @@ def main(argv: list[str] | None = None) -> int:
                                     "requests": [asdict(r) for r in replies]}
                 texts[name][users] = replies
                 s = per_level[users]
+                memory.append(s["server_mb"])  # (after each level, a repeated one too: is the memory flat?)
                 print(f"[{name}] {users} users: {s['ok']} ok, {s['errors']} errors, "
-                      f"aggregate {s['aggregate_tok_s'] or 0:.1f} tok/s", flush=True)
+                      f"aggregate {s['aggregate_tok_s'] or 0:.1f} tok/s, server {s['server_mb']:.0f} MB", flush=True)
         finally:
             stop(process)
         results["servers"][name] = per_level
+        results.setdefault("server_mb_after_each_level", {})[name] = memory
     compare_with_plain(results, texts)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     table = markdown(results)
