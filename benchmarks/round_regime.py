@@ -20,6 +20,7 @@ deterministic (tests/test_round_ops.py pins them).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -110,6 +111,7 @@ def host_ms(target, drafter, mode: str, cache: str, rows: int, new_tokens: int, 
             spent[0] += time.perf_counter() - start
             inside[0] -= 1
 
+    @functools.wraps(model_forward)  # (its signature kept: routing reads which arguments the forward takes)
     def timed_model(self, *args, **kw):  # transformers' assisted loop: the target's forwards it runs
         if inside[0]:
             return model_forward(self, *args, **kw)

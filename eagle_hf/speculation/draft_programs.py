@@ -98,14 +98,18 @@ def grow_levels(drafter: EagleDrafter, forward: LevelForward, logits: torch.Tens
         metric = score if prune else own
         grows = alive & (level < depth) & (metric >= min_logp)  # [B, k] the host's `_Growth.prune`
         tail = torch.cat([ancestors & grows[..., None], eye], 2)  # [B, k, fed + k]: its ancestors and itself
-        feed = parent_out.gather(1, slot[..., None].expand(rows, k, width))  # [B, k, H]
+        feed = parent_out if k == 1 else parent_out.gather(1, slot[..., None].expand(rows, k, width))  # [B, k, H]
         out = forward(feed, tokens, level, tail, fed)
         if paths is not None:  # each frontier node's drafts below the root
             paths = torch.cat([paths.expand(rows, k, -1), tokens[..., None]], 2)
         children = pick(out.logits, paths)  # [B, k, k]
         scores = torch.where(grows[..., None], score[..., None] + children.logp.double(), -math.inf).flatten(1)
-        order = (torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k] if k > 1
-                 else torch.zeros_like(slot))  # [B, k] into k*k (a chain's one child)
+        if k == 1:  # a chain: its one child is the next frontier, in place (no sort, no gathers)
+            kept.append((children.tokens, children.logp, grows, slot))
+            tokens, own, score = children.tokens.flatten(1), children.logp.double().flatten(1), scores
+            alive, ancestors, parent_out, fed = score > -math.inf, tail, out.hidden, fed + k
+            continue
+        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]  # [B, k] into k*k
         slot = order // k
         if paths is not None:
             paths = paths.gather(1, slot[..., None].expand(-1, -1, paths.shape[2]))
@@ -155,6 +159,8 @@ def tree_layout(kept: list[tuple], roots: torch.Tensor, k: int, width: int, min_
     depths; the best ``width - 1`` eligible ones (score at least `min_logp`) in drafting order; their parents as
     node indices; ancestors by following the parents (one step a level). sizes [B, 1]: each row's most nodes,
     root included (1: the root alone, a row that does not draft)."""
+    if k == 1:
+        return chain_layout(kept, roots, width, min_logp, sizes)
     tokens0, logp0 = kept[0]
     rows = tokens0.shape[0]
     score = logp0.double()  # [B, k] the frontier's scores
@@ -206,6 +212,34 @@ def tree_layout(kept: list[tuple], roots: torch.Tensor, k: int, width: int, min_
     host = torch.cat([node_tokens.double(), parent.double(), node_scores, real.sum(1, keepdim=True).double()], 1)
     return TreeLayout(torch.cat([roots[:, None], node_tokens], 1), torch.cat([parent.new_zeros(rows, 1),
                                                                              node_depths], 1), seen, host)
+
+
+def chain_layout(kept: list[tuple], roots: torch.Tensor, width: int, min_logp: float,
+                 sizes: torch.Tensor) -> TreeLayout:
+    """`tree_layout` for k = 1: a level's one candidate is the next node, so the eligible candidates are a prefix
+    (a score only falls with depth, and nothing grows below a node that did not) and node i's parent is node
+    i - 1: the same layout, without the sort and the walk up the parents."""
+    tokens = torch.cat([kept[0][0]] + [children.flatten(1) for children, *_ in kept[1:]], 1)  # [B, M]
+    steps = torch.cat([kept[0][1].double()] + [torch.where(grows, logp.flatten(1).double(), -math.inf)
+                                               for _, logp, grows, _ in kept[1:]], 1)  # [B, M] own, or -inf
+    scores = steps.cumsum(1)  # [B, M] cumulative (-inf from the first node that did not grow)
+    rows, m, n = tokens.shape[0], tokens.shape[1], width - 1
+    if m < n:  # (fewer candidates than room: padding candidates, never eligible)
+        tokens, scores = (torch.nn.functional.pad(t, (0, n - m), value=v) for t, v in ((tokens, 0),
+                                                                                     (scores, -math.inf)))
+    tokens, scores = tokens[:, :n], scores[:, :n]
+    number = number_of(tokens)  # [B, n] 1 .. n
+    real = (scores > -math.inf) & (scores >= min_logp) & (number < sizes)  # [B, n] a prefix of each row
+    node_tokens = torch.where(real, tokens, roots[:, None])
+    parent = torch.where(real, number - 1, 0)  # [B, n] node j's parent: node j - 1
+    node_scores = torch.where(real, scores, 0.0)
+    full = torch.cat([real.new_ones(rows, 1), real], 1)  # [B, W] the root and the real nodes
+    seen = torch.ones(width, width, dtype=torch.bool, device=tokens.device).tril() & full[..., None]  # [B, W, W]
+    seen = seen | torch.eye(width, dtype=torch.bool, device=tokens.device)  # (padding nodes: themselves)
+    seen[:, :, 0] = True  # (and the root)
+    host = torch.cat([node_tokens.double(), parent.double(), node_scores, real.sum(1, keepdim=True).double()], 1)
+    return TreeLayout(torch.cat([roots[:, None], node_tokens], 1),
+                      torch.cat([parent.new_zeros(rows, 1), torch.where(real, number, 0)], 1), seen, host)
 
 
 def host_trees(values: list[float], roots: list[int]) -> list[tuple[list[int], list[int], list[float]]]:
