@@ -80,8 +80,9 @@ def grow_levels(drafter: EagleDrafter, forward: LevelForward, logits: torch.Tens
     `choose`: the children's choice (default: the drafter's top k, `top_k_choice`); a sampling chain's chooser
     draws them (its distributions are its own to keep).
 
-    Returns per level: the root's children (tokens, logp) [B, k], then per level (children's tokens, logp
-    [B, k, k], which nodes grew [B, k], the next frontier's places [B, k]): what `tree_layout` lays out."""
+    Returns per level: the root's children (tokens, logp) [B, k], then per level (children's tokens [B, k, k],
+    their cumulative scores [B, k*k] (-inf below a node that did not grow), the next frontier's places among them
+    [B, k], None for a chain): what `tree_layout` lays out."""
     rows, width = hidden.shape[0], hidden.shape[-1]
     flags = hidden.new_zeros(rows, k, dtype=torch.bool)  # (factories from a device tensor: on its device)
     paths = None if choose is None else hidden.new_zeros(rows, 1, 0, dtype=torch.long)  # [B, k, level]
@@ -96,7 +97,9 @@ def grow_levels(drafter: EagleDrafter, forward: LevelForward, logits: torch.Tens
     kept = [(first.tokens[:, 0], first.logp[:, 0])]
     for level in range(1, levels):
         metric = score if prune else own
-        grows = alive & (level < depth) & (metric >= min_logp)  # [B, k] the host's `_Growth.prune`
+        grows = alive & (level < depth)  # [B, k] the host's `_Growth.prune`
+        if min_logp > -math.inf:
+            grows = grows & (metric >= min_logp)
         tail = torch.cat([ancestors & grows[..., None], eye], 2)  # [B, k, fed + k]: its ancestors and itself
         feed = parent_out if k == 1 else parent_out.gather(1, slot[..., None].expand(rows, k, width))  # [B, k, H]
         out = forward(feed, tokens, level, tail, fed)
@@ -104,12 +107,13 @@ def grow_levels(drafter: EagleDrafter, forward: LevelForward, logits: torch.Tens
             paths = torch.cat([paths.expand(rows, k, -1), tokens[..., None]], 2)
         children = pick(out.logits, paths)  # [B, k, k]
         scores = torch.where(grows[..., None], score[..., None] + children.logp.double(), -math.inf).flatten(1)
+        kept.append((children.tokens, scores, None))
         if k == 1:  # a chain: its one child is the next frontier, in place (no sort, no gathers)
-            kept.append((children.tokens, children.logp, grows, slot))
             tokens, own, score = children.tokens.flatten(1), children.logp.double().flatten(1), scores
             alive, ancestors, parent_out, fed = score > -math.inf, tail, out.hidden, fed + k
             continue
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]  # [B, k] into k*k
+        kept[-1] = (children.tokens, scores, order)
         slot = order // k
         if paths is not None:
             paths = paths.gather(1, slot[..., None].expand(-1, -1, paths.shape[2]))
@@ -119,7 +123,6 @@ def grow_levels(drafter: EagleDrafter, forward: LevelForward, logits: torch.Tens
         alive = score > -math.inf
         ancestors = tail.gather(1, slot[..., None].expand(rows, k, fed + k))  # the parent's, itself included
         parent_out, fed = out.hidden, fed + k
-        kept.append((children.tokens, children.logp, grows, order))
     return kept
 
 
@@ -162,38 +165,31 @@ def tree_layout(kept: list[tuple], roots: torch.Tensor, k: int, width: int, min_
     if k == 1:
         return chain_layout(kept, roots, width, min_logp, sizes)
     tokens0, logp0 = kept[0]
-    rows = tokens0.shape[0]
-    score = logp0.double()  # [B, k] the frontier's scores
-    slot = tokens0.new_zeros(rows, k) + torch.arange(k, device=tokens0.device)  # [B, k] its candidates
-    tokens, scores, parents, depths = [tokens0], [score], [torch.full_like(tokens0, -1)], [torch.ones_like(tokens0)]
-    first_born = torch.arange(k, device=tokens0.device) < 1  # [k] the first child drafted below a node
-    greedy = [first_born.expand(rows, k)]  # on the greedy chain (`eagle_hf.speculation.drafting.greedy_chain`)
-    offset = k
-    for level, (children, logp, grows, order) in enumerate(kept[1:], start=1):
-        below = torch.where(grows[..., None], score[..., None] + logp.double(), -math.inf).flatten(1)  # [B, k*k]
-        tokens.append(children.flatten(1))
-        scores.append(below)
-        parents.append(slot[..., None].expand(rows, k, k).flatten(1))
-        depths.append(torch.full_like(tokens[-1], level + 1))
-        greedy.append((torch.cat(greedy, 1).gather(1, slot)[..., None] & first_born).flatten(1))
-        slot, score = order + offset, below.gather(1, order)
-        offset += k * k
-    tokens, scores, parents, depths, greedy = (torch.cat(t, 1) for t in (tokens, scores, parents, depths, greedy))
+    rows, device = tokens0.shape[0], tokens0.device
+    tokens = torch.cat([tokens0] + [children.flatten(1) for children, _, _ in kept[1:]], 1)  # [B, M]
+    scores = torch.cat([logp0.double()] + [below for _, below, _ in kept[1:]], 1)  # [B, M] cumulative
+    index = torch.arange(tokens.shape[1], device=device)  # [M] level l's k^2 candidates from k + (l - 1) k^2 on
+    # each level's frontier (its k candidates that grew children): the first level's all, then `order`'s picks
+    frontier = [index[:k].expand(rows, k)] + [order + (k + (level - 1) * k * k)
+                                              for level, (_, _, order) in enumerate(kept[1:-1], start=1)]
+    parents = torch.cat([torch.full_like(tokens0, -1)] + [f[..., None].expand(rows, k, k).flatten(1)
+                                                           for f in frontier], 1)  # [B, M] -1: the root
+    first_born = index[:k] < 1  # [k] the first child drafted below a node
+    greedy = first_born.expand(rows, k)  # [B, M so far] on the greedy chain: first-born all the way up
+    for f in frontier:
+        greedy = torch.cat([greedy, (greedy.gather(1, f)[..., None] & first_born).flatten(1)], 1)
     m, n = tokens.shape[1], width - 1  # [B, M] each
     eligible = (scores > -math.inf) & (scores >= min_logp)
     if m < n:  # (fewer candidates than room: padding candidates, never eligible)
         pad = n - m
-        tokens, scores, parents, depths, greedy = (torch.nn.functional.pad(t, (0, pad)) for t in (tokens, scores,
-                                                                                                  parents, depths, greedy))
+        tokens, scores, parents, greedy = (torch.nn.functional.pad(t, (0, pad)) for t in (tokens, scores, parents,
+                                                                                          greedy))
         eligible = torch.nn.functional.pad(eligible, (0, pad))
         m = n
-    if k > 1:
-        best = torch.sort(torch.where(eligible, scores, -math.inf), dim=1, descending=True, stable=True).indices[:, :n]
-    else:  # (a chain's candidates come best first: a score only falls with depth, and the eligible ones lead)
-        best = number_of(scores[:, :n]) - 1
+    best = torch.sort(torch.where(eligible, scores, -math.inf), dim=1, descending=True, stable=True).indices[:, :n]
     chosen = eligible.gather(1, best) & (number_of(best) < sizes)  # [B, n] real nodes, within the row's size
     order = torch.where(chosen, best + m * (~greedy.gather(1, best)).long(), 2 * m)  # the chain first, padding last
-    picked = torch.sort(order, dim=1).values if k > 1 else order  # [B, n] (a chain's: in order already)
+    picked = torch.sort(order, dim=1).values  # [B, n]
     real = picked < 2 * m
     picked = picked % m
     number = number_of(picked)
@@ -201,7 +197,7 @@ def tree_layout(kept: list[tuple], roots: torch.Tensor, k: int, width: int, min_
     parent = parents.gather(1, picked)
     parent = torch.where(real & (parent >= 0), node_of.gather(1, parent.clamp(min=0)), 0)  # [B, n] node indices
     node_tokens = torch.where(real, tokens.gather(1, picked), roots[:, None])
-    node_depths = torch.where(real, depths.gather(1, picked), 0)
+    node_depths = torch.where(real, torch.where(picked < k, 1, 2 + (picked - k).clamp(min=0) // (k * k)), 0)
     node_scores = torch.where(real, scores.gather(1, picked), 0.0)
     chain = torch.cat([parent.new_zeros(rows, 1), parent], 1)  # [B, W] each node's parent (the root's: itself)
     seen = torch.eye(width, dtype=torch.bool, device=tokens.device).repeat(rows, 1, 1)  # [B, W, W]
@@ -219,10 +215,8 @@ def chain_layout(kept: list[tuple], roots: torch.Tensor, width: int, min_logp: f
     """`tree_layout` for k = 1: a level's one candidate is the next node, so the eligible candidates are a prefix
     (a score only falls with depth, and nothing grows below a node that did not) and node i's parent is node
     i - 1: the same layout, without the sort and the walk up the parents."""
-    tokens = torch.cat([kept[0][0]] + [children.flatten(1) for children, *_ in kept[1:]], 1)  # [B, M]
-    steps = torch.cat([kept[0][1].double()] + [torch.where(grows, logp.flatten(1).double(), -math.inf)
-                                               for _, logp, grows, _ in kept[1:]], 1)  # [B, M] own, or -inf
-    scores = steps.cumsum(1)  # [B, M] cumulative (-inf from the first node that did not grow)
+    tokens = torch.cat([kept[0][0]] + [children.flatten(1) for children, _, _ in kept[1:]], 1)  # [B, M]
+    scores = torch.cat([kept[0][1].double()] + [below for _, below, _ in kept[1:]], 1)  # [B, M] cumulative
     rows, m, n = tokens.shape[0], tokens.shape[1], width - 1
     if m < n:  # (fewer candidates than room: padding candidates, never eligible)
         tokens, scores = (torch.nn.functional.pad(t, (0, n - m), value=v) for t, v in ((tokens, 0),
