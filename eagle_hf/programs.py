@@ -12,12 +12,17 @@ static buffers only (no host value read, no data-dependent shape), so it can run
 The caller writes a launch's inputs into the program's buffers (``copy_``, in place), calls it, and reads its
 outputs before the next launch overwrites them. `running()` tells a counter (`eagle_hf.tools.sync_probe`) that an
 operation belongs to a program's body, not to the launches around it; `LAUNCHES` counts launches in this process.
+
+What a launch reads from the host gets there without stalling it: `pack` puts a step's small host arrays (draft
+tokens, positions, tree masks, accepted paths) into one buffer copied once (on CUDA from pinned memory, with
+``non_blocking=True``: the host goes on queueing work), `to_device` does the same for one tensor.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -147,3 +152,44 @@ def how_to_run(device: torch.device, compiled: bool) -> str:
     if device.type == "cuda":
         return "graph"
     return "compile" if compiled else "eager"
+
+
+# ------------------------------------------------------------------ host data onto the device
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device`, copied without blocking the host (pinned memory on CUDA)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def pack(device: torch.device, **arrays) -> dict[str, torch.Tensor]:
+    """Integer (or bool) host arrays (nested lists or host tensors) in one copy: name -> int64 device tensor of
+    the array's shape."""
+    flat, shapes = [], {}
+    for name, a in arrays.items():  # lists of up to two levels: flattened here (a plain round's are one element)
+        if isinstance(a, torch.Tensor) or (a and isinstance(a[0], list) and a[0] and isinstance(a[0][0], list)):
+            return _pack_tensors(device, arrays)
+        if a and isinstance(a[0], list):
+            shapes[name] = (len(a), len(a[0]))
+            for row in a:
+                flat.extend(row)
+        else:
+            shapes[name] = (len(a),)
+            flat.extend(a)
+    return _views(to_device(torch.tensor(flat, dtype=torch.long), device), shapes)
+
+
+def _pack_tensors(device: torch.device, arrays: dict) -> dict[str, torch.Tensor]:
+    hosts = {name: a if isinstance(a, torch.Tensor) else torch.tensor(a, dtype=torch.long)
+             for name, a in arrays.items()}
+    flat = torch.cat([h.reshape(-1).long() for h in hosts.values()]) if hosts else torch.zeros(0, dtype=torch.long)
+    return _views(to_device(flat, device), {name: tuple(h.shape) for name, h in hosts.items()})
+
+
+def _views(on_device: torch.Tensor, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    out, at = {}, 0
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        out[name] = on_device[at : at + n].view(shape)
+        at += n
+    return out

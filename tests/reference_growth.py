@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle_hf.drafter.modeling import EagleDrafter
+from eagle_hf.programs import pack
 from eagle_hf.speculation.draft_programs import Choice, top_k_choice
 from eagle_hf.speculation.drafting import DraftState
-from eagle_hf.speculation.transfer import pack
 from eagle_hf.speculation.tree import DraftTree
 
 #: chooses the children of k nodes from their draft logits [k, Vd]; `paths` are the nodes' draft tokens below

@@ -58,13 +58,23 @@ def test_no_behaviour_class_in_speculation_holds_more_than_12_attributes():
 
 def test_the_schedule_asks_whether_its_rows_are_a_batch_in_one_place():
     """What a batch decides otherwise than a single row hangs on `DraftLengthController.batched` alone: no other
-    test of the rows in the schedule, and no module of the schedule's besides `costs`, `schedule` and `round_plan`."""
+    test of the rows in the schedule, and no module of the schedule's besides `costs`, `schedule` and `rounds` (the round's plan)."""
     found = [f"{p.name}:{n}" for p in sorted(SPECULATION.glob("*.py"))
              for n, line in enumerate(p.read_text().splitlines(), 1)
              if re.search(r"\bself\.batch\b|rows\s*>\s*1", line)]
     assert found == [f"schedule.py:{_line_of('schedule.py', 'return self.costs.rows > 1')}"], found
     gone = {"acceptance", "backoff", "batch_plan", "cost_model", "loss_budget", "policy", "round_costs"}
     assert not gone & {p.stem for p in SPECULATION.glob("*.py")}
+
+
+def test_a_round_reads_few_modules():
+    """A round's plan and record are one module (`rounds`), its drafting's arithmetic, programs and kept storage one
+    (`draft_programs`), its host-to-device copies live with the programs that read them (`eagle_hf.programs`), and
+    eagle_hf/speculation holds at most 15 modules."""
+    stems = {p.stem for p in SPECULATION.glob("*.py")}
+    assert not {"round_plan", "transfer"} & stems
+    assert not (ROOT / "eagle_hf" / "drafter" / "graphs.py").exists()
+    assert len(stems) <= 15, sorted(stems)
 
 
 def _line_of(name: str, text: str) -> int:
@@ -93,8 +103,8 @@ def test_only_the_round_plan_decides_and_only_the_round_record_reports():
     """The round's seams: the schedule's choice and the copy source's proposal are asked for by the round plan
     alone; a round's outcome is one `RoundRecord`, made by the speculator's `end_round`, which both loops call;
     a round's timings reach the schedule through `report_round` alone."""
-    assert _calls("choose", on="controller") == {"speculation/round_plan.py"}
-    assert _calls("propose") == {"speculation/round_plan.py"}
+    assert _calls("choose", on="controller") == {"speculation/rounds.py"}
+    assert _calls("propose") == {"speculation/rounds.py"}
     assert _constructed("RoundRecord") == {"speculation/speculator.py"}
     assert _calls("end_round") == {"hf/tree_loop.py", "hf/candidate.py"}
     assert _calls("observe") <= {"speculation/rounds.py", "speculation/schedule.py"}

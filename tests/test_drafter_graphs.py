@@ -1,4 +1,4 @@
-"""Drafting launched as fixed-shape programs (`eagle_hf.drafter.graphs`, `eagle_hf.programs`: what a CUDA graph
+"""Drafting launched as fixed-shape programs (`eagle_hf.speculation.draft_programs`, `eagle_hf.programs`: what a CUDA graph
 replays, run eagerly here) or eagerly at the round's shapes: the same trees. The oracles are plain generate()
 (float32 greedy), the eager launch (sampling: the same draws) and the host's level-by-level growth
 (`reference_growth`, node for node)."""
@@ -12,9 +12,9 @@ from test_batch import MODES, left_padded
 from test_copying import REPEAT
 
 from eagle_hf import programs
-from eagle_hf.drafter import graphs
-from eagle_hf.drafter.graphs import GRAPHS_ENV, LevelGraphs
 from eagle_hf.hf import models
+from eagle_hf.speculation import draft_programs as graphs
+from eagle_hf.speculation.draft_programs import GRAPHS_ENV, LevelGraphs
 from eagle_hf.speculation.drafting import DraftState
 
 pytestmark = pytest.mark.usefixtures("one_thread")

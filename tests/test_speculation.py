@@ -18,8 +18,7 @@ from eagle_hf import DraftSettings, EagleCompatibilityError
 from eagle_hf.hf.version import CACHE_KEY, output_cache
 from eagle_hf.speculation.costs import CostModel
 from eagle_hf.speculation.drafting import DraftState, draft_tree
-from eagle_hf.speculation.round_plan import plan_round
-from eagle_hf.speculation.rounds import RoundTiming, Timer
+from eagle_hf.speculation.rounds import RoundTiming, Timer, plan_round
 from eagle_hf.speculation.schedule import DraftLengthController
 from eagle_hf.speculation.speculator import Speculator
 from eagle_hf.speculation.stats import SpecDecodeStats

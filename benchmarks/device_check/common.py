@@ -395,9 +395,9 @@ def oracle_drafter(drafter, succ: torch.Tensor, corrupt: float = 0.0, seed: int 
     positions), so a chain's acceptance falls as (1 - r) a level: the acceptance curve."""
     import random
 
-    from eagle_hf.drafter import graphs
+    from eagle_hf.programs import to_device
+    from eagle_hf.speculation import draft_programs as graphs
     from eagle_hf.speculation.drafting import DraftState
-    from eagle_hf.speculation.transfer import to_device
 
     device = drafter.fc.weight.device
     case = (id(drafter), id(succ), corrupt, seed, rows, length)
@@ -465,8 +465,8 @@ def draft_levels(kwargs: dict):
     """generate() keyword arguments, with ``levels="eager"`` (draft levels eager, not at fixed shapes),
     ``split_keys="off"`` (tree attention in one masked call) and ``widths="dynamic"`` (the compiled verify
     forward's width left to automatic dynamic shapes) turned into eagle_hf's settings for the call."""
-    from eagle_hf.drafter.graphs import GRAPHS_ENV
     from eagle_hf.hf import attention, models
+    from eagle_hf.speculation.draft_programs import GRAPHS_ENV
 
     kwargs = dict(kwargs)
     kwargs.pop("cache", None)  # (the stage's, `compiled.cache_of`)

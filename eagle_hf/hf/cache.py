@@ -15,9 +15,8 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer,
 )
 
-from ..programs import Program
+from ..programs import Program, to_device
 from ..speculation.ragged import KeptMask, Ragged, SlotBuffers
-from ..speculation.transfer import to_device
 from ..speculation.tree import DraftTree
 from .attention import kernel_name, kernel_unsupported_reason
 from .indexed import (

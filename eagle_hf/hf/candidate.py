@@ -6,11 +6,10 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..drafter.capture import gather_aux, hidden_state_request
+from ..programs import to_device
 from ..speculation.draft_programs import Choice
-from ..speculation.round_plan import plan_round
-from ..speculation.rounds import Round, RoundTiming, report_round, round_facts
+from ..speculation.rounds import Round, RoundTiming, plan_round, report_round, round_facts
 from ..speculation.speculator import Speculator
-from ..speculation.transfer import to_device
 from ..speculation.verification import draw, process_logits
 
 

@@ -25,12 +25,10 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .. import programs
 from ..devices import input_device
 from ..drafter.capture import gather_aux, hidden_state_request
-from ..programs import how_to_run
+from ..programs import how_to_run, pack, to_device
 from ..speculation.ragged import Ragged
-from ..speculation.round_plan import RoundPlan, plan_round
-from ..speculation.rounds import RoundTiming, report_round, round_facts
+from ..speculation.rounds import RoundPlan, RoundTiming, plan_round, report_round, round_facts
 from ..speculation.speculator import PendingTrees, Speculator, draft_round
-from ..speculation.transfer import pack, to_device
 from ..speculation.tree import DraftTree
 from ..speculation.verification import accept_drawn, draw, process_logits, sampling_draws, verify_greedy
 from .attention import TREE_PREFIX, routed_kernel, split_keys_from

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..drafter.graphs import LevelGraphs
 from ..drafter.modeling import KV, DraftStep, EagleDrafter, KVWriter
+from ..programs import pack, to_device
+from ..speculation.draft_programs import LevelGraphs
 from .draft_programs import Chooser, DraftPrograms, TreeLayout, TreeRequest, grow_levels, host_trees, tree_layout
 from .ragged import KeptMask, Ragged, SlotBuffers, new_buffers
-from .transfer import pack, to_device
 from .tree import DraftTree
 
 #: catch-ups of at most this many rows per row use the kept attention mask (a prompt's build their own)
@@ -49,7 +49,7 @@ class DraftState:
     # hold each row's slot validity for every query row (written as real rows arrive), the tree block after them
     # is rewritten per level: O(new slots), never O(context), per level
     _mask: KeptMask = field(default_factory=KeptMask, repr=False)
-    #: draft levels at fixed shapes (captured on CUDA; `eagle_hf.drafter.graphs`), None: eager
+    #: draft levels at fixed shapes (captured on CUDA; `eagle_hf.speculation.draft_programs`), None: eager
     graphs: LevelGraphs | None = field(default=None, repr=False)
     #: how the fixed-shape programs run (`eagle_hf.programs.how_to_run`): "graph", "compile" or "eager"
     how: str = "eager"

@@ -22,15 +22,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..programs import pack
 from .copying import CopySource
 from .draft_programs import Chooser, TreeLayout, TreeRequest, host_trees, with_copies
 from .drafting import DraftState, draft_trees
-from .round_plan import RowPlan
-from .rounds import Round, RoundRecord, Timer
+from .rounds import Round, RoundRecord, RowPlan, Timer
 from .schedule import DraftLengthController
 from .settings import MAX_DEPTH, DraftSettings
 from .stats import SpecDecodeStats
-from .transfer import pack
 from .tree import COPY, EAGLE, DraftTree
 
 logger = logging.getLogger(__name__)
@@ -75,7 +74,7 @@ class Speculator:
     `Round` (prefill, a draft-and-verify cycle, a plain step the schedule chose or one without room for drafts, a
     finished batch row kept as a padding row: its root alone, never drafting again). Only this class writes its round
     and its row in the drafter's cache (`cache_row`, a `CacheRow`); it executes its part of the round's plan
-    (`begin_round`, from `eagle_hf.speculation.round_plan.plan_round`); the loops say what happened (`prefill`,
+    (`begin_round`, from `eagle_hf.speculation.rounds.plan_round`); the loops say what happened (`prefill`,
     `keep_as_padding`, `move_to`) and read the round's kind and drafter depth (`round`, `eagle_depth`)."""
 
     def __init__(
@@ -121,7 +120,7 @@ class Speculator:
             self.copy.index.extend(tokens)
 
     def begin_round(self, plan: RowPlan) -> None:
-        """Execute this row's part of the round's plan (`eagle_hf.speculation.round_plan.plan_round`): the round's
+        """Execute this row's part of the round's plan (`eagle_hf.speculation.rounds.plan_round`): the round's
         kind, and the copy branches the copy source grafts and learns from this round."""
         r = self.this_round
         r.kind, r.eagle_depth, r.drafter_levels = plan.kind, 0, 0  # (the drafter's, once it drafts: `draft_round`)

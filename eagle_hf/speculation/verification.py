@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .transfer import pack
+from ..programs import pack
 from .tree import DraftTree
 
 #: transformers' logits warpers that read the scores alone, never the ids: with only these (temperature, top-k,

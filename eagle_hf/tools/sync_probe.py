@@ -12,7 +12,7 @@ None of that shows on a CPU, where work is synchronous. This probe makes it show
 * ``copies``: blocking host-to-device copies (host data put on the device: ``torch.tensor(..., device=)``,
   ``.to(device)`` of a host tensor, a host tensor written into or indexing a device tensor);
 * ``async_copies``: host-to-device copies that do not block (``.to(device, non_blocking=True)``, from pinned
-  memory on a GPU: `eagle_hf.speculation.transfer`);
+  memory on a GPU: `eagle_hf.programs`);
 * ``syncs``: whole-device synchronisations (eagle_hf's timing, ``torch.cuda.synchronize``);
 * ``mixed``: ops that combine a device tensor with a host tensor of one element or more (they fail on a GPU, or
   copy implicitly).
@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import programs
-from ..drafter.graphs import LevelGraphs
+from ..speculation.draft_programs import LevelGraphs
 
 _TAG = "_eagle_hf_device"
 #: tensor methods and functions that read a device tensor's values on the host
