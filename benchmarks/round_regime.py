@@ -11,6 +11,7 @@ last round left out: `eagle_hf.tools.sync_probe`), and the host milliseconds a r
 
     python benchmarks/round_regime.py                      # the table (markdown), 5 timed calls a case
     python benchmarks/round_regime.py --calls 3 --only dynamic
+    python benchmarks/round_regime.py --only dynamic --no-time --ops   # torch operations a round (deterministic)
     PYTHONPATH=/path/to/other/checkout python benchmarks/round_regime.py --json other.json   # another version
 
 To compare two versions, run both in turn on a quiet machine; times are reported, never asserted. Reads are
@@ -20,6 +21,7 @@ deterministic (tests/test_round_ops.py pins them).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -94,47 +96,76 @@ def reads(target, drafter, mode: str, cache: str, rows: int, new_tokens: int) ->
             "reads mean": statistics.fmean(counted) if counted else None, "rounds": len(counted)}
 
 
-def host_ms(target, drafter, mode: str, cache: str, rows: int, new_tokens: int, calls: int) -> float:
-    """Median over `calls` warm calls of (the call's time - its target forwards) / its rounds, in ms."""
-    import eagle_hf
+@contextlib.contextmanager
+def target_forwards(target):
+    """The target's forwards (eagle_hf's loop's, the compiled one too, and those transformers' assisted loop runs)
+    watched while the block runs: the yielded dict holds the seconds spent in them ("spent") and how many are
+    running ("inside")."""
     from eagle_hf.hf.tree_loop import TreeLoop
 
-    kwargs = run_kwargs(mode, cache, drafter, new_tokens)
-    spent, inside = [0.0], [0]
+    state = {"spent": 0.0, "inside": 0}
     forward, model_forward = TreeLoop.forward, type(target).forward
 
-    def timed(self, *args, **kw):  # eagle_hf's loop: its target forwards (the compiled one too)
-        start, inside[0] = time.perf_counter(), inside[0] + 1
-        try:
-            return forward(self, *args, **kw)
-        finally:
-            spent[0] += time.perf_counter() - start
-            inside[0] -= 1
+    def watched(run):
+        def call(self, *args, **kw):
+            if state["inside"]:  # (the model's forward inside eagle_hf's loop's)
+                return run(self, *args, **kw)
+            start, state["inside"] = time.perf_counter(), 1
+            try:
+                return run(self, *args, **kw)
+            finally:
+                state["spent"] += time.perf_counter() - start
+                state["inside"] = 0
 
-    @functools.wraps(model_forward)  # (its signature kept: routing reads which arguments the forward takes)
-    def timed_model(self, *args, **kw):  # transformers' assisted loop: the target's forwards it runs
-        if inside[0]:
-            return model_forward(self, *args, **kw)
-        start = time.perf_counter()
-        try:
-            return model_forward(self, *args, **kw)
-        finally:
-            spent[0] += time.perf_counter() - start
+        return functools.wraps(run)(call)  # (its signature kept: routing reads which arguments the forward takes)
 
-    samples = []
-    TreeLoop.forward, type(target).forward = timed, timed_model
+    TreeLoop.forward, type(target).forward = watched(forward), watched(model_forward)
     try:
+        yield state
+    finally:
+        TreeLoop.forward, type(target).forward = forward, model_forward
+
+
+def rounds_of_last_call() -> int:
+    import eagle_hf
+
+    s = eagle_hf.last_stats()
+    return max(s.cycles + s.fallback_steps + s.final_steps, 1)
+
+
+def host_ms(target, drafter, mode: str, cache: str, rows: int, new_tokens: int, calls: int) -> float:
+    """Median over `calls` warm calls of (the call's time - its target forwards) / its rounds, in ms."""
+    kwargs = run_kwargs(mode, cache, drafter, new_tokens)
+    samples = []
+    with target_forwards(target) as state:
         for call in range(calls + 2):  # (two warm-ups: compiles, first shapes)
-            spent[0] = 0.0
+            state["spent"] = 0.0
             start = time.perf_counter()
             target.generate(**prompts(rows), **kwargs)
             total = time.perf_counter() - start
-            s = eagle_hf.last_stats()
             if call >= 2:
-                samples.append(1000 * (total - spent[0]) / max(s.cycles + s.fallback_steps + s.final_steps, 1))
-    finally:
-        TreeLoop.forward, type(target).forward = forward, model_forward
+                samples.append(1000 * (total - state["spent"]) / rounds_of_last_call())
     return statistics.median(samples)
+
+
+def host_ops(target, drafter, mode: str, cache: str, rows: int, new_tokens: int) -> float:
+    """The torch operations a warm call dispatches outside its target's forwards, per round (deterministic: what
+    the host time a round is mostly made of on a CPU; a compiled program's body counts as one call)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    kwargs = run_kwargs(mode, cache, drafter, new_tokens)
+    count = [0]
+    with target_forwards(target) as state:
+
+        class Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kw=None):
+                count[0] += not state["inside"]
+                return func(*args, **(kw or {}))
+
+        target.generate(**prompts(rows), **kwargs)  # (warm)
+        with Count():
+            target.generate(**prompts(rows), **kwargs)
+    return count[0] / rounds_of_last_call()
 
 
 def main():
@@ -145,6 +176,8 @@ def main():
     parser.add_argument("--modes", default=";".join(MODES), help="modes, separated by ';'")
     parser.add_argument("--rows", default="1,4", help="batch sizes, separated by ','")
     parser.add_argument("--no-time", action="store_true", help="reads only")
+    parser.add_argument("--ops", action="store_true", help="also the torch operations a round outside the target's "
+                        "forward (deterministic)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     os.environ.setdefault("EAGLE_HF_COST_CACHE", "off")
@@ -153,18 +186,22 @@ def main():
 
     target, drafter = pair()
     out = {"eagle_hf": str(Path(eagle_hf.__file__).parent), "cases": {}}
-    print("| cache | mode | rows | reads a round (median / mean) | host ms a round outside the target's forward |")
-    print("|---|---|---|---|---|")
+    print("| cache | mode | rows | reads a round (median / mean) | host ms a round outside the target's forward |"
+          + (" operations a round outside it |" if args.ops else ""))
+    print("|---|---|---|---|---|" + ("---|" if args.ops else ""))
     for cache in [args.only] if args.only else CACHES:
         for mode in args.modes.split(";"):
             for rows in [int(r) for r in args.rows.split(",")]:
                 row = reads(target, drafter, mode, cache, rows, args.new_tokens)
                 if not args.no_time:
                     row["host ms"] = host_ms(target, drafter, mode, cache, rows, args.new_tokens, args.calls)
+                if args.ops:
+                    row["ops"] = host_ops(target, drafter, mode, cache, rows, args.new_tokens)
                 out["cases"][f"{cache} | {mode} | {rows}"] = row
                 mean = row["reads mean"]
                 print(f"| {cache} | {mode} | {rows} | {row['reads median']} / "
-                      f"{'-' if mean is None else f'{mean:.2f}'} | {row.get('host ms', float('nan')):.2f} |",
+                      f"{'-' if mean is None else f'{mean:.2f}'} | {row.get('host ms', float('nan')):.2f} |"
+                      + (f" {row['ops']:.0f} |" if args.ops else ""),
                       flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -213,16 +213,47 @@ def llama_target():
 
 def patch_drafts(fake):
     """Patch the drafter's tree growth with ``fake(position, root_token, depth, total_tokens) -> DraftTree`` per
-    drafting row; `position` is the root's (the drafter has read the real rows before it)."""
+    drafting row; `position` is the root's (the drafter has read the real rows before it). The trees are laid out
+    as the device lays out the drafter's (`laid_out`): the round runs on as it does for grown trees."""
     from unittest import mock
 
     from eagle_hf.speculation import speculator as speculation
+    from eagle_hf.speculation.tree import DraftTree
 
     def draft_trees(drafter, state, logits, hidden, depths, top_k, layout, *args, **kwargs):
-        return [fake(state.positions[b], root, depth, total) if depth else None
-                for b, (root, depth, total) in enumerate(zip(layout.roots, depths, layout.sizes))]
+        trees = [fake(state.positions[b], root, depth, total) if depth else DraftTree.root(root)
+                 for b, (root, depth, total) in enumerate(zip(layout.roots, depths, layout.sizes))]
+        return laid_out(trees, layout.width, layout.positions, logits.device)
 
     return mock.patch.object(speculation, "draft_trees", draft_trees)
+
+
+def laid_out(trees, width: int, positions: list[int], device="cpu"):
+    """Host trees as `eagle_hf.speculation.drafting.draft_trees` returns the drafter's: their `TreeLayout` (W nodes
+    a row: the root, the tree's nodes, then padding nodes that see the root and themselves; the host part's tokens,
+    parents, scores below the root and size) and the verify positions [B, W] (each row's root position plus the
+    nodes' depths)."""
+    from eagle_hf.speculation.draft_programs import TreeLayout
+
+    rows, n = len(trees), width - 1
+    tokens = torch.zeros(rows, width, dtype=torch.long)
+    depths = torch.zeros(rows, width, dtype=torch.long)
+    seen = torch.eye(width, dtype=torch.bool).repeat(rows, 1, 1)  # [B, W, W]
+    seen[:, :, 0] = True
+    host = torch.zeros(rows, 3 * n + 1, dtype=torch.float64)
+    for b, tree in enumerate(trees):
+        h, size = tree.host, tree.size
+        assert size <= width, (size, width)
+        tokens[b] = h.tokens[0]
+        tokens[b, :size] = torch.tensor(h.tokens)
+        depths[b, :size] = torch.tensor(h.depths)
+        for i in range(size):
+            seen[b, i, h.path(i)] = True
+        for at, values in ((0, h.tokens), (n, h.parents), (2 * n, h.scores)):
+            host[b, at : at + size - 1] = torch.tensor(values[1:], dtype=torch.float64)
+        host[b, 3 * n] = size - 1
+    layout = TreeLayout(*(t.to(device) for t in (tokens, depths, seen, host)))
+    return layout, torch.tensor(positions, device=device)[:, None] + layout.depths
 
 
 def tree_attention_mask(tree: torch.Tensor, valid: torch.Tensor | None, past_len: int,

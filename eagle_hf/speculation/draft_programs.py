@@ -89,7 +89,8 @@ def grow_levels(drafter: EagleDrafter, forward: LevelForward, logits: torch.Tens
     pick = choose or (lambda lg, _paths: top_k_choice(drafter, lg, k))
     first = pick(logits[:, None], paths)  # [B, 1, k]
     tokens, own = first.tokens[:, 0], first.logp[:, 0].double()  # [B, k] the first level's nodes, the root's order
-    score, slot = own, flags.long()  # slot: the parent's output row
+    score, slot = own, flags.long()[..., None]  # slot [B, k, 1]: the parent's output row
+    own_metric = not prune and min_logp > -math.inf  # (a draft's own probability is tested against the threshold)
     eye = flags.new_zeros(k, k).fill_diagonal_(True).expand(rows, k, k)
     ancestors = flags.new_zeros(rows, k, 0)  # [B, k, fed] among the fed tree rows
     alive = ~flags  # not below a pruned node
@@ -101,27 +102,29 @@ def grow_levels(drafter: EagleDrafter, forward: LevelForward, logits: torch.Tens
         if min_logp > -math.inf:
             grows = grows & (metric >= min_logp)
         tail = torch.cat([ancestors & grows[..., None], eye], 2)  # [B, k, fed + k]: its ancestors and itself
-        feed = parent_out if k == 1 else parent_out.gather(1, slot[..., None].expand(rows, k, width))  # [B, k, H]
+        feed = parent_out if k == 1 else parent_out.gather(1, slot.expand(rows, k, width))  # [B, k, H]
         out = forward(feed, tokens, level, tail, fed)
         if paths is not None:  # each frontier node's drafts below the root
             paths = torch.cat([paths.expand(rows, k, -1), tokens[..., None]], 2)
         children = pick(out.logits, paths)  # [B, k, k]
-        scores = torch.where(grows[..., None], score[..., None] + children.logp.double(), -math.inf).flatten(1)
+        logp = children.logp.double()
+        scores = torch.where(grows[..., None], score[..., None] + logp, -math.inf).flatten(1)
         kept.append((children.tokens, scores, None))
         if k == 1:  # a chain: its one child is the next frontier, in place (no sort, no gathers)
-            tokens, own, score = children.tokens.flatten(1), children.logp.double().flatten(1), scores
+            tokens, score = children.tokens.flatten(1), scores
+            own = logp.flatten(1) if own_metric else None
             alive, ancestors, parent_out, fed = score > -math.inf, tail, out.hidden, fed + k
             continue
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]  # [B, k] into k*k
         kept[-1] = (children.tokens, scores, order)
-        slot = order // k
+        slot = (order // k)[..., None]  # [B, k, 1] each next frontier node's parent's output row
         if paths is not None:
-            paths = paths.gather(1, slot[..., None].expand(-1, -1, paths.shape[2]))
+            paths = paths.gather(1, slot.expand(-1, -1, paths.shape[2]))
         tokens = children.tokens.flatten(1).gather(1, order)
-        own = children.logp.double().flatten(1).gather(1, order)
+        own = logp.flatten(1).gather(1, order) if own_metric else None
         score = scores.gather(1, order)
         alive = score > -math.inf
-        ancestors = tail.gather(1, slot[..., None].expand(rows, k, fed + k))  # the parent's, itself included
+        ancestors = tail.gather(1, slot.expand(rows, k, fed + k))  # the parent's, itself included
         parent_out, fed = out.hidden, fed + k
     return kept
 

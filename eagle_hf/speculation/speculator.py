@@ -295,11 +295,6 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
         marks["drafted"] = timer.mark()
     for i in drafting:
         speculators[i].this_round.drafter_levels = state.steps - steps
-    if isinstance(grown, list):  # (host trees, in the cache's row order: a test's drafts)
-        trees = [DraftTree.root(r) for r in roots]
-        for j, i in enumerate(order):
-            trees[i] = speculators[i].graft_copy(grown[j]) if i in drafting else copies[i] or trees[i]
-        return _settle(speculators, trees)
     return PendingTrees(speculators, roots, *grown, copies, width, extra)
 
 
