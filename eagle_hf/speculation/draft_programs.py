@@ -97,10 +97,9 @@ def grow_levels(drafter: EagleDrafter, forward: LevelForward, logits: torch.Tens
     parent_out, fed = hidden, 0
     kept = [(first.tokens[:, 0], first.logp[:, 0])]
     for level in range(1, levels):
-        metric = score if prune else own
         grows = alive & (level < depth)  # [B, k] the host's `_Growth.prune`
         if min_logp > -math.inf:
-            grows = grows & (metric >= min_logp)
+            grows = grows & ((score if prune else own) >= min_logp)
         tail = torch.cat([ancestors & grows[..., None], eye], 2)  # [B, k, fed + k]: its ancestors and itself
         feed = parent_out if k == 1 else parent_out.gather(1, slot.expand(rows, k, width))  # [B, k, H]
         out = forward(feed, tokens, level, tail, fed)
@@ -109,14 +108,14 @@ def grow_levels(drafter: EagleDrafter, forward: LevelForward, logits: torch.Tens
         children = pick(out.logits, paths)  # [B, k, k]
         logp = children.logp.double()
         scores = torch.where(grows[..., None], score[..., None] + logp, -math.inf).flatten(1)
-        kept.append((children.tokens, scores, None))
-        if k == 1:  # a chain: its one child is the next frontier, in place (no sort, no gathers)
+        # [B, k] the next frontier's places among the k*k children (a chain's one child: in place, no sort)
+        order = None if k == 1 else torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+        kept.append((children.tokens, scores, order))
+        if order is None:  # (a chain: no gathers either)
             tokens, score = children.tokens.flatten(1), scores
             own = logp.flatten(1) if own_metric else None
             alive, ancestors, parent_out, fed = score > -math.inf, tail, out.hidden, fed + k
             continue
-        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]  # [B, k] into k*k
-        kept[-1] = (children.tokens, scores, order)
         slot = (order // k)[..., None]  # [B, k, 1] each next frontier node's parent's output row
         if paths is not None:
             paths = paths.gather(1, slot.expand(-1, -1, paths.shape[2]))
@@ -167,10 +166,9 @@ def tree_layout(kept: list[tuple], roots: torch.Tensor, k: int, width: int, min_
     root included (1: the root alone, a row that does not draft)."""
     if k == 1:
         return chain_layout(kept, roots, width, min_logp, sizes)
-    tokens0, logp0 = kept[0]
+    tokens0 = kept[0][0]
     rows, device = tokens0.shape[0], tokens0.device
-    tokens = torch.cat([tokens0] + [children.flatten(1) for children, _, _ in kept[1:]], 1)  # [B, M]
-    scores = torch.cat([logp0.double()] + [below for _, below, _ in kept[1:]], 1)  # [B, M] cumulative
+    tokens, scores = candidates(kept)  # [B, M] each
     index = torch.arange(tokens.shape[1], device=device)  # [M] level l's k^2 candidates from k + (l - 1) k^2 on
     # each level's frontier (its k candidates that grew children): the first level's all, then `order`'s picks
     frontier = [index[:k].expand(rows, k)] + [order + (k + (level - 1) * k * k)
@@ -218,8 +216,7 @@ def chain_layout(kept: list[tuple], roots: torch.Tensor, width: int, min_logp: f
     """`tree_layout` for k = 1: a level's one candidate is the next node, so the eligible candidates are a prefix
     (a score only falls with depth, and nothing grows below a node that did not) and node i's parent is node
     i - 1: the same layout, without the sort and the walk up the parents."""
-    tokens = torch.cat([kept[0][0]] + [children.flatten(1) for children, _, _ in kept[1:]], 1)  # [B, M]
-    scores = torch.cat([kept[0][1].double()] + [below for _, below, _ in kept[1:]], 1)  # [B, M] cumulative
+    tokens, scores = candidates(kept)  # [B, M] each
     rows, m, n = tokens.shape[0], tokens.shape[1], width - 1
     if m < n:  # (fewer candidates than room: padding candidates, never eligible)
         tokens, scores = (torch.nn.functional.pad(t, (0, n - m), value=v) for t, v in ((tokens, 0),
@@ -237,6 +234,14 @@ def chain_layout(kept: list[tuple], roots: torch.Tensor, width: int, min_logp: f
     host = torch.cat([node_tokens.double(), parent.double(), node_scores, real.sum(1, keepdim=True).double()], 1)
     return TreeLayout(torch.cat([roots[:, None], node_tokens], 1),
                       torch.cat([parent.new_zeros(rows, 1), torch.where(real, number, 0)], 1), seen, host)
+
+
+def candidates(kept: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`grow_levels`' candidates in drafting order (the root's k children, then each level's k x k): their tokens
+    and cumulative scores (float64, -inf below a node that did not grow), [B, M] each."""
+    tokens0, logp0 = kept[0]
+    return (torch.cat([tokens0] + [children.flatten(1) for children, _, _ in kept[1:]], 1),
+            torch.cat([logp0.double()] + [below for _, below, _ in kept[1:]], 1))
 
 
 def host_trees(values: list[float], roots: list[int]) -> list[tuple[list[int], list[int], list[float]]]:
@@ -272,6 +277,7 @@ def with_copies(laid: TreeLayout, positions: torch.Tensor, tokens: torch.Tensor,
 def number_of(t: torch.Tensor) -> torch.Tensor:
     """[B, n] 1 .. n along the last dimension (a node's number in a list of n)."""
     return torch.arange(1, t.shape[1] + 1, device=t.device).expand_as(t)
+
 
 # ------------------------------------------------------------------ what a drafter keeps between calls
 # A drafter's fixed-shape programs and the cache storage they write (rows B, the storage's capacity C read under a
