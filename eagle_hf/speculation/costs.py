@@ -37,6 +37,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from .tree import most_nodes
+
 logger = logging.getLogger(__name__)
 
 #: a size's estimate is the fastest of this many of its latest observations
@@ -326,8 +328,7 @@ class RoundCosts:
         """Tokens a round of depth k verifies, the root included."""
         if self.tree is None:
             return k + 1
-        top_k, total_tokens = self.tree  # top_k candidates at depth 1, top_k**2 at each further depth
-        return min(total_tokens, 1 + top_k + (k - 1) * top_k * top_k)
+        return most_nodes(k, *self.tree)
 
     def cycle_cost(self, k: int) -> float:
         """A drafting round of depth k, the loop's own cost aside."""

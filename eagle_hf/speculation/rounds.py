@@ -36,7 +36,7 @@ import torch
 
 from .copying import Branch, Wait
 from .schedule import CopyAction
-from .tree import EAGLE, SOURCE_NAMES, DraftTree
+from .tree import EAGLE, SOURCE_NAMES, DraftTree, most_nodes
 
 
 class Round(StrEnum):
@@ -287,7 +287,7 @@ def _elapsed(marks: list[Mark]) -> list[float]:
 class RowPlan:
     """One row's part of a round's plan: its `kind` (a drafting round, a plain step the schedule chose, one without
     room for drafts, a padding row); the drafter's `depth` (0: it rests); the tree's `size` (total tokens, cut to
-    the row's room); the copy `branches` grafted at the root, and what the copy source's proposal does to its wait
+    what the depth can fill and to the row's room); the copy `branches` grafted at the root, and what the copy source's proposal does to its wait
     (`copy_wait`: it sat the round out, or retries); whether the drafter's round counts as a retry of it
     (`refresh_drafter`)."""
 
@@ -334,8 +334,9 @@ def plan_round(speculators: Sequence, rooms: Sequence[int | None], total_tokens:
     rows = []
     for sp, room in zip(speculators, rooms):
         row = RowPlan(Round.PADDING) if room is None else plan_row(sp, room, planned)
-        if room is not None:
-            row.size = min(total_tokens, room + 1, room + 1 if fits is None else fits)
+        if room is not None:  # (the verify reads the row's whole size: no more than its depth can fill)
+            row.size = min(most_nodes(row.depth, sp.settings.branching, total_tokens), room + 1,
+                           room + 1 if fits is None else fits)
         sp.begin_round(row)
         rows.append(row)
     return RoundPlan(rows, None if planned is None else controller.kind)

@@ -23,6 +23,12 @@ SOURCE_NAMES = {EAGLE: "eagle", COPY: "copy"}
 _ROOT_PARENTS, _ROOT_SCORES = torch.tensor([-1]), torch.zeros(1)
 
 
+def most_nodes(depth: int, top_k: int, total_tokens: int) -> int:
+    """The most nodes a tree of `depth` levels holds, the root included: top_k candidates at depth 1, top_k**2 at
+    each further depth (the children of the top_k nodes kept there), at most `total_tokens`."""
+    return min(total_tokens, 1 + top_k + (depth - 1) * top_k * top_k) if depth > 0 else 1
+
+
 @dataclass
 class DraftTree:
     tokens: torch.Tensor  # [N+1] target ids; tokens[0] is the root
