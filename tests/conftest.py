@@ -229,31 +229,22 @@ def patch_drafts(fake):
 
 
 def laid_out(trees, width: int, positions: list[int], device="cpu"):
-    """Host trees as `eagle_hf.speculation.drafting.draft_trees` returns the drafter's: their `TreeLayout` (W nodes
-    a row: the root, the tree's nodes, then padding nodes that see the root and themselves; the host part's tokens,
-    parents, scores below the root and size) and the verify positions [B, W] (each row's root position plus the
-    nodes' depths)."""
-    from eagle_hf.speculation.draft_programs import TreeLayout
+    """Host trees as `eagle_hf.speculation.drafting.draft_trees` returns the drafter's: their `TreeLayout`
+    (`eagle_hf.speculation.draft_programs.laid_out`) with the host part the host reads after the verify (tokens,
+    parents, scores below the root, size), and the verify positions [B, W]."""
+    from eagle_hf.speculation import draft_programs
 
-    rows, n = len(trees), width - 1
-    tokens = torch.zeros(rows, width, dtype=torch.long)
-    depths = torch.zeros(rows, width, dtype=torch.long)
-    seen = torch.eye(width, dtype=torch.bool).repeat(rows, 1, 1)  # [B, W, W]
-    seen[:, :, 0] = True
-    host = torch.zeros(rows, 3 * n + 1, dtype=torch.float64)
+    layout, at = draft_programs.laid_out(trees, width, positions, device)
+    n = width - 1
+    host = torch.zeros(len(trees), 3 * n + 1, dtype=torch.float64)
     for b, tree in enumerate(trees):
         h, size = tree.host, tree.size
         assert size <= width, (size, width)
-        tokens[b] = h.tokens[0]
-        tokens[b, :size] = torch.tensor(h.tokens)
-        depths[b, :size] = torch.tensor(h.depths)
-        for i in range(size):
-            seen[b, i, h.path(i)] = True
-        for at, values in ((0, h.tokens), (n, h.parents), (2 * n, h.scores)):
-            host[b, at : at + size - 1] = torch.tensor(values[1:], dtype=torch.float64)
+        for start, values in ((0, h.tokens), (n, h.parents), (2 * n, h.scores)):
+            host[b, start : start + size - 1] = torch.tensor(values[1:], dtype=torch.float64)
         host[b, 3 * n] = size - 1
-    layout = TreeLayout(*(t.to(device) for t in (tokens, depths, seen, host)))
-    return layout, torch.tensor(positions, device=device)[:, None] + layout.depths
+    layout.host = host.to(device)
+    return layout, at
 
 
 def tree_attention_mask(tree: torch.Tensor, valid: torch.Tensor | None, past_len: int,

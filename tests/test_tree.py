@@ -7,8 +7,8 @@ import torch
 from conftest import patch_drafts, tiny_drafter, tiny_target, tree_attention_mask
 
 import eagle_hf
-from eagle_hf.hf.cache import stacked_ancestor_masks
 from eagle_hf.hf.version import cache_kwarg, output_cache
+from eagle_hf.speculation.draft_programs import laid_out
 from eagle_hf.speculation.tree import DraftTree
 from eagle_hf.speculation.verification import accept_greedy, accept_sampling, verify, verify_greedy
 
@@ -36,21 +36,24 @@ def test_tree_tensors_by_hand():
         [1, 1, 0, 1, 0, 0, 1],
     ]
     assert TREE.retrieve_indices().tolist() == [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]]
-    mask = tree_attention_mask(stacked_ancestor_masks([TREE]), None, 3, dtype=torch.float32)
+    mask = tree_attention_mask(laid_out([TREE], 7, [3], "cpu")[0].ancestors, None, 3, dtype=torch.float32)
     assert mask.shape == (1, 1, 7, 10)
     assert (mask[0, 0, :, :3] == 0).all()  # the prefix is visible to every node
     assert ((mask[0, 0, :, 3:] == 0) == TREE.ancestor_mask()).all()
 
 
 def test_batched_tree_mask_hides_holes_and_padding_nodes():
-    """Two rows: a hole in row 1's cache, and row 1's one-node tree padded to the other row's 7 nodes."""
+    """Two rows: a hole in row 1's cache, and row 1's one-node tree padded to the other row's 7 nodes (the layout
+    the verify reads: `laid_out`)."""
     valid = torch.tensor([[True, True, True], [True, False, True]])
     root_only = DraftTree.root(5)
-    mask = tree_attention_mask(stacked_ancestor_masks([TREE, root_only]), valid, 3, dtype=torch.float32) == 0  # [2, 1, 7, 10] visible
+    ancestors = laid_out([TREE, root_only], 7, [3, 2], "cpu")[0].ancestors
+    mask = tree_attention_mask(ancestors, valid, 3, dtype=torch.float32) == 0  # [2, 1, 7, 10] visible
     assert mask.shape == (2, 1, 7, 10)
     assert (mask[1, 0, :, :3] == valid[1]).all()  # the hole is hidden from every node of row 1
     assert mask[1, 0, 0, 3:].tolist() == [True] + [False] * 6  # the root sees itself
-    assert (mask[1, 0, 1:, 4:] == torch.eye(6, dtype=torch.bool)).all()  # padding nodes: only themselves
+    assert (mask[1, 0, 1:, 4:] == torch.eye(6, dtype=torch.bool)).all()  # padding nodes: themselves ...
+    assert mask[1, 0, 1:, 3].all()  # ... and the root
 
 
 def test_greedy_acceptance_takes_the_longest_matching_path():

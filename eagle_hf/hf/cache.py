@@ -17,7 +17,6 @@ from transformers.cache_utils import (
 
 from ..programs import Program, to_device
 from ..speculation.ragged import KeptMask, Ragged, SlotBuffers
-from ..speculation.tree import DraftTree
 from .attention import kernel_name, kernel_unsupported_reason
 from .indexed import (
     DYNAMIC_INDEXED,
@@ -277,16 +276,6 @@ def regather_cache(cache, index: torch.Tensor) -> None:
             else:
                 layer.keys, layer.values = keys, values
         regather_index_keys(layer, index)
-
-
-def stacked_ancestor_masks(trees: list[DraftTree], width: int | None = None) -> torch.Tensor:
-    """bool [B, N, N] (host): each tree's ancestor mask, padded to `width` nodes (None: the largest tree's); a
-    padding node sees itself."""
-    width = width or max(t.size for t in trees)
-    out = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
-    for b, t in enumerate(trees):
-        out[b, : t.size, : t.size] = t.ancestor_mask()
-    return out
 
 
 class TreeCache:

@@ -32,7 +32,7 @@ from ..speculation.speculator import PendingTrees, Speculator, draft_round
 from ..speculation.tree import DraftTree
 from ..speculation.verification import accept_drawn, draw, process_logits, sampling_draws, verify_greedy
 from .attention import TREE_PREFIX, routed_kernel, split_keys_from
-from .cache import VERIFY_BUCKETS, stacked_ancestor_masks, tree_cache
+from .cache import VERIFY_BUCKETS, tree_cache
 from .call import active_call, finish_rows, speculators_for
 from .costs import cost_model
 from .indexed import has_indexed_layers
@@ -171,8 +171,7 @@ class TreeLoop:
             captures = programs.CAPTURES
             plan, trees = self.draft(active, len(rows) > 1, marks)
             drafting = [r.sp for r in active if r.sp.eagle_depth > 0]
-            width = trees.width if isinstance(trees, PendingTrees) else max(t.size for t in trees)
-            facts = round_facts([r.sp for r in active], width, batch=len(rows) > 1, kind=plan.kind)
+            facts = round_facts([r.sp for r in active], trees.width, batch=len(rows) > 1, kind=plan.kind)
             before = sum(r.length for r in active)  # the rows' tokens before the round
             self.verify_and_commit(active, trees, marks)
             marks["end"] = self.timer.mark()
@@ -218,11 +217,11 @@ class TreeLoop:
             self.keep_outputs(row, scores, raw[b : b + 1], out.hidden_states, b, None)
             self.append(row, self.cut(row, [token]))
 
-    def draft(self, active: list[Row], batch: bool, marks: dict | None = None) -> tuple[RoundPlan, list[DraftTree]]:
+    def draft(self, active: list[Row], batch: bool, marks: dict | None = None) -> tuple[RoundPlan, PendingTrees]:
         """The round's plan (`plan_round`: who drafts for each row, how deep and how wide) and each row's tree: its
-        drafter's and copy source's, or the root alone for a plain step (or a fully pruned tree). The rows draft
-        together: one drafter forward per level. `batch`: the call decodes several rows (its schedule plans for
-        all of them)."""
+        drafter's and copy source's, or the root alone for a plain step (or a fully pruned tree), laid out for the
+        verify. The rows draft together: one drafter forward per level. `batch`: the call decodes several rows
+        (its schedule plans for all of them)."""
         # a static cache's free slots, up to the widest verify it keeps room for (copy branches are not sized by
         # the drafter's budget); None: a dynamic cache grows
         fits = self.cache.room(VERIFY_BUCKETS[-1])
@@ -238,30 +237,24 @@ class TreeLoop:
             if self.greedy_batch:  # the verify reads the layout as it is; the host reads it with the verify's result
                 trees.graft_copies()
                 return plan, trees
-            return plan, trees.settle(trees.read())[0]  # (sampling, processing, kept scores: the host's trees)
+            trees = trees.settle(trees.read())[0]  # (sampling, processing, kept scores: the host's trees)
         if fits is not None and any(t.size > fits for t in trees):
             trees = [row.sp.fit(fits) if t.size > fits else t for row, t in zip(active, trees)]
-        return plan, trees
+        width = self.verify_width(max(t.size for t in trees))  # N: padded to the largest (or a compiled bucket)
+        # (a compiled forward keeps one shape: every node's logits)
+        return plan, PendingTrees.on_host(speculators, trees, width, [r.position for r in active], self.device,
+                                          parents=self.do_sample, real=self.compiled is None)
 
-    def verify_and_commit(self, active: list[Row], trees: list[DraftTree] | PendingTrees, marks: dict) -> None:
-        """One target forward over every row's tree (laid out on the device, or the host's trees copied there);
-        each row accepts a path (the round's one read-back: with the laid-out trees, for a greedy round), keeps
-        its nodes' KV in place and commits its rows to the drafter."""
-        past_len = self.cache.length
-        if isinstance(trees, PendingTrees):
-            layout, width = trees.layout, trees.width
-            out = self.verify(layout.tokens, trees.positions, layout.ancestors, width, marks, past_len)
-            chosen = out.logits.float().argmax(-1)  # [B, W] the target's token after each node
-            trees, outcomes = self.accept_laid_out(active, trees, chosen)
-        else:
-            width = self.verify_width(max(t.size for t in trees))  # N: the trees are padded to the largest (or more)
-            host = pack(self.device, **self.verify_layout(active, trees, width))
-            out = self.verify(host["tokens"], host["positions"], host.get("tree"), width, marks, past_len,
-                              host.get("real"))
-            outcomes, chosen = self.accept(active, trees, out.logits, host)  # chosen: [B, N] or None
+    def verify_and_commit(self, active: list[Row], trees: PendingTrees, marks: dict) -> None:
+        """One target forward over every row's laid-out tree; each row accepts a path (the round's one read-back,
+        with the trees where the host reads them with the verify's result), keeps its nodes' KV in place and
+        commits its rows to the drafter."""
+        past_len, layout, width = self.cache.length, trees.layout, trees.width
+        out = self.verify(layout.tokens, trees.positions, layout.ancestors, width, marks, past_len, layout.real)
+        settled, outcomes, chosen = self.accept(active, trees, out.logits)  # chosen: [B, W] or None
         self.timer.read_back()
         slots = self.rewind(active, in_lockstep(active, outcomes), past_len, width) if self.rewinds else width
-        self.commit(active, trees, outcomes, chosen, out.hidden_states, past_len, width, slots)
+        self.commit(active, settled, outcomes, chosen, out.hidden_states, past_len, width, slots)
 
     def verify(self, tokens: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor | None, width: int,
                marks: dict, past_len: int, real: torch.Tensor | None = None):
@@ -286,19 +279,6 @@ class TreeLoop:
             shape = (rows, width, getattr(self.cache, "capacity", None))
             self.compiling = warming_up(self.target, shape) or compiled_graphs() != graphs
         return out
-
-    def accept_laid_out(self, active: list[Row], pending: PendingTrees, chosen: torch.Tensor):
-        """Each row's accepted path in a greedy round over laid-out trees: the trees and the target's choices
-        (chosen [B, W]) in the round's one read. Returns (the rows' trees, their outcomes)."""
-        width, at = chosen.shape[1], pending.layout.host.numel()
-        values = torch.cat([pending.layout.host.flatten(), chosen.flatten().double()]).tolist()
-        trees, columns = pending.settle(values[:at], grafted=True)
-        outcomes = []
-        for b, (row, tree, cols) in enumerate(zip(active, trees, columns)):
-            mine = values[at + b * width : at + (b + 1) * width]
-            path, token = verify_greedy(tree, [int(mine[c]) for c in cols])
-            outcomes.append(self.outcome(row, tree, path, token, columns=cols))
-        return trees, outcomes
 
     def rewind(self, active: list[Row], outcomes: list[Outcome], past_len: int, written: int) -> int:
         """A hybrid target's cache after a round that keeps fewer tokens than its verify wrote (`written`): the
@@ -332,22 +312,6 @@ class TreeLoop:
         free = self.cache.free
         return bucket if free is None or bucket <= free else largest
 
-    def verify_layout(self, active: list[Row], trees: list[DraftTree], width: int) -> dict:
-        """The verify forward's host arrays, copied at once: tokens and positions [B, N], each tree's ancestor
-        mask [B, N, N] (drafting rounds), the flat positions of real nodes (trees of different sizes) and, when
-        sampling, each node's parent."""
-        pad = [width - t.size for t in trees]
-        out = {"tokens": [t.host.tokens + [t.host.tokens[0]] * p for t, p in zip(trees, pad)],
-               "positions": [[r.position + d for d in t.host.depths] + [r.position] * p
-                             for r, t, p in zip(active, trees, pad)]}
-        if width > 1:
-            out["tree"] = stacked_ancestor_masks(trees, width)  # [B, N, N]
-            if any(pad) and self.compiled is None:  # (a compiled forward keeps one shape: every node's logits)
-                out["real"] = [b * width + n for b, t in enumerate(trees) for n in range(t.size)]
-        if self.do_sample:
-            out["parents"] = [t.host.parents + [0] * p for t, p in zip(trees, pad)]
-        return out
-
     def verify_mask(self, tree: torch.Tensor | None, rows: int, width: int, positions: torch.Tensor):
         """The verify forward's attention mask: a 4D float mask over the cache and the trees (drafting rounds),
         the 2D padding mask (plain steps with holes), or None (plain steps without). A target with sliding-window
@@ -366,33 +330,43 @@ class TreeLoop:
         keys[:, length : length + width] = positions
         return window_masks(mask, self.windows, keys, positions)
 
-    def accept(self, active: list[Row], trees: list[DraftTree], logits: torch.Tensor, host: dict):
-        """Each row's accepted path from the target's logits [B, N, V], read back once for all rows: (outcomes,
-        the target's greedy token after each node [B, N] on the device, or None when sampling or processing).
-        host: the verify layout on the device."""
+    def accept(self, active: list[Row], pending: PendingTrees, logits: torch.Tensor):
+        """Each row's accepted path from the target's logits [B, W, V], read back once for all rows with the trees
+        where the host reads them then (greedy rounds: `PendingTrees.settle`): (the rows' trees, their outcomes,
+        the target's greedy token after each node [B, W] on the device, or None when sampling or processing)."""
+        layout, width, known = pending.layout, pending.width, pending.trees
+        front = [] if known is not None else [layout.host.flatten()]  # the drafter's trees, where still unread
+        chosen, raws, scores, draws = None, [], [], []
         if self.greedy_batch:  # the target's token after each node, for every row at once (float32 first: a
             # bf16 argmax is several times slower on CPU)
-            chosen = logits.float().argmax(-1)  # [B, N]
-            choices = chosen.tolist()
-            return [self.outcome(row, tree, *verify_greedy(tree, choices[b][: tree.size]))
-                    for b, (row, tree) in enumerate(zip(active, trees))], chosen
-        raws, scores, draws = [], [], []
+            chosen = logits.float().argmax(-1)  # [B, W]
+            draws = [chosen.flatten().double()]
+        else:
+            for b, (row, tree) in enumerate(zip(active, known)):
+                raw = logits[b, : tree.size].float()  # [n, V] (n = 1 for plain steps)
+                paths = [tree.path_tokens(n) for n in range(tree.size)] if len(self.logits_processor) else []
+                node_scores = process_logits(self.logits_processor, row.seq, paths, raw, row.index)  # [n, V]
+                raws.append(raw), scores.append(node_scores)
+                n = tree.size
+                draws.append(sampling_draws(tree, torch.softmax(node_scores, -1), layout.parents[b, 1:n],
+                                            layout.tokens[b, 1:n]) if self.do_sample
+                             else node_scores.argmax(-1).double())
+        values = torch.cat(front + draws).tolist()  # the round's one read-back
+        at = len(values) - sum(d.numel() for d in draws)
+        trees, columns = pending.settle(values[:at], grafted=True)
+        outcomes = []
         for b, (row, tree) in enumerate(zip(active, trees)):
-            raw = logits[b, : tree.size].float()  # [n, V] (n = 1 for plain steps)
-            paths = [tree.path_tokens(n) for n in range(tree.size)] if len(self.logits_processor) else []
-            node_scores = process_logits(self.logits_processor, row.seq, paths, raw, row.index)  # [n, V]
-            raws.append(raw), scores.append(node_scores)
-            n = tree.size
-            draws.append(sampling_draws(tree, torch.softmax(node_scores, -1), host["parents"][b, 1:n],
-                                        host["tokens"][b, 1:n]) if self.do_sample else node_scores.argmax(-1).double())
-        values = torch.cat(draws).tolist()  # the round's one read-back
-        outcomes, at = [], 0
-        for row, tree, raw, node_scores, d in zip(active, trees, raws, scores, draws):
-            mine = values[at : at + d.numel()]
-            at += d.numel()
+            cols = columns[b] if columns is not None else range(tree.size)
+            if self.greedy_batch:
+                mine = values[at + b * width : at + (b + 1) * width]
+                path, token = verify_greedy(tree, [int(mine[c]) for c in cols])
+                outcomes.append(self.outcome(row, tree, path, token, columns=columns and columns[b]))
+                continue
+            mine = values[at : at + draws[b].numel()]
+            at += draws[b].numel()
             path, token = accept_drawn(tree, mine) if self.do_sample else verify_greedy(tree, [int(v) for v in mine])
-            outcomes.append(self.outcome(row, tree, path, token, raw, node_scores))
-        return outcomes, None
+            outcomes.append(self.outcome(row, tree, path, token, raws[b], scores[b]))
+        return trees, outcomes, chosen
 
     def outcome(self, row: Row, tree: DraftTree, path: list[int], token: int, raw=None, scores=None,
                 columns: list[int] | None = None) -> Outcome:

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from ..drafter.modeling import KV, DraftStep, EagleDrafter
-from ..programs import Program, to_device
+from ..programs import Program, pack, to_device
+from .tree import DraftTree
 
 
 @dataclass
@@ -141,8 +142,12 @@ class TreeLayout:
 
     tokens: torch.Tensor  # [B, W] the verify input (the roots first)
     depths: torch.Tensor  # [B, W] each node's depth (positions: the root's plus these)
-    ancestors: torch.Tensor  # [B, W, W] bool: node i sees node j (its ancestors, itself)
-    host: torch.Tensor  # [B, 3 (W - 1) + 1] float64 for the host: tokens, parents, scores below the root, size
+    ancestors: torch.Tensor | None  # [B, W, W] bool: node i sees node j (its ancestors, itself); None: W = 1
+    host: torch.Tensor | None  # [B, 3 (W - 1) + 1] float64 for the host: tokens, parents, scores below the root,
+    # size (None: the host holds the trees, `laid_out`)
+    parents: torch.Tensor | None = None  # [B, W] each node's parent (the root's -1), where sampling draws need it
+    real: torch.Tensor | None = None  # [R] the real nodes' flat positions in [B, W], where the verify's head may
+    # skip the padding nodes' logits (host trees of different sizes; None: every node's are computed)
 
 
 @dataclass
@@ -256,6 +261,33 @@ def host_trees(values: list[float], roots: list[int]) -> list[tuple[list[int], l
         out.append(([root] + [int(t) for t in row[:size]], [-1] + [int(p) for p in row[n : n + size]],
                     [0.0] + row[2 * n : 2 * n + size]))
     return out
+
+
+def laid_out(trees: list[DraftTree], width: int, positions: list[int], device: torch.device,
+             parents: bool = False, real: bool = False) -> tuple[TreeLayout, torch.Tensor]:
+    """Trees the host holds (a round no drafter grew, or trees read before the verify) laid out as `tree_layout`
+    lays out the drafter's: W nodes a row (the root, the tree's nodes, then padding nodes, the root's token at its
+    position, that see the root and themselves), in one host-to-device copy; `parents`: with each node's parent
+    (sampling's draws); `real`: with the real nodes' flat positions where there are padding nodes. positions: each
+    row's root position. Returns the layout and the verify positions [B, W]."""
+    pad = [width - t.size for t in trees]
+    arrays = {"tokens": [t.host.tokens + t.host.tokens[:1] * p for t, p in zip(trees, pad)],
+              "depths": [t.host.depths + [0] * p for t, p in zip(trees, pad)],
+              "positions": [[r + d for d in t.host.depths] + [r] * p for r, t, p in zip(positions, trees, pad)]}
+    if parents:
+        arrays["parents"] = [t.host.parents + [0] * p for t, p in zip(trees, pad)]
+    if real and any(pad):
+        arrays["real"] = [b * width + n for b, t in enumerate(trees) for n in range(t.size)]
+    if width > 1:
+        seen = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)  # [B, W, W] (host)
+        seen[:, :, 0] = True
+        for b, t in enumerate(trees):
+            seen[b, : t.size, : t.size] = t.ancestor_mask()
+        arrays["ancestors"] = seen
+    host = pack(torch.device(device), **arrays)
+    ancestors = host["ancestors"].bool() if width > 1 else None
+    return (TreeLayout(host["tokens"], host["depths"], ancestors, None, host.get("parents"), host.get("real")),
+            host["positions"])
 
 
 def with_copies(laid: TreeLayout, positions: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor,

@@ -24,7 +24,7 @@ import torch
 
 from ..programs import pack
 from .copying import CopySource
-from .draft_programs import Chooser, TreeLayout, TreeRequest, host_trees, with_copies
+from .draft_programs import Chooser, TreeLayout, TreeRequest, host_trees, laid_out, with_copies
 from .drafting import DraftState, draft_trees
 from .rounds import Round, RoundRecord, RowPlan, Timer
 from .schedule import DraftLengthController
@@ -315,7 +315,8 @@ class PendingTrees:
     """A round's trees laid out for the verify on the device (`eagle_hf.speculation.draft_programs.TreeLayout`, W
     nodes a row of the drafter's, then with `graft_copies` each row's copy branches, with the verify positions),
     read by the host with the verify's result (`settle`), or before the verify where the verify needs them on the
-    host (sampling). `copies`: each row's copy branches as a tree of its own (None: none)."""
+    host (sampling). `copies`: each row's copy branches as a tree of its own (None: none). Trees the host holds
+    already (`on_host`) are laid out the same way: the verify reads one kind of layout."""
 
     speculators: Sequence[Speculator]
     roots: list[int]
@@ -324,6 +325,16 @@ class PendingTrees:
     copies: list[DraftTree | None]
     drafter_width: int  # W
     copy_width: int = 0  # C: the copy branches' nodes a row, padded
+    trees: list[DraftTree] | None = None  # the rows' trees where the host holds them (nothing to read)
+
+    @classmethod
+    def on_host(cls, speculators: Sequence[Speculator], trees: list[DraftTree], width: int, positions: list[int],
+                device: torch.device, parents: bool = False, real: bool = False) -> PendingTrees:
+        """The host's trees of the round (a round no drafter grew, or trees read before the verify) laid out for
+        the verify, `width` nodes a row (`laid_out`: `parents`, `real` as there)."""
+        layout, at = laid_out(trees, width, positions, device, parents, real)
+        return cls(speculators, [t.host.tokens[0] for t in trees], layout, at, [None] * len(trees), width,
+                   trees=trees)
 
     @property
     def width(self) -> int:
@@ -355,7 +366,10 @@ class PendingTrees:
         """The rows' trees from the layout's host part read as `values`, each with its copy branches, and each
         tree node's column in the layout (None: the trees' nodes are its first columns). `grafted`: the copies
         are in the layout (`graft_copies`: a drafter node a copy branch proposed too stays two nodes there, both
-        marked as proposed by both); else they are grafted on the host (shared prefixes are one node)."""
+        marked as proposed by both); else they are grafted on the host (shared prefixes are one node). Trees the
+        host holds come as they are."""
+        if self.trees is not None:
+            return self.trees, None
         slots = [sp.cache_row.slot for sp in self.speculators]
         by_slot = {slot: root for slot, root in zip(slots, self.roots)}
         lists = host_trees(values, [by_slot[slot] for slot in sorted(by_slot)])
