@@ -290,20 +290,21 @@ def laid_out(trees: list[DraftTree], width: int, positions: list[int], device: t
             host["positions"])
 
 
-def with_copies(laid: TreeLayout, positions: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor,
-                ancestors: torch.Tensor) -> tuple[TreeLayout, torch.Tensor]:
-    """The layout with each row's copy branches after its drafter's W nodes: tokens and depths [B, C], their
-    ancestors among themselves [B, C, C] (built on the host, which knew them before the round); a copy node sees
-    the root, its ancestors and itself. positions [B, W]: the drafter's verify positions. Returns the layout
-    of W + C nodes and its positions [B, W + C] (the host part stays the drafter's: the host holds the copies)."""
+def with_copies(laid: TreeLayout, positions: torch.Tensor, copies: TreeLayout) -> tuple[TreeLayout, torch.Tensor]:
+    """The layout with each row's copy branches after its drafter's W nodes: `copies`, each row's root and its
+    copy branches laid out by the host, which knew them before the round (`laid_out`: C nodes after the root); a
+    copy node sees the root, its ancestors and itself. positions [B, W]: the drafter's verify positions. Returns
+    the layout of W + C nodes and its positions [B, W + C] (the host part stays the drafter's: the host holds the
+    copies)."""
     rows, w = laid.tokens.shape
-    c = tokens.shape[1]
+    c = copies.tokens.shape[1] - 1
     seen = laid.ancestors.new_zeros(rows, w + c, w + c)  # [B, W + C, W + C]
     seen[:, :w, :w] = laid.ancestors
-    seen[:, w:, w:] = ancestors
+    seen[:, w:, w:] = copies.ancestors[:, 1:, 1:]
     seen[:, w:, 0] = True
-    return (TreeLayout(torch.cat([laid.tokens, tokens], 1), torch.cat([laid.depths, depths], 1), seen, laid.host),
-            torch.cat([positions, positions[:, :1] + depths], 1))
+    depths = copies.depths[:, 1:]  # [B, C]
+    return (TreeLayout(torch.cat([laid.tokens, copies.tokens[:, 1:]], 1), torch.cat([laid.depths, depths], 1), seen,
+                       laid.host), torch.cat([positions, positions[:, :1] + depths], 1))
 
 
 def number_of(t: torch.Tensor) -> torch.Tensor:

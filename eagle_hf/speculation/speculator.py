@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..programs import pack
 from .copying import CopySource
 from .draft_programs import Chooser, TreeLayout, TreeRequest, host_trees, laid_out, with_copies
 from .drafting import DraftState, draft_trees
@@ -345,22 +344,14 @@ class PendingTrees:
         return self.layout.host.flatten().tolist()
 
     def graft_copies(self) -> None:
-        """Each row's copy branches into the layout, after the drafter's nodes (one host-to-device copy)."""
-        extra = self.copy_width
-        if not extra:
+        """Each row's copy branches into the layout, after the drafter's nodes (laid out as the host's trees are,
+        `laid_out`: one host-to-device copy)."""
+        if not self.copy_width:
             return
-        arrays = {"tokens": [], "depths": [], "ancestors": []}
-        for i in sorted(range(len(self.speculators)), key=lambda i: self.speculators[i].cache_row.slot):
-            c = self.copies[i]
-            h = c.host if c is not None else DraftTree.root(self.roots[i]).host
-            n = len(h.tokens) - 1
-            arrays["tokens"].append(h.tokens[1:] + [self.roots[i]] * (extra - n))
-            arrays["depths"].append(h.depths[1:] + [0] * (extra - n))
-            arrays["ancestors"].append([[j in h.path(a + 1) if a < n else j == a + 1 for j in range(1, extra + 1)]
-                                        for a in range(extra)])  # [C, C] its copy ancestors and itself
-        host = pack(self.layout.tokens.device, **arrays)
-        self.layout, self.positions = with_copies(self.layout, self.positions, host["tokens"], host["depths"],
-                                                  host["ancestors"].bool())
+        order = sorted(range(len(self.speculators)), key=lambda i: self.speculators[i].cache_row.slot)
+        trees = [self.copies[i] or DraftTree.root(self.roots[i]) for i in order]
+        copies, _ = laid_out(trees, self.copy_width + 1, [0] * len(trees), self.layout.tokens.device)
+        self.layout, self.positions = with_copies(self.layout, self.positions, copies)
 
     def settle(self, values: list[float], grafted: bool = False) -> tuple[list[DraftTree], list[list[int]] | None]:
         """The rows' trees from the layout's host part read as `values`, each with its copy branches, and each
