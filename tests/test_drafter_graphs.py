@@ -130,10 +130,23 @@ def test_device_trees_are_the_host_s_trees_node_for_node(launch, top_k, threshol
     over the whole storage, or eagerly over a cache with holes) are the host's trees grown level by level
     (`reference_trees`, one read a level): the same nodes in the same order, the drafter's greedy chain first,
     scores equal; rows of different depths, and a row that drafts nothing keeps its root alone."""
+    _device_trees_match_the_host_s(launch, top_k, threshold, prune, [5, 0, 3])
+
+
+@pytest.mark.parametrize("launch", ["eager", "program", "holes"])
+@pytest.mark.parametrize("top_k", [1, 4])
+@pytest.mark.parametrize("threshold", [0.0, 0.3])
+def test_trees_of_one_level_are_the_host_s_node_for_node(launch, top_k, threshold):
+    """Trees of one level (the root's children: laid out as a prefix of the candidates, `prefix_layout`), the
+    CPU default's usual depth: the host's trees, node for node."""
+    _device_trees_match_the_host_s(launch, top_k, threshold, True, [1, 0, 1])
+
+
+def _device_trees_match_the_host_s(launch, top_k, threshold, prune, depths):
     from reference_growth import device_trees, greedy_chain, reference_trees
 
     drafter, aux, ids = _drafter_over_prompts(3)
-    roots, sizes, depths = [int(ids[b, -1]) for b in range(3)], [12, 1, 9], [5, 0, 3]
+    roots, sizes = [int(ids[b, -1]) for b in range(3)], [12, 1, 9]
     counts = [8, 5, 8] if launch == "holes" else None  # row 1 reads fewer rows: holes in the drafter's cache
     trees = {}
     for where in ("device", "host"):
@@ -144,7 +157,7 @@ def test_device_trees_are_the_host_s_trees_node_for_node(launch, top_k, threshol
                 trees[where] = device_trees(drafter, state, roots, logits, hidden, depths, top_k, sizes, threshold,
                                             prune)
             else:
-                host = reference_trees(drafter, state, [roots[0], roots[2]], logits, hidden, [5, 3], top_k,
+                host = reference_trees(drafter, state, [roots[0], roots[2]], logits, hidden, depths[::2], top_k,
                                        [sizes[0], sizes[2]], threshold, None, prune, rows=[0, 2])
                 trees[where] = [host[0], None, host[1]]
         assert state.ragged.holes == (launch == "holes")

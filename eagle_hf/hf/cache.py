@@ -228,11 +228,17 @@ def _slots(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return index.to(like.device)[:, None, :, None].expand(b, h, index.shape[1], d)
 
 
-def _move_accepted(layer, past_len: int, index: torch.Tensor, width: int) -> None:
-    """Row b's nodes ``index[b]`` ([B, K] relative to `past_len`) to slots ``past_len .. past_len+K-1``, in place."""
+def _move_accepted(layer, past_len: int, index: torch.Tensor, width: int, expanded: dict | None = None) -> None:
+    """Row b's nodes ``index[b]`` ([B, K] relative to `past_len`) to slots ``past_len .. past_len+K-1``, in place.
+    `expanded`: the index expanded per shape and device (`_slots`), shared by the layers of one commit."""
     end = past_len + width
-    layer.keys[:, :, past_len:end] = layer.keys[:, :, past_len:].gather(2, _slots(index, layer.keys))
-    layer.values[:, :, past_len:end] = layer.values[:, :, past_len:].gather(2, _slots(index, layer.values))
+    expanded = {} if expanded is None else expanded
+    for t in (layer.keys, layer.values):
+        shape = (t.shape[1], t.shape[3], t.device)
+        slots = expanded.get(shape)
+        if slots is None:
+            slots = expanded[shape] = _slots(index, t)
+        t[:, :, past_len:end] = t[:, :, past_len:].gather(2, slots)
     move_accepted_index_keys(layer, past_len, index, width)
 
 
@@ -241,10 +247,10 @@ def commit_accepted(cache, past_len: int, index: torch.Tensor | None, width: int
     ([B, K] on the device, relative to `past_len`; None: the first K nodes) move to slots
     ``past_len .. past_len+K-1`` and the cache is cropped there. A shorter row's slots after its own path are holes
     its mask hides (`eagle_hf.speculation.ragged`). O(B * K) per layer: the prefix is never copied, no layer is rebuilt."""
-    end = past_len + width
+    end, expanded = past_len + width, {}
     for layer in attention_layers(cache):  # (a recurrent layer's state is rewound by the loop: `hf.recurrent`)
         if index is not None:
-            _move_accepted(layer, past_len, index, width)
+            _move_accepted(layer, past_len, index, width, expanded)
         if layer.keys.shape[2] > end:  # (a view: the next forward writes after it, `GrowingLayer`)
             layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
         end_index_keys(layer, end)
@@ -442,9 +448,10 @@ class StaticTreeCache(TreeCache):
             torch._foreach_sub_([layer.cumulative_length for layer in self.layers], written - width)
             return
         if indexed:
+            expanded = {}
             for layer in self.layers:
                 if index is not None:
-                    _move_accepted(layer, past_len, index, width)
+                    _move_accepted(layer, past_len, index, width, expanded)
                 layer.cumulative_length.fill_(past_len + width)
                 end_index_keys(layer, past_len + width)
             return

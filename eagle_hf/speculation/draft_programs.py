@@ -169,8 +169,8 @@ def tree_layout(kept: list[tuple], roots: torch.Tensor, k: int, width: int, min_
     depths; the best ``width - 1`` eligible ones (score at least `min_logp`) in drafting order; their parents as
     node indices; ancestors by following the parents (one step a level). sizes [B, 1]: each row's most nodes,
     root included (1: the root alone, a row that does not draft)."""
-    if k == 1:
-        return chain_layout(kept, roots, width, min_logp, sizes)
+    if k == 1 or len(kept) == 1:
+        return prefix_layout(kept, roots, width, min_logp, sizes, chain=k == 1)
     tokens0 = kept[0][0]
     rows, device = tokens0.shape[0], tokens0.device
     tokens, scores = candidates(kept)  # [B, M] each
@@ -216,11 +216,12 @@ def tree_layout(kept: list[tuple], roots: torch.Tensor, k: int, width: int, min_
                                                                              node_depths], 1), seen, host)
 
 
-def chain_layout(kept: list[tuple], roots: torch.Tensor, width: int, min_logp: float,
-                 sizes: torch.Tensor) -> TreeLayout:
-    """`tree_layout` for k = 1: a level's one candidate is the next node, so the eligible candidates are a prefix
-    (a score only falls with depth, and nothing grows below a node that did not) and node i's parent is node
-    i - 1: the same layout, without the sort and the walk up the parents."""
+def prefix_layout(kept: list[tuple], roots: torch.Tensor, width: int, min_logp: float, sizes: torch.Tensor,
+                  chain: bool) -> TreeLayout:
+    """`tree_layout` where the nodes are a prefix of the candidates: a chain (k = 1: a level's one candidate is the
+    next node, node i's parent is node i - 1) or a tree of one level (the root's k children, in the top-k's order).
+    A score only falls along the candidates (with depth, or down the top-k) and nothing grows below a node that did
+    not, so the eligible candidates are a prefix: the same layout, without the sort and the walk up the parents."""
     tokens, scores = candidates(kept)  # [B, M] each
     rows, m, n = tokens.shape[0], tokens.shape[1], width - 1
     if m < n:  # (fewer candidates than room: padding candidates, never eligible)
@@ -230,15 +231,21 @@ def chain_layout(kept: list[tuple], roots: torch.Tensor, width: int, min_logp: f
     number = number_of(tokens)  # [B, n] 1 .. n
     real = (scores > -math.inf) & (scores >= min_logp) & (number < sizes)  # [B, n] a prefix of each row
     node_tokens = torch.where(real, tokens, roots[:, None])
-    parent = torch.where(real, number - 1, 0)  # [B, n] node j's parent: node j - 1
     node_scores = torch.where(real, scores, 0.0)
-    full = torch.cat([real.new_ones(rows, 1), real], 1)  # [B, W] the root and the real nodes
-    seen = torch.ones(width, width, dtype=torch.bool, device=tokens.device).tril() & full[..., None]  # [B, W, W]
-    seen = seen | torch.eye(width, dtype=torch.bool, device=tokens.device)  # (padding nodes: themselves)
+    eye = torch.eye(width, dtype=torch.bool, device=tokens.device)  # [W, W] (padding nodes: themselves)
+    if chain:
+        parent = torch.where(real, number - 1, 0)  # [B, n] node j's parent: node j - 1
+        depths = torch.where(real, number, 0)
+        full = torch.cat([real.new_ones(rows, 1), real], 1)  # [B, W] the root and the real nodes
+        seen = torch.ones(width, width, dtype=torch.bool, device=tokens.device).tril() & full[..., None] | eye
+    else:
+        parent = torch.zeros_like(number)  # [B, n] the root's children
+        depths = real.long()
+        seen = eye.repeat(rows, 1, 1)  # [B, W, W]
     seen[:, :, 0] = True  # (and the root)
     host = torch.cat([node_tokens.double(), parent.double(), node_scores, real.sum(1, keepdim=True).double()], 1)
-    return TreeLayout(torch.cat([roots[:, None], node_tokens], 1),
-                      torch.cat([parent.new_zeros(rows, 1), torch.where(real, number, 0)], 1), seen, host)
+    return TreeLayout(torch.cat([roots[:, None], node_tokens], 1), torch.cat([parent.new_zeros(rows, 1), depths], 1),
+                      seen, host)
 
 
 def candidates(kept: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
