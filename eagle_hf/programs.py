@@ -98,7 +98,8 @@ class Program:
             global CAPTURES
             CAPTURES += 1
             if self.function not in _COMPILED:
-                _COMPILED[self.function] = torch.compile(self.function, fullgraph=True, dynamic=False)
+                _COMPILED[self.function] = torch.compile(self.function, fullgraph=True, dynamic=False,
+                                                         options=_options(self.args))
             self._run = _COMPILED[self.function]
             config = torch._dynamo.config
             config.recompile_limit = max(config.recompile_limit, RECOMPILE_ROOM)
@@ -144,6 +145,14 @@ class Program:
             self._out = self.body(*first)
         self._graph = graph
         CAPTURES += 1
+
+
+def _options(args: tuple) -> dict:
+    """inductor's options for a program over `args`: on the CPU its kernels are called from generated C++
+    (``cpp_wrapper``) rather than Python, which takes a quarter off a drafting round's host time (regime R, static
+    compiled path, a depth-5 tree: 3.05 against 4.05 ms a round, docs/results/round_regime.md)."""
+    devices = {a.device.type for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)}
+    return {"cpp_wrapper": True} if devices == {"cpu"} else {}
 
 
 def how_to_run(device: torch.device, compiled: bool) -> str:

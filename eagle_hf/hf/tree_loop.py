@@ -340,7 +340,7 @@ class TreeLoop:
         if self.greedy_batch:  # the target's token after each node, for every row at once (float32 first: a
             # bf16 argmax is several times slower on CPU)
             chosen = logits.float().argmax(-1)  # [B, W]
-            draws = [chosen.flatten().double()]
+            draws = [chosen.flatten() if known is not None else chosen.flatten().double()]
         else:
             for b, (row, tree) in enumerate(zip(active, known)):
                 raw = logits[b, : tree.size].float()  # [n, V] (n = 1 for plain steps)
@@ -351,7 +351,8 @@ class TreeLoop:
                 draws.append(sampling_draws(tree, torch.softmax(node_scores, -1), layout.parents[b, 1:n],
                                             layout.tokens[b, 1:n]) if self.do_sample
                              else node_scores.argmax(-1).double())
-        values = torch.cat(front + draws).tolist()  # the round's one read-back
+        parts = front + draws
+        values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()  # the round's one read-back
         at = len(values) - sum(d.numel() for d in draws)
         trees, columns = pending.settle(values[:at], grafted=True)
         outcomes = []

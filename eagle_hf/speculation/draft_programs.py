@@ -141,7 +141,7 @@ class TreeLayout:
     they were drafted (`_select`'s order too)."""
 
     tokens: torch.Tensor  # [B, W] the verify input (the roots first)
-    depths: torch.Tensor  # [B, W] each node's depth (positions: the root's plus these)
+    depths: torch.Tensor | None  # [B, W] each node's depth (positions: the root's plus these); None: W = 1
     ancestors: torch.Tensor | None  # [B, W, W] bool: node i sees node j (its ancestors, itself); None: W = 1
     host: torch.Tensor | None  # [B, 3 (W - 1) + 1] float64 for the host: tokens, parents, scores below the root,
     # size (None: the host holds the trees, `laid_out`)
@@ -279,13 +279,13 @@ def laid_out(trees: list[DraftTree], width: int, positions: list[int], device: t
     row's root position. Returns the layout and the verify positions [B, W]."""
     pad = [width - t.size for t in trees]
     arrays = {"tokens": [t.host.tokens + t.host.tokens[:1] * p for t, p in zip(trees, pad)],
-              "depths": [t.host.depths + [0] * p for t, p in zip(trees, pad)],
               "positions": [[r + d for d in t.host.depths] + [r] * p for r, t, p in zip(positions, trees, pad)]}
     if parents:
         arrays["parents"] = [t.host.parents + [0] * p for t, p in zip(trees, pad)]
     if real and any(pad):
         arrays["real"] = [b * width + n for b, t in enumerate(trees) for n in range(t.size)]
-    if width > 1:
+    if width > 1:  # (a plain round's root alone: its tokens and positions)
+        arrays["depths"] = [t.host.depths + [0] * p for t, p in zip(trees, pad)]
         seen = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)  # [B, W, W] (host)
         seen[:, :, 0] = True
         for b, t in enumerate(trees):
@@ -293,7 +293,7 @@ def laid_out(trees: list[DraftTree], width: int, positions: list[int], device: t
         arrays["ancestors"] = seen
     host = pack(torch.device(device), **arrays)
     ancestors = host["ancestors"].bool() if width > 1 else None
-    return (TreeLayout(host["tokens"], host["depths"], ancestors, None, host.get("parents"), host.get("real")),
+    return (TreeLayout(host["tokens"], host.get("depths"), ancestors, None, host.get("parents"), host.get("real")),
             host["positions"])
 
 
