@@ -127,6 +127,22 @@ def test_graft_shares_prefixes_and_marks_sources():
     assert torch.softmax(q[-1], -1)[6] == pytest.approx(1.0)
 
 
+
+def test_the_drafter_learns_only_its_own_nodes_beside_copy_branches():
+    """A greedy round lays copy branches out beside the drafter's nodes (`_beside`): the tree keeps who proposed
+    each node, so the schedule learns the drafter's acceptance from its own nodes, not from the copies'."""
+    from eagle_hf.speculation.rounds import Round, RoundRecord
+    from eagle_hf.speculation.speculator import _beside
+
+    copy = DraftTree.root(5).graft([[8, 6, 7]], [[-0.1] * 3])
+    tree, columns = _beside([5, 8, 9], [-1, 0, 0], [0.0, -0.1, -2.0], copy, width=4)
+    assert tree.q_logits is None and tree.host.sources == tree.sources.tolist()
+    assert tree.sources.tolist() == [EAGLE, EAGLE | COPY, EAGLE, COPY | EAGLE, COPY, COPY]
+    assert columns == [0, 1, 2, 4, 5, 6]
+    record = RoundRecord(Round.DRAFT, 3, 7, tree=tree, path=[0, 3, 4, 5], eagle_depth=1)
+    assert record.drafter_outcome == (1, 1)  # its depth-1 node, accepted; the copy's deeper nodes are not its
+
+
 REPEAT = torch.tensor([[5, 17, 33, 8, 61, 12, 5, 17, 33, 8, 61, 12, 5, 17]])  # a prompt that invites copying
 
 

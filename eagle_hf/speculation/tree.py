@@ -52,7 +52,7 @@ class DraftTree:
         """A deterministic tree from host lists (node 0 the root, parents before children; `sources`: who proposed
         each node, default the drafter)."""
         tree = cls(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores),
-                   None if sources is None else torch.tensor(sources, dtype=torch.uint8))
+                   sources=None if sources is None else torch.tensor(sources, dtype=torch.uint8))
         tree.__dict__["host"] = _HostTree.of_lists(tokens, parents, tree.scores.tolist(), sources)  # (as a tree's own)
         return tree
 
