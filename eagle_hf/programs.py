@@ -173,7 +173,10 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def pack(device: torch.device, **arrays) -> dict[str, torch.Tensor]:
     """Integer (or bool) host arrays (nested lists or host tensors) in one copy: name -> int64 device tensor of
-    the array's shape."""
+    the array's shape. On the CPU, where nothing is copied, each array is its own tensor (no joining, no views)."""
+    if device.type == "cpu":  # (`to_device` copies nothing here: it names the arrays as the device's)
+        return {name: to_device(a.to(torch.long, copy=True) if isinstance(a, torch.Tensor)
+                                else torch.tensor(a, dtype=torch.long), device) for name, a in arrays.items()}
     flat, shapes = [], {}
     for name, a in arrays.items():  # lists of up to two levels: flattened here (a plain round's are one element)
         if isinstance(a, torch.Tensor) or (a and isinstance(a[0], list) and a[0] and isinstance(a[0][0], list)):
