@@ -192,11 +192,13 @@ def main():
     for cache in [args.only] if args.only else CACHES:
         for mode in args.modes.split(";"):
             for rows in [int(r) for r in args.rows.split(",")]:
-                row = reads(target, drafter, mode, cache, rows, args.new_tokens)
+                row = {}  # (timed first: the probes' modes, once a compiled forward ran under them, leave it
+                # recompiled for them, and a static case timed after them measured up to three times its time)
                 if not args.no_time:
                     row["host ms"] = host_ms(target, drafter, mode, cache, rows, args.new_tokens, args.calls)
                 if args.ops:
                     row["ops"] = host_ops(target, drafter, mode, cache, rows, args.new_tokens)
+                row.update(reads(target, drafter, mode, cache, rows, args.new_tokens))
                 out["cases"][f"{cache} | {mode} | {rows}"] = row
                 mean = row["reads mean"]
                 print(f"| {cache} | {mode} | {rows} | {row['reads median']} / "
