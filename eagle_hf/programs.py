@@ -149,8 +149,8 @@ class Program:
 
 def _options(args: tuple) -> dict:
     """inductor's options for a program over `args`: on the CPU its kernels are called from generated C++
-    (``cpp_wrapper``) rather than Python, which takes a quarter off a drafting round's host time (regime R, static
-    compiled path, a depth-5 tree: 3.05 against 4.05 ms a round, docs/results/round_regime.md)."""
+    (``cpp_wrapper``) rather than from Python, a launch's host work (docs/results/round_regime.md measures the
+    static compiled path's host time a round)."""
     devices = {a.device.type for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)}
     return {"cpp_wrapper": True} if devices == {"cpu"} else {}
 

@@ -127,7 +127,6 @@ def test_graft_shares_prefixes_and_marks_sources():
     assert torch.softmax(q[-1], -1)[6] == pytest.approx(1.0)
 
 
-
 def test_the_drafter_learns_only_its_own_nodes_beside_copy_branches():
     """A greedy round lays copy branches out beside the drafter's nodes (`_beside`): the tree keeps who proposed
     each node, so the schedule learns the drafter's acceptance from its own nodes, not from the copies'."""
