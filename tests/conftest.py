@@ -230,11 +230,11 @@ def patch_drafts(fake):
 
 def laid_out(trees, width: int, positions: list[int], device="cpu"):
     """Host trees as `eagle_hf.speculation.drafting.draft_trees` returns the drafter's: their `TreeLayout`
-    (`eagle_hf.speculation.draft_programs.laid_out`) with the host part the host reads after the verify (tokens,
+    (`eagle_hf.speculation.drafting.laid_out`) with the host part the host reads after the verify (tokens,
     parents, scores below the root, size), and the verify positions [B, W]."""
-    from eagle_hf.speculation import draft_programs
+    from eagle_hf.speculation import drafting
 
-    layout, at = draft_programs.laid_out(trees, width, positions, device)
+    layout, at = drafting.laid_out(trees, width, positions, device)
     n = width - 1
     host = torch.zeros(len(trees), 3 * n + 1, dtype=torch.float64)
     for b, tree in enumerate(trees):

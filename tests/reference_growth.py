@@ -17,8 +17,7 @@ import torch
 
 from eagle_hf.drafter.modeling import EagleDrafter
 from eagle_hf.programs import pack
-from eagle_hf.speculation.draft_programs import Choice, top_k_choice
-from eagle_hf.speculation.drafting import DraftState
+from eagle_hf.speculation.drafting import Choice, DraftState, top_k_choice
 from eagle_hf.speculation.tree import DraftTree
 
 #: chooses the children of k nodes from their draft logits [k, Vd]; `paths` are the nodes' draft tokens below
@@ -292,8 +291,7 @@ def device_trees(drafter: EagleDrafter, state: DraftState, roots: list[int], log
                  prune: bool = True) -> list[DraftTree]:
     """eagle_hf's trees (`draft_trees`: grown and laid out on the device) for every row of `state`, read on the
     host: what `reference_trees` is checked against."""
-    from eagle_hf.speculation.draft_programs import TreeRequest, host_trees
-    from eagle_hf.speculation.drafting import draft_trees
+    from eagle_hf.speculation.drafting import TreeRequest, draft_trees, host_trees
 
     request = TreeRequest(max(total_tokens), roots, [0] * len(roots), total_tokens)
     laid, _ = draft_trees(drafter, state, logits, hidden, depths, top_k, request, threshold, prune)

@@ -68,11 +68,11 @@ def test_the_schedule_asks_whether_its_rows_are_a_batch_in_one_place():
 
 
 def test_a_round_reads_few_modules():
-    """A round's plan and record are one module (`rounds`), its drafting's arithmetic, programs and kept storage one
-    (`draft_programs`), its host-to-device copies live with the programs that read them (`eagle_hf.programs`), and
+    """A round's plan and record are one module (`rounds`), its drafting one (`drafting`: the drafter's cache, the
+    growth, the layout and the programs that launch them, with their kept storage), its host-to-device copies live with the programs that read them (`eagle_hf.programs`), and
     eagle_hf/speculation holds at most 15 modules."""
     stems = {p.stem for p in SPECULATION.glob("*.py")}
-    assert not {"round_plan", "transfer"} & stems
+    assert not {"round_plan", "transfer", "draft_programs"} & stems
     assert not (ROOT / "eagle_hf" / "drafter" / "graphs.py").exists()
     assert len(stems) <= 15, sorted(stems)
 
@@ -131,10 +131,20 @@ def test_growing_choosing_and_verifying_are_each_implemented_once():
     `grow_trees`), their nodes are chosen in one (`tree_layout`, after `grow_levels` in the same two launches), and
     the target verifies them in one forward (`TreeLoop.verify`, for laid-out and host trees alike). The host's
     level-by-level growth lives in the tests only (`tests/reference_growth.py`)."""
-    launches = {"speculation/drafting.draft_trees", "speculation/draft_programs.grow_trees"}
+    launches = {"speculation/drafting.draft_trees", "speculation/drafting.grow_trees"}
     assert set(_callers("grow_levels")) == launches
     assert set(_callers("tree_layout")) == launches
     assert set(_callers("verify")) == {"hf/tree_loop.verify_and_commit"}
     source = "\n".join(p.read_text() for p in (ROOT / "eagle_hf").rglob("*.py"))
     for gone in ("class Candidates", "def _select(", "def greedy_chain(", "class FixedLevel", "def read_choices("):
         assert gone not in source, gone
+
+
+def test_the_tree_loop_reaches_the_round_through_its_steps():
+    """The tree loop's round reaches eagle_hf/speculation through the modules of its steps alone: the plan and the
+    report (`rounds`), the drafting step (`speculator.draft_round`: the drafting itself, `drafting`, is behind it),
+    the tree and its acceptance (`tree`), and the ragged rows its cache shares with the drafter's (`ragged`)."""
+    tree = ast.parse((ROOT / "eagle_hf" / "hf" / "tree_loop.py").read_text())
+    reached = {node.module.rsplit(".", 1)[-1] for node in ast.walk(tree)  # (`from ..speculation.<m> import`)
+               if isinstance(node, ast.ImportFrom) and node.level == 2 and (node.module or "").startswith("speculation")}
+    assert reached == {"ragged", "rounds", "speculator", "tree"}, reached

@@ -1,4 +1,4 @@
-"""Drafting launched as fixed-shape programs (`eagle_hf.speculation.draft_programs`, `eagle_hf.programs`: what a CUDA graph
+"""Drafting launched as fixed-shape programs (`eagle_hf.speculation.drafting`, `eagle_hf.programs`: what a CUDA graph
 replays, run eagerly here) or eagerly at the round's shapes: the same trees. The oracles are plain generate()
 (float32 greedy), the eager launch (sampling: the same draws) and the host's level-by-level growth
 (`reference_growth`, node for node)."""
@@ -13,9 +13,8 @@ from test_copying import REPEAT
 
 from eagle_hf import programs
 from eagle_hf.hf import models
-from eagle_hf.speculation import draft_programs as graphs
-from eagle_hf.speculation.draft_programs import GRAPHS_ENV, LevelGraphs
-from eagle_hf.speculation.drafting import DraftState
+from eagle_hf.speculation import drafting as graphs
+from eagle_hf.speculation.drafting import GRAPHS_ENV, DraftState, LevelGraphs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STATIC = dict(cache_implementation="static")

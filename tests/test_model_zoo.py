@@ -110,7 +110,7 @@ def test_falcon_with_alibi_runs_chains():
 def test_gpt_neo_local_windows_are_read():
     """GPT-Neo names its windows `attention_layers` ("global", "local") and `window_size`: the window check reads
     them, and says why the model runs no trees (it hides keys by cache slot)."""
-    from eagle_hf.hf.windows import Window, layer_windows, windows_unsupported_reason
+    from eagle_hf.hf.cache import Window, layer_windows, windows_unsupported_reason
 
     neo = tiny_model("gpt_neo")
     assert layer_windows(neo) == {"global": None, "local": Window(8)}

@@ -226,7 +226,7 @@ def test_sampling_warpers_process_a_tree_without_building_its_ids():
         TopPLogitsWarper,
     )
 
-    from eagle_hf.speculation.verification import process_logits
+    from eagle_hf.speculation.tree import process_logits
 
     prefix, paths = torch.tensor([[5, 6, 7]]), [[], [3], [3, 4], [9]]
     logits = torch.randn(4, 20, generator=torch.Generator().manual_seed(0))
@@ -235,7 +235,7 @@ def test_sampling_warpers_process_a_tree_without_building_its_ids():
         return torch.cat([processors(torch.tensor([[5, 6, 7, *p]]), logits[i : i + 1]) for i, p in enumerate(paths)])
 
     warpers = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)])
-    with mock.patch("eagle_hf.speculation.verification.pack") as pack:
+    with mock.patch("eagle_hf.speculation.tree.pack") as pack:
         torch.testing.assert_close(process_logits(warpers, prefix, paths, logits), one_by_one(warpers))
     pack.assert_not_called()
     mixed = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3), *warpers])
@@ -245,7 +245,7 @@ def test_sampling_warpers_process_a_tree_without_building_its_ids():
 def test_draw_samples_each_row_from_its_weights():
     """The two-level inverse transform: every row (unnormalised weights, a vocabulary that is no multiple of the
     block, mass in the last partial block) drawn in proportion to its weights; a weight-0 token never."""
-    from eagle_hf.speculation.verification import DRAW_BLOCK, draw
+    from eagle_hf.speculation.tree import DRAW_BLOCK, draw
 
     v = 2 * DRAW_BLOCK + 88
     weights = torch.zeros(3, v)

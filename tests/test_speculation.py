@@ -22,8 +22,7 @@ from eagle_hf.speculation.rounds import RoundTiming, Timer, plan_round
 from eagle_hf.speculation.schedule import DraftLengthController
 from eagle_hf.speculation.speculator import Speculator
 from eagle_hf.speculation.stats import SpecDecodeStats
-from eagle_hf.speculation.tree import DraftTree
-from eagle_hf.speculation.verification import accept_sampling
+from eagle_hf.speculation.tree import DraftTree, accept_sampling
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,9 +8,8 @@ from conftest import patch_drafts, tiny_drafter, tiny_target, tree_attention_mas
 
 import eagle_hf
 from eagle_hf.hf.version import cache_kwarg, output_cache
-from eagle_hf.speculation.draft_programs import laid_out
-from eagle_hf.speculation.tree import DraftTree
-from eagle_hf.speculation.verification import accept_greedy, accept_sampling, verify, verify_greedy
+from eagle_hf.speculation.drafting import laid_out
+from eagle_hf.speculation.tree import DraftTree, accept_greedy, accept_sampling, verify, verify_greedy
 
 #      0 (root)
 #     / \
@@ -257,7 +256,7 @@ def test_sliding_window_layers_keep_the_tree_in_a_batch(family):
 
 
 def test_window_masks_hide_keys_by_position():
-    from eagle_hf.hf.windows import Window, key_positions, window_masks
+    from eagle_hf.hf.cache import Window, key_positions, window_masks
 
     valid = torch.tensor([[True, True, True, True], [False, True, False, True]])  # row 1: two holes
     keys = torch.cat([key_positions(valid, 2, 4, "cpu"), torch.tensor([[4, 5], [2, 3]])], 1)  # [B, L + N]
@@ -279,7 +278,7 @@ def test_window_masks_hide_keys_by_position():
 def test_layer_windows_by_layer_type():
     from types import SimpleNamespace
 
-    from eagle_hf.hf.windows import Window, layer_windows, windows_unsupported_reason
+    from eagle_hf.hf.cache import Window, layer_windows, windows_unsupported_reason
 
     assert layer_windows(tiny_target("llama4", layers=4)) == {"chunked_attention": Window(8, chunked=True),
                                                              "full_attention": None}
@@ -308,9 +307,9 @@ def test_indexed_layers_keep_the_tree_where_the_indexer_is_checked():
     keeps the chain fallback, and says so."""
     from types import SimpleNamespace
 
+    from eagle_hf.hf.cache import layer_windows
     from eagle_hf.hf.indexed import indexed_unsupported_reason
     from eagle_hf.hf.routing import unsupported_reason
-    from eagle_hf.hf.windows import layer_windows
 
     target = tiny_target("deepseek_v32", layers=2)
     assert layer_windows(target) == {"indexed_attention": None}

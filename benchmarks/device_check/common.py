@@ -396,7 +396,7 @@ def oracle_drafter(drafter, succ: torch.Tensor, corrupt: float = 0.0, seed: int 
     import random
 
     from eagle_hf.programs import to_device
-    from eagle_hf.speculation import draft_programs as graphs
+    from eagle_hf.speculation import drafting as graphs
     from eagle_hf.speculation.drafting import DraftState
 
     device = drafter.fc.weight.device
@@ -466,7 +466,7 @@ def draft_levels(kwargs: dict):
     ``split_keys="off"`` (tree attention in one masked call) and ``widths="dynamic"`` (the compiled verify
     forward's width left to automatic dynamic shapes) turned into eagle_hf's settings for the call."""
     from eagle_hf.hf import attention, models
-    from eagle_hf.speculation.draft_programs import GRAPHS_ENV
+    from eagle_hf.speculation.drafting import GRAPHS_ENV
 
     kwargs = dict(kwargs)
     kwargs.pop("cache", None)  # (the stage's, `compiled.cache_of`)

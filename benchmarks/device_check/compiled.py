@@ -126,8 +126,7 @@ def drafter_level_ms(ctx, drafter, context: int, k: int, calls: int = 50) -> flo
     """Milliseconds of one eager draft level alone: the drafter's forward over k frontier nodes after `context`
     real rows and the top-k choice of their children, `calls` times back to back (the device synchronised around
     the loop: launches and kernels, no host bookkeeping)."""
-    from eagle_hf.speculation.draft_programs import top_k_choice
-    from eagle_hf.speculation.drafting import DraftState
+    from eagle_hf.speculation.drafting import DraftState, top_k_choice
 
     device, dtype = ctx.device, drafter.fc.weight.dtype
     g = torch.Generator(device="cpu").manual_seed(k)

@@ -30,7 +30,7 @@ from .common import (
 def chooser_of(make):
     """Every drafting round's children chosen by ``make(drafter, top_k, positions, roots)`` (per row of the
     drafter's cache: `positions`, its next real position, `roots`, its tree's root token), a chooser of the whole
-    batch's children (`eagle_hf.speculation.draft_programs.Chooser`), in place of the call's own. Patches
+    batch's children (`eagle_hf.speculation.drafting.Chooser`), in place of the call's own. Patches
     eagle_hf.speculation.speculator.draft_trees, the seam the tests patch too (tests/conftest.py, patch_drafts)."""
     import inspect
 
@@ -64,7 +64,7 @@ def replay_drafts(truth: list[list[int]]):
     own top-k: a chain is the continuation, a tree holds it as its deepest branch and the drafter's other
     proposals around it. Every draft on the continuation is accepted: the loop's ceiling (`chooser_of`; greedy
     calls only). Yields counts of drafted trees ("replayed", "unmatched": the row has left the recorded continuation)."""
-    from eagle_hf.speculation.draft_programs import Choice
+    from eagle_hf.speculation.drafting import Choice
 
     counts = Counter()
 

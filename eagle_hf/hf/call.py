@@ -17,9 +17,8 @@ from ..drafter.capture import num_decoder_layers, resolve_aux_layer_ids
 from ..drafter.modeling import EagleDrafter
 from ..errors import EagleCompatibilityError
 from ..programs import how_to_run
-from ..speculation.draft_programs import LevelGraphs
-from ..speculation.draft_programs import wanted as graphs_wanted
-from ..speculation.drafting import DraftState
+from ..speculation.drafting import DraftState, LevelGraphs
+from ..speculation.drafting import wanted as graphs_wanted
 from ..speculation.rounds import Timer
 from ..speculation.settings import DraftSettings
 from ..speculation.speculator import DraftListener, Speculator
@@ -360,7 +359,7 @@ def speculators_for(target, rows: int = 1, stop_tokens=(), compiled: bool = Fals
     into stats of their own (merged by `finish_rows`) and share the call's controller, built here once the loop
     knows which forward verifies (`controller_for`). `stop_tokens`: the EOS ids, where copy branches end;
     `compiled`: the target runs transformers' compiled forward (the schedule plans on its costs, and the drafter's
-    levels run as CUDA graphs, `eagle_hf.speculation.draft_programs`)."""
+    levels run as CUDA graphs, `eagle_hf.speculation.drafting`)."""
     call = active_call()
     if call.controller is None:
         call.controller = controller_for(target, call.drafter, call.settings, compiled, call.sampling)

@@ -7,10 +7,10 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..drafter.capture import gather_aux, hidden_state_request
 from ..programs import to_device
-from ..speculation.draft_programs import Choice
+from ..speculation.drafting import Choice
 from ..speculation.rounds import Round, RoundTiming, plan_round, report_round, round_facts
 from ..speculation.speculator import Speculator
-from ..speculation.verification import draw, process_logits
+from ..speculation.tree import draw, process_logits
 
 
 class EagleCandidateGenerator(CandidateGenerator):

@@ -16,7 +16,7 @@ import torch
 
 from ..devices import input_device
 from ..speculation.costs import CostEntryError, CostModel
-from ..speculation.draft_programs import wanted as fixed_levels
+from ..speculation.drafting import wanted as fixed_levels
 from ..speculation.schedule import DraftLengthController
 from ..speculation.settings import DraftSettings
 
@@ -78,7 +78,7 @@ def keep_costs(target) -> None:
 
 def _cost_key(target, drafter, compiled: bool = False) -> str:
     """Apart: each drafter width and dtype, the compiled forward, and draft levels at fixed shapes (a CUDA
-    graph's level costs a third of an eager one: `eagle_hf.speculation.draft_programs`)."""
+    graph's level costs a third of an eager one: `eagle_hf.speculation.drafting`)."""
     fixed = drafter is not None and fixed_levels(drafter, compiled)
     return json.dumps(["costs", drafter.config.hidden_size if drafter is not None else 0,
                        str(drafter.fc.weight.dtype) if drafter is not None else ""] + (["compiled"] if compiled else [])

@@ -7,7 +7,7 @@ mask keeps a node's non-ancestor slots out of the indexer's candidates, not only
 selects among the committed slots and its ancestors, as plain decoding of its path selects among that path's
 keys (when a node sees fewer keys than `index_topk`, the top-k takes some hidden slots too, and the attention
 mask keeps them hidden; plain decoding reads every key then). The layers take the tree mask by their layer type
-(`eagle_hf.hf.windows`: they read the whole context). Keys whose scores tie exactly at the top-k's edge (the
+(`eagle_hf.hf.cache.Window`: they read the whole context). Keys whose scores tie exactly at the top-k's edge (the
 indexer's ReLU scores are exactly 0 for a key every indexer head scores below 0) are chosen by torch.topk, whose
 tie-break depends on the candidate row's length: there a tree, like transformers' own prefill, may choose
 otherwise than plain decoding.

@@ -19,14 +19,20 @@ from dataclasses import dataclass, replace
 from ..drafter.capture import taps_unsupported_reason
 from ..speculation.schedule import choose_tree_size
 from ..speculation.settings import MAX_DEPTH, DraftSettings
-from .cache import VERIFY_BUCKETS, cache_unsupported_reason, cacheless_reason, is_static, tree_unsupported_reason
+from .cache import (
+    VERIFY_BUCKETS,
+    cache_unsupported_reason,
+    cacheless_reason,
+    is_static,
+    tree_unsupported_reason,
+    windows_unsupported_reason,
+)
 from .call import batch_rows, empty_prompt_reason, prompt_length, samples
 from .costs import cost_model
 from .indexed import indexed_unsupported_reason
 from .probes import positions_unsupported_reason, verify_unsupported_reason
 from .recurrent import hybrid_unsupported_reason, is_hybrid, mixed_layers_reason
 from .version import cache_in
-from .windows import windows_unsupported_reason
 
 logger = logging.getLogger(__name__)
 

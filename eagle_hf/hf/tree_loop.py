@@ -29,10 +29,9 @@ from ..programs import how_to_run, pack, to_device
 from ..speculation.ragged import Ragged
 from ..speculation.rounds import RoundPlan, RoundTiming, plan_round, report_round, round_facts
 from ..speculation.speculator import PendingTrees, Speculator, draft_round
-from ..speculation.tree import DraftTree
-from ..speculation.verification import accept_drawn, draw, process_logits, sampling_draws, verify_greedy
+from ..speculation.tree import DraftTree, accept_drawn, draw, process_logits, sampling_draws, verify_greedy
 from .attention import TREE_PREFIX, routed_kernel, split_keys_from
-from .cache import VERIFY_BUCKETS, tree_cache
+from .cache import VERIFY_BUCKETS, key_positions, layer_windows, tree_cache, window_masks
 from .call import active_call, finish_rows, speculators_for
 from .costs import cost_model
 from .indexed import has_indexed_layers
@@ -47,7 +46,6 @@ from .models import (
 from .recurrent import Snapshot, is_hybrid, steps_tokens, stepwise
 from .stopping import eos_ids
 from .version import cache_in, cache_kwarg
-from .windows import key_positions, layer_windows, window_masks
 
 logger = logging.getLogger(__name__)
 
@@ -315,7 +313,7 @@ class TreeLoop:
     def verify_mask(self, tree: torch.Tensor | None, rows: int, width: int, positions: torch.Tensor):
         """The verify forward's attention mask: a 4D float mask over the cache and the trees (drafting rounds),
         the 2D padding mask (plain steps with holes), or None (plain steps without). A target with sliding-window
-        layers gets its 4D masks by layer type (`eagle_hf.hf.windows`), plain steps with holes too (their
+        layers gets its 4D masks by layer type (`eagle_hf.hf.cache.Window`), plain steps with holes too (their
         windows count tokens, not slots). positions: [B, N] the nodes' (device)."""
         if tree is None and self.windows is not None and self.cache.ragged.holes:
             tree = torch.ones(rows, 1, 1, dtype=torch.bool, device=positions.device)  # [B, 1, 1] each its root

@@ -1,23 +1,45 @@
-"""Drafting with an EAGLE head: the drafter's cache of real rows, and the one function that grows a draft tree.
+"""Drafting with an EAGLE head, for every call: the drafter's cache of real rows, the growth of a round's draft
+trees and their layout for the verify, and how that runs (eagerly, or as fixed-shape programs).
 
 Real rows (prompt and accepted tokens) are always computed from the target's own hidden states; speculative
 rows live only for one round and are dropped before the next (eagle_spec.md §5.4). A chain is the tree with
 ``top_k = 1``; with a sampling chooser its drafts keep the exact distributions they were drawn from.
+
+The module reads top to bottom as a round drafts:
+
+* **the growth** (`grow_levels`): from each row's last real row, the root's children, then each level's forward
+  over k frontier nodes a row, its top-k (or a sampler's choice), the next frontier (the k best children by
+  cumulative log-probability, float64, a stable sort) and the ancestors each node sees, all on the device;
+* **the layout** (`tree_layout`): each row's tree as the verify forward reads it (`TreeLayout`: tokens, depths,
+  ancestor mask), the best nodes closed under ancestors, the greedy chain first, with a float64 part the host
+  reads once, with the target's choices, after the verify; trees the host holds (`laid_out`) and copy branches
+  (`with_copies`) are laid out the same way;
+* **the drafter's cache** (`DraftState`): its real rows, their catch-up (`DraftState.extend`), ragged rows of a
+  batch (`eagle_hf.speculation.ragged`);
+* **the launch** (`draft_trees`): eagerly at the round's shapes (the CPU's default, a batch with holes, each level
+  under the kept mask), or as programs over the drafter cache's whole storage ``[B, kv_heads, C, d]``
+  (`eagle_hf.programs`: a CUDA graph on a GPU, a compiled call where the target's forward is compiled), kept with
+  the storage between calls (`LevelGraphs`): the **catch-up program** (n rows a row, a power of two: the target's
+  taps fused and written under a causal mask over all C columns) and the **levels program** (`grow_trees`: the
+  growth and the layout). A round's catch-up is *staged* and runs first in the levels' launch
+  (`catch_up_then_grow`): one program a drafting round. It stands alone where its outputs are read before any
+  level (the host choosing the children: sampling) or the storage grows under it. The host writes each launch's
+  integers in one copy and the target's taps in one; nothing inside reads the host.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..drafter.modeling import KV, DraftStep, EagleDrafter, KVWriter
-from ..programs import pack, to_device
-from ..speculation.draft_programs import LevelGraphs
-from .draft_programs import Chooser, DraftPrograms, TreeLayout, TreeRequest, grow_levels, host_trees, tree_layout
+from ..programs import Program, pack, to_device
 from .ragged import KeptMask, Ragged, SlotBuffers, new_buffers
 from .tree import DraftTree
 
@@ -30,6 +52,286 @@ FIXED_CATCH_UP = 16
 CATCH_UP_CHUNK = 1024
 
 
+# ------------------------------------------------------------------ the growth and the layout
+@dataclass
+class Choice:
+    """Children chosen for k expanded nodes, c each (device tensors: `read_choices` reads a level's at once)."""
+
+    tokens: torch.Tensor  # [k, c] target-vocabulary ids
+    logp: torch.Tensor  # [k, c] log-probability of each child under the distribution it was chosen from
+    q_logits: torch.Tensor | None = None  # [k, c, V] the processed logits a *sampled* child was drawn from
+
+
+def top_k_choice(drafter: EagleDrafter, logits: torch.Tensor, top_k: int) -> Choice:
+    """The deterministic choice of EAGLE-2 trees (and greedy chains): the top_k drafts by probability, for logits
+    of any leading shape ``[..., Vd]`` (a batch's frontiers at once)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = logp.max(dim=-1, keepdim=True) if top_k == 1 else torch.topk(logp, top_k, dim=-1)  # [..., top_k] (a
+    # chain's: a reduction that compiles into the kernels around it)
+    return Choice(drafter.draft_to_target(top.indices), top.values)
+
+
+#: a level's drafter forward: (feed [B, k, H], tokens [B, k], level, tail [B, k, fed + k] the nodes' ancestors
+#: among the fed tree rows and themselves, fed) -> its `DraftStep`
+LevelForward = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, int], DraftStep]
+
+
+#: chooses the children of a level's frontier nodes from their draft logits [B, k, Vd] and the nodes' draft tokens
+#: below the root [B, k, level] (for logits processors that read the prefix): a `Choice` of [B, k, k]
+Chooser = Callable[[torch.Tensor, torch.Tensor], Choice]
+
+
+def grow_levels(drafter: EagleDrafter, forward: LevelForward, logits: torch.Tensor, hidden: torch.Tensor, k: int,
+                levels: int, depth: torch.Tensor, min_logp: float, prune: bool,
+                choose: Chooser | None = None) -> list[tuple]:
+    """The host's level-by-level tree growth with its decisions taken on the device, at fixed shapes: each level
+    keeps k frontier nodes a row; a node the host would prune (its row's depth reached, or below `min_logp`) stays
+    in place as a node nobody descends from, its children scored -inf; the next frontier is the k best children by
+    cumulative log-probability (float64, a stable sort: the host's order); each node's ancestors are its parent's
+    plus itself. logits [B, Vd], hidden [B, 1, H]: each row's last real row's; depth [B, 1] each row's levels.
+
+    `choose`: the children's choice (default: the drafter's top k, `top_k_choice`); a sampling chain's chooser
+    draws them (its distributions are its own to keep).
+
+    Returns per level: the root's children (tokens, logp) [B, k], then per level (children's tokens [B, k, k],
+    their cumulative scores [B, k*k] (-inf below a node that did not grow), the next frontier's places among them
+    [B, k], None for a chain): what `tree_layout` lays out."""
+    rows, width = hidden.shape[0], hidden.shape[-1]
+    flags = hidden.new_zeros(rows, k, dtype=torch.bool)  # (factories from a device tensor: on its device)
+    paths = None if choose is None else hidden.new_zeros(rows, 1, 0, dtype=torch.long)  # [B, k, level]
+    pick = choose or (lambda lg, _paths: top_k_choice(drafter, lg, k))
+    first = pick(logits[:, None], paths)  # [B, 1, k]
+    tokens, own = first.tokens[:, 0], first.logp[:, 0].double()  # [B, k] the first level's nodes, the root's order
+    score, slot = own, flags.long()[..., None]  # slot [B, k, 1]: the parent's output row
+    own_metric = not prune and min_logp > -math.inf  # (a draft's own probability is tested against the threshold)
+    eye = flags.new_zeros(k, k).fill_diagonal_(True).expand(rows, k, k)
+    ancestors = flags.new_zeros(rows, k, 0)  # [B, k, fed] among the fed tree rows
+    alive = ~flags  # not below a pruned node
+    parent_out, fed = hidden, 0
+    kept = [(first.tokens[:, 0], first.logp[:, 0])]
+    for level in range(1, levels):
+        grows = alive & (level < depth)  # [B, k] the host's `_Growth.prune`
+        if min_logp > -math.inf:
+            grows = grows & ((score if prune else own) >= min_logp)
+        tail = torch.cat([ancestors & grows[..., None], eye], 2)  # [B, k, fed + k]: its ancestors and itself
+        feed = parent_out if k == 1 else parent_out.gather(1, slot.expand(rows, k, width))  # [B, k, H]
+        out = forward(feed, tokens, level, tail, fed)
+        if paths is not None:  # each frontier node's drafts below the root
+            paths = torch.cat([paths.expand(rows, k, -1), tokens[..., None]], 2)
+        children = pick(out.logits, paths)  # [B, k, k]
+        logp = children.logp.double()
+        scores = torch.where(grows[..., None], score[..., None] + logp, -math.inf).flatten(1)
+        # [B, k] the next frontier's places among the k*k children (a chain's one child: in place, no sort)
+        order = None if k == 1 else torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+        kept.append((children.tokens, scores, order))
+        if order is None:  # (a chain: no gathers either)
+            tokens, score = children.tokens.flatten(1), scores
+            own = logp.flatten(1) if own_metric else None
+            alive, ancestors, parent_out, fed = score > -math.inf, tail, out.hidden, fed + k
+            continue
+        slot = (order // k)[..., None]  # [B, k, 1] each next frontier node's parent's output row
+        if paths is not None:
+            paths = paths.gather(1, slot.expand(-1, -1, paths.shape[2]))
+        tokens = children.tokens.flatten(1).gather(1, order)
+        own = logp.flatten(1).gather(1, order) if own_metric else None
+        score = scores.gather(1, order)
+        alive = score > -math.inf
+        ancestors = tail.gather(1, slot.expand(rows, k, fed + k))  # the parent's, itself included
+        parent_out, fed = out.hidden, fed + k
+    return kept
+
+
+@dataclass
+class TreeLayout:
+    """Each row's draft tree as the verify forward reads it, built on the device from `grow_levels`' result (no
+    read between drafting and verifying), W nodes a row (node 0 the root; nodes after a row's tree are padding
+    nodes that see the root and themselves, their outputs never read):
+
+    the tree's nodes are the best ``W - 1`` candidates by cumulative log-probability (a stable sort: ties go to
+    the earlier candidate, so a parent, never below its child, always comes first: the choice is closed under
+    ancestors, as the host's reference growth's in the tests), the drafter's greedy chain first, then in the
+    order they were drafted (the reference's order too)."""
+
+    tokens: torch.Tensor  # [B, W] the verify input (the roots first)
+    depths: torch.Tensor | None  # [B, W] each node's depth (positions: the root's plus these); None: W = 1
+    ancestors: torch.Tensor | None  # [B, W, W] bool: node i sees node j (its ancestors, itself); None: W = 1
+    host: torch.Tensor | None  # [B, 3 (W - 1) + 1] float64 for the host: tokens, parents, scores below the root,
+    # size (None: the host holds the trees, `laid_out`)
+    parents: torch.Tensor | None = None  # [B, W] each node's parent (the root's -1), where sampling draws need it
+    real: torch.Tensor | None = None  # [R] the real nodes' flat positions in [B, W], where the verify's head may
+    # skip the padding nodes' logits (host trees of different sizes; None: every node's are computed)
+
+
+@dataclass
+class TreeRequest:
+    """What a round asks of the trees' layout: W nodes a row (the verify's width for the drafter's trees), and per
+    row of the drafter's cache, in its slot order: the root token, the root's verify position, its most nodes
+    (the root included; 1: the row does not draft)."""
+
+    width: int
+    roots: list[int]
+    positions: list[int]
+    sizes: list[int]
+
+
+def tree_layout(kept: list[tuple], roots: torch.Tensor, k: int, width: int, min_logp: float,
+                sizes: torch.Tensor) -> TreeLayout:
+    """The `TreeLayout` of `grow_levels`' result `kept` (roots [B] the root tokens): the candidates (the root's k
+    children, then each level's k x k, -inf where their parent did not grow), their cumulative scores, parents and
+    depths; the best ``width - 1`` eligible ones (score at least `min_logp`) in drafting order; their parents as
+    node indices; ancestors by following the parents (one step a level). sizes [B, 1]: each row's most nodes,
+    root included (1: the root alone, a row that does not draft)."""
+    if k == 1 or len(kept) == 1:
+        return prefix_layout(kept, roots, width, min_logp, sizes, chain=k == 1)
+    tokens0 = kept[0][0]
+    rows, device = tokens0.shape[0], tokens0.device
+    tokens, scores = candidates(kept)  # [B, M] each
+    index = torch.arange(tokens.shape[1], device=device)  # [M] level l's k^2 candidates from k + (l - 1) k^2 on
+    # each level's frontier (its k candidates that grew children): the first level's all, then `order`'s picks
+    frontier = [index[:k].expand(rows, k)] + [order + (k + (level - 1) * k * k)
+                                              for level, (_, _, order) in enumerate(kept[1:-1], start=1)]
+    parents = torch.cat([torch.full_like(tokens0, -1)] + [f[..., None].expand(rows, k, k).flatten(1)
+                                                           for f in frontier], 1)  # [B, M] -1: the root
+    first_born = index[:k] < 1  # [k] the first child drafted below a node
+    greedy = first_born.expand(rows, k)  # [B, M so far] on the greedy chain: first-born all the way up
+    for f in frontier:
+        greedy = torch.cat([greedy, (greedy.gather(1, f)[..., None] & first_born).flatten(1)], 1)
+    m, n = tokens.shape[1], width - 1  # [B, M] each
+    eligible = (scores > -math.inf) & (scores >= min_logp)
+    if m < n:  # (fewer candidates than room: padding candidates, never eligible)
+        pad = n - m
+        tokens, scores, parents, greedy = (torch.nn.functional.pad(t, (0, pad)) for t in (tokens, scores, parents,
+                                                                                          greedy))
+        eligible = torch.nn.functional.pad(eligible, (0, pad))
+        m = n
+    best = torch.sort(torch.where(eligible, scores, -math.inf), dim=1, descending=True, stable=True).indices[:, :n]
+    chosen = eligible.gather(1, best) & (number_of(best) < sizes)  # [B, n] real nodes, within the row's size
+    order = torch.where(chosen, best + m * (~greedy.gather(1, best)).long(), 2 * m)  # the chain first, padding last
+    picked = torch.sort(order, dim=1).values  # [B, n]
+    real = picked < 2 * m
+    picked = picked % m
+    number = number_of(picked)
+    node_of = tokens.new_zeros(rows, m + 1).scatter_(1, torch.where(real, picked, m), number)  # candidate -> node
+    parent = parents.gather(1, picked)
+    parent = torch.where(real & (parent >= 0), node_of.gather(1, parent.clamp(min=0)), 0)  # [B, n] node indices
+    node_tokens = torch.where(real, tokens.gather(1, picked), roots[:, None])
+    node_depths = torch.where(real, torch.where(picked < k, 1, 2 + (picked - k).clamp(min=0) // (k * k)), 0)
+    node_scores = torch.where(real, scores.gather(1, picked), 0.0)
+    chain = torch.cat([parent.new_zeros(rows, 1), parent], 1)  # [B, W] each node's parent (the root's: itself)
+    seen = torch.eye(width, dtype=torch.bool, device=tokens.device).repeat(rows, 1, 1)  # [B, W, W]
+    up = torch.where(torch.cat([real.new_ones(rows, 1), real], 1), chain, 0)  # padding nodes: below the root
+    for _ in range(len(kept)):
+        seen.scatter_(2, up[..., None], True)
+        up = chain.gather(1, up)
+    host = torch.cat([node_tokens.double(), parent.double(), node_scores, real.sum(1, keepdim=True).double()], 1)
+    return TreeLayout(torch.cat([roots[:, None], node_tokens], 1), torch.cat([parent.new_zeros(rows, 1),
+                                                                             node_depths], 1), seen, host)
+
+
+def prefix_layout(kept: list[tuple], roots: torch.Tensor, width: int, min_logp: float, sizes: torch.Tensor,
+                  chain: bool) -> TreeLayout:
+    """`tree_layout` where the nodes are a prefix of the candidates: a chain (k = 1: a level's one candidate is the
+    next node, node i's parent is node i - 1) or a tree of one level (the root's k children, in the top-k's order).
+    A score only falls along the candidates (with depth, or down the top-k) and nothing grows below a node that did
+    not, so the eligible candidates are a prefix: the same layout, without the sort and the walk up the parents."""
+    tokens, scores = candidates(kept)  # [B, M] each
+    rows, m, n = tokens.shape[0], tokens.shape[1], width - 1
+    if m < n:  # (fewer candidates than room: padding candidates, never eligible)
+        tokens, scores = (torch.nn.functional.pad(t, (0, n - m), value=v) for t, v in ((tokens, 0),
+                                                                                     (scores, -math.inf)))
+    tokens, scores = tokens[:, :n], scores[:, :n]
+    number = number_of(tokens)  # [B, n] 1 .. n
+    real = (scores > -math.inf) & (scores >= min_logp) & (number < sizes)  # [B, n] a prefix of each row
+    node_tokens = torch.where(real, tokens, roots[:, None])
+    node_scores = torch.where(real, scores, 0.0)
+    eye = torch.eye(width, dtype=torch.bool, device=tokens.device)  # [W, W] (padding nodes: themselves)
+    if chain:
+        parent = torch.where(real, number - 1, 0)  # [B, n] node j's parent: node j - 1
+        depths = torch.where(real, number, 0)
+        full = torch.cat([real.new_ones(rows, 1), real], 1)  # [B, W] the root and the real nodes
+        seen = torch.ones(width, width, dtype=torch.bool, device=tokens.device).tril() & full[..., None] | eye
+    else:
+        parent = torch.zeros_like(number)  # [B, n] the root's children
+        depths = real.long()
+        seen = eye.repeat(rows, 1, 1)  # [B, W, W]
+    seen[:, :, 0] = True  # (and the root)
+    host = torch.cat([node_tokens.double(), parent.double(), node_scores, real.sum(1, keepdim=True).double()], 1)
+    return TreeLayout(torch.cat([roots[:, None], node_tokens], 1), torch.cat([parent.new_zeros(rows, 1), depths], 1),
+                      seen, host)
+
+
+def candidates(kept: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`grow_levels`' candidates in drafting order (the root's k children, then each level's k x k): their tokens
+    and cumulative scores (float64, -inf below a node that did not grow), [B, M] each."""
+    tokens0, logp0 = kept[0]
+    return (torch.cat([tokens0] + [children.flatten(1) for children, _, _ in kept[1:]], 1),
+            torch.cat([logp0.double()] + [below for _, below, _ in kept[1:]], 1))
+
+
+def host_trees(values: list[float], roots: list[int]) -> list[tuple[list[int], list[int], list[float]]]:
+    """Each row's tree from `TreeLayout.host` read as `values` (rows in order): its root and real nodes' tokens,
+    parents and cumulative scores (host lists; node 0 the root)."""
+    per = len(values) // len(roots)
+    n = (per - 1) // 3
+    out = []
+    for b, root in enumerate(roots):
+        row = values[b * per : (b + 1) * per]
+        size = int(row[3 * n])
+        out.append(([root] + [int(t) for t in row[:size]], [-1] + [int(p) for p in row[n : n + size]],
+                    [0.0] + row[2 * n : 2 * n + size]))
+    return out
+
+
+def laid_out(trees: list[DraftTree], width: int, positions: list[int], device: torch.device,
+             parents: bool = False, real: bool = False) -> tuple[TreeLayout, torch.Tensor]:
+    """Trees the host holds (a round no drafter grew, or trees read before the verify) laid out as `tree_layout`
+    lays out the drafter's: W nodes a row (the root, the tree's nodes, then padding nodes, the root's token at its
+    position, that see the root and themselves), in one host-to-device copy; `parents`: with each node's parent
+    (sampling's draws); `real`: with the real nodes' flat positions where there are padding nodes. positions: each
+    row's root position. Returns the layout and the verify positions [B, W]."""
+    pad = [width - t.size for t in trees]
+    arrays = {"tokens": [t.host.tokens + t.host.tokens[:1] * p for t, p in zip(trees, pad)],
+              "positions": [[r + d for d in t.host.depths] + [r] * p for r, t, p in zip(positions, trees, pad)]}
+    if parents:
+        arrays["parents"] = [t.host.parents + [0] * p for t, p in zip(trees, pad)]
+    if real and any(pad):
+        arrays["real"] = [b * width + n for b, t in enumerate(trees) for n in range(t.size)]
+    if width > 1:  # (a plain round's root alone: its tokens and positions)
+        arrays["depths"] = [t.host.depths + [0] * p for t, p in zip(trees, pad)]
+        seen = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)  # [B, W, W] (host)
+        seen[:, :, 0] = True
+        for b, t in enumerate(trees):
+            seen[b, : t.size, : t.size] = t.ancestor_mask()
+        arrays["ancestors"] = seen
+    host = pack(torch.device(device), **arrays)
+    ancestors = host["ancestors"].bool() if width > 1 else None
+    return (TreeLayout(host["tokens"], host.get("depths"), ancestors, None, host.get("parents"), host.get("real")),
+            host["positions"])
+
+
+def with_copies(laid: TreeLayout, positions: torch.Tensor, copies: TreeLayout) -> tuple[TreeLayout, torch.Tensor]:
+    """The layout with each row's copy branches after its drafter's W nodes: `copies`, each row's root and its
+    copy branches laid out by the host, which knew them before the round (`laid_out`: C nodes after the root); a
+    copy node sees the root, its ancestors and itself. positions [B, W]: the drafter's verify positions. Returns
+    the layout of W + C nodes and its positions [B, W + C] (the host part stays the drafter's: the host holds the
+    copies)."""
+    rows, w = laid.tokens.shape
+    c = copies.tokens.shape[1] - 1
+    seen = laid.ancestors.new_zeros(rows, w + c, w + c)  # [B, W + C, W + C]
+    seen[:, :w, :w] = laid.ancestors
+    seen[:, w:, w:] = copies.ancestors[:, 1:, 1:]
+    seen[:, w:, 0] = True
+    depths = copies.depths[:, 1:]  # [B, C]
+    return (TreeLayout(torch.cat([laid.tokens, copies.tokens[:, 1:]], 1), torch.cat([laid.depths, depths], 1), seen,
+                       laid.host), torch.cat([positions, positions[:, :1] + depths], 1))
+
+
+def number_of(t: torch.Tensor) -> torch.Tensor:
+    """[B, n] 1 .. n along the last dimension (a node's number in a list of n)."""
+    return torch.arange(1, t.shape[1] + 1, device=t.device).expand_as(t)
+
+
+# ------------------------------------------------------------------ the drafter's cache and the launch
 @dataclass
 class DraftState:
     """The drafter's cache of real rows for the rows of a batch, preallocated: keys and values
@@ -49,7 +351,7 @@ class DraftState:
     # hold each row's slot validity for every query row (written as real rows arrive), the tree block after them
     # is rewritten per level: O(new slots), never O(context), per level
     _mask: KeptMask = field(default_factory=KeptMask, repr=False)
-    #: draft levels at fixed shapes (captured on CUDA; `eagle_hf.speculation.draft_programs`), None: eager
+    #: draft levels at fixed shapes (captured on CUDA; `LevelGraphs`), None: eager
     graphs: LevelGraphs | None = field(default=None, repr=False)
     #: how the fixed-shape programs run (`eagle_hf.programs.how_to_run`): "graph", "compile" or "eager"
     how: str = "eager"
@@ -308,3 +610,283 @@ def draft_tree(drafter: EagleDrafter, state: DraftState, root_token: int, logits
     laid, _ = draft_trees(drafter, state, logits, hidden, [depth], top_k,
                           TreeRequest(total_tokens, [root_token], [0], [total_tokens]), threshold, prune)
     return DraftTree.of_lists(*host_trees(laid.host.flatten().tolist(), [root_token])[0])
+
+
+# ------------------------------------------------------------------ what a drafter keeps between calls
+# A drafter's fixed-shape programs and the cache storage they write (rows B, the storage's capacity C read under a
+# mask), kept between calls (`LevelGraphs.for_drafter`, weakly per drafter), so that a later call of the same shape
+# reuses both: eagerly, a draft level is about thirty kernel launches, which on a GPU take longer than the kernels
+# themselves (2.0 ms a level at the Llama-3.1-8B shape on an H200, against a compiled target step of 8 ms).
+
+#: environment variable, a debugging switch of the launch (never of the arithmetic): "off" drafts eagerly; "on" in
+#: fixed-shape programs wherever the drafter runs; unset or "auto": in programs on CUDA (CUDA graphs) and where the
+#: target's forward is compiled (torch.compile elsewhere, `eagle_hf.programs.how_to_run`), eagerly otherwise
+GRAPHS_ENV = "EAGLE_HF_DRAFTER_GRAPHS"
+#: programs kept per drafter (least recently used dropped first)
+MAX_GRAPHS = 16
+
+_PER_DRAFTER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def wanted(drafter: EagleDrafter, compiled: bool) -> bool:
+    """Whether a call drafts in fixed-shape programs (`GRAPHS_ENV`; by default on CUDA and where the target's
+    forward is compiled)."""
+    setting = os.environ.get(GRAPHS_ENV, "auto").lower()
+    if setting in ("off", "0", "false", "none"):
+        return False
+    if setting in ("on", "1", "true"):
+        return True
+    return compiled or drafter.fc.weight.device.type == "cuda"
+
+
+@dataclass
+class SlotWriter:
+    """New keys and values written at the device slots `slots` [T] of whole buffers ``[B, kv_heads, C, d]``; a
+    pass attends over all C columns (its mask says which it reads). Fixed shapes, no host value: capturable."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    slots: torch.Tensor  # [T] long
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+    def extended(self, new: KV) -> KV:
+        self.keys.index_copy_(2, self.slots, new.keys)
+        self.values.index_copy_(2, self.slots, new.values)
+        return KV(self.keys, self.values)
+
+
+def weights_of(drafter: EagleDrafter) -> tuple:
+    """Where the drafter's weights and buffers live now (and the target embedding it borrows): what its graphs read."""
+    tensors = [*drafter.parameters(), *drafter.buffers()]
+    embedding = getattr(drafter, "_target_embedding", None)
+    if embedding is not None:
+        tensors.append(embedding.weight)
+    return tuple((t.data_ptr(), t.dtype, t.device) for t in tensors)
+
+
+class LevelGraphs:
+    """A drafter's fixed-shape levels and the cache storage they write, kept between calls."""
+
+    def __init__(self, drafter: EagleDrafter):
+        self._drafter = weakref.ref(drafter)
+        self.weights = weights_of(drafter)
+        self.programs: OrderedDict[tuple, object] = OrderedDict()  # the draft programs over its storage
+        self.storage: dict[tuple, tuple] = {}  # (shape, dtype, device, mode) -> (keys, values, weakref to owner)
+
+    @classmethod
+    def for_drafter(cls, drafter: EagleDrafter) -> LevelGraphs:
+        """The drafter's levels; new ones when its weights moved since (a graph replays the memory it captured)."""
+        graphs = _PER_DRAFTER.get(drafter)
+        if graphs is None or graphs.weights != weights_of(drafter):
+            graphs = _PER_DRAFTER[drafter] = cls(drafter)
+        return graphs
+
+    def buffers(self, shape: tuple, like: torch.Tensor, owner) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `shape` ``[B, kv_heads, C, d]`` for `owner` (a drafter cache): the storage an
+        earlier, finished owner left, else new storage (zeros: columns never written weigh zero, where 0 x a
+        stale NaN would not). A storage a live owner holds is not handed to another (threads sharing a drafter)."""
+        # (inference-mode tensors cannot be written outside inference mode: kept apart)
+        key = (tuple(shape), like.dtype, like.device, torch.is_inference_mode_enabled())
+        kept = self.storage.get(key)
+        holder = kept[2]() if kept is not None else None
+        if kept is not None and (holder is None or holder is owner):
+            self.storage[key] = (kept[0], kept[1], weakref.ref(owner))
+            return kept[0], kept[1]
+        made = (like.new_zeros(shape), like.new_zeros(shape))
+        if kept is None:
+            self.storage[key] = (*made, weakref.ref(owner))
+        return made
+
+    @classmethod
+    def kept_tensors(cls, drafter: EagleDrafter) -> list[torch.Tensor]:
+        """The device tensors kept for `drafter` between calls (storage and the levels' buffers)."""
+        graphs = _PER_DRAFTER.get(drafter)
+        if graphs is None:
+            return []
+        out = [t for keys, values, _ in graphs.storage.values() for t in (keys, values)]
+        for program in graphs.programs.values():
+            out += program.tensors()
+        return out
+
+    def kept(self, key: tuple, make):
+        """The fixed-shape object kept under `key` (a program over this drafter's storage: anything with a
+        ``tensors()`` method), made by ``make()`` the first time; the least recently used go first."""
+        kept = self.programs.get(key)
+        if kept is None:
+            kept = self.programs[key] = make()
+            while len(self.programs) > MAX_GRAPHS:
+                self.programs.popitem(last=False)
+        self.programs.move_to_end(key)
+        return kept
+
+
+class DraftPrograms:
+    """One cache storage's draft programs (rows B, storage ``[B, kv_heads, C, d]``, run `how`), with the buffers
+    they share: the last real rows' logits [B, Vd] and hidden states [B, 1, H] that a catch-up writes and the levels
+    read (no copy between the two launches)."""
+
+    def __init__(self, drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, how: str):
+        rows, capacity = keys.shape[0], keys.shape[2]
+        self._drafter, self.keys, self.values, self.how = weakref.ref(drafter), keys, values, how
+        self.logits = keys.new_zeros(rows, drafter.lm_head.weight.shape[0], dtype=torch.float32)  # [B, Vd]
+        self.hidden = keys.new_zeros(rows, 1, drafter.config.hidden_size, dtype=drafter.fc.weight.dtype)
+        self.columns = keys.new_ones(capacity, dtype=torch.long).cumsum(0) - 1  # [C] 0 .. C-1
+        self.catch_ups: dict[int, CatchUp] = {}
+        self.levels: dict[tuple, Levels] = {}
+        self.staged: CatchUp | None = None  # a catch-up written, not launched: it runs with the next levels
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The device tensors it keeps (its programs' buffers included)."""
+        out = [self.keys, self.values, self.logits, self.hidden, self.columns]
+        for program in [*self.catch_ups.values(), *self.levels.values()]:
+            out += [t for t in program.program.args if isinstance(t, torch.Tensor)]
+        return out
+
+    def catch_up(self, aux: torch.Tensor, tokens: torch.Tensor, positions: list[int], at: int, n: int,
+                 stage: bool = False):
+        """The round's catch-up (`CatchUp`, n rows a row: a power of two at least m): aux [B, m, A*H_t], tokens
+        [B, m], m real rows a row from slot `at`, row b's first at ``positions[b]``. Returns the shared (logits
+        [B, Vd], hidden [B, 1, H]), written by the launch, or with `stage` by the next `grow`'s launch (one
+        program: the catch-up, then the levels)."""
+        program = self.catch_ups.get(n)
+        if program is None:
+            program = self.catch_ups[n] = CatchUp(self, n)
+        program.write(aux, tokens, positions, at)
+        if stage:
+            self.staged = program
+        else:
+            self.launch_staged()
+            program.program(self._drafter())
+        return self.logits, self.hidden
+
+    def launch_staged(self) -> None:
+        """The staged catch-up on its own (its outputs are read before any levels run)."""
+        if self.staged is not None:
+            staged, self.staged = self.staged, None
+            staged.program(self._drafter())
+
+    def grow(self, logits: torch.Tensor, hidden: torch.Tensor, k: int, levels: int, min_logp: float, prune: bool,
+             roots: list[int], depths: list[int], at: int, layout: TreeRequest):
+        """The round's levels (`Levels`) from logits [B, Vd] and hidden [B, 1, H] (the catch-up's, or copied in),
+        row b's root at position ``roots[b]``, its tree rows from slot `at`: the trees' `TreeLayout` and the verify
+        positions [B, W]."""
+        key = (k, levels, min_logp, prune, layout.width)
+        program = self.levels.get(key)
+        if program is None:
+            program = self.levels[key] = Levels(self, *key)
+        staged, self.staged = self.staged, None
+        if staged is None:  # (a staged catch-up writes them in the launch)
+            for given, shared in ((logits, self.logits), (hidden, self.hidden)):
+                if given is not shared:
+                    shared.copy_(given)
+        return program(roots, depths, at, layout.roots, layout.positions, layout.sizes, after=staged)
+
+
+class CatchUp:
+    """A round's catch-up at fixed shapes (n rows a row, a power of two): the taps ``aux`` [B, n, A*H_t] fused and
+    the tokens after them [B, n] written at slots ``at .. at+n-1`` under a causal mask over all C columns, with
+    `ints` = (each row's first position [B], `at`, the real rows a row `count`); the padding rows after the real
+    ones are overwritten by the next pass, which never reads them. Writes the last real row's draft logits and
+    fed-back hidden state into the shared buffers (`catch_up_rows`)."""
+
+    def __init__(self, shared: DraftPrograms, n: int):
+        keys, drafter = shared.keys, shared._drafter()
+        rows = keys.shape[0]
+        self.n = n
+        self.aux = keys.new_zeros(rows, n, drafter.fc.weight.shape[1], dtype=drafter.fc.weight.dtype)
+        self.tokens = keys.new_zeros(rows, n, dtype=torch.long)  # [B, n]
+        self.ints = keys.new_zeros(rows + 2, dtype=torch.long)  # positions [B], at, count
+        self.steps = keys.new_ones(n, dtype=torch.long).cumsum(0) - 1  # [n] 0 .. n-1
+        self.program = Program(catch_up_rows, (shared.keys, shared.values, self.aux, self.tokens, self.ints, self.steps,
+                                          shared.columns, shared.logits, shared.hidden), shared.how,
+                               "drafter's catch-up")
+
+    def write(self, aux: torch.Tensor, tokens: torch.Tensor, positions: list[int], at: int) -> None:
+        """A launch's inputs into the buffers."""
+        m = tokens.shape[1]
+        self.aux[:, :m].copy_(aux)
+        self.tokens[:, :m].copy_(tokens)
+        self.ints.copy_(to_device(torch.tensor([*positions, at, m]), self.ints.device))
+
+
+def catch_up_rows(drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, aux: torch.Tensor,
+                  tokens: torch.Tensor, ints: torch.Tensor, steps: torch.Tensor, columns: torch.Tensor, logits: torch.Tensor,
+             hidden: torch.Tensor) -> None:
+    """`CatchUp`'s body: the drafter, its cache storage ``[B, kv_heads, C, d]``, the program's buffers, and the
+    shared outputs (logits [B, Vd], hidden [B, 1, H]) it writes."""
+    rows, n = tokens.shape
+    positions, at, count = ints[:rows], ints[rows], ints[rows + 1]
+    slots = steps + at  # [n]
+    mask = (columns[None, :] <= slots[:, None])[None, None].expand(rows, 1, n, -1)  # [B, 1, n, C] causal
+    out = drafter.step(drafter.fuse(aux), tokens, positions[:, None] + steps, past=SlotWriter(keys, values, slots),
+                       mask=mask)
+    last = (count - 1).reshape(1, 1, 1)
+    logits.copy_(out.logits.gather(1, last.expand(rows, 1, out.logits.shape[-1]))[:, 0])  # [B, Vd]
+    hidden.copy_(out.hidden.gather(1, last.expand(rows, 1, out.hidden.shape[-1])))  # [B, 1, H]
+
+
+def catch_up_then_grow(drafter: EagleDrafter, catch_up: tuple, levels: tuple):
+    """A round's whole drafting as one program: `catch_up_rows` over its arguments `catch_up`, then `grow_trees`
+    over `levels` (reading the shared logits and hidden states the catch-up wrote)."""
+    catch_up_rows(drafter, *catch_up)
+    return grow_trees(drafter, *levels)
+
+
+class Levels:
+    """A round's draft levels at fixed shapes (top-k k, `levels` levels; `grow_levels`) from the shared logits and
+    hidden states, with `ints` = (each row's root position [B], its depth [B], the first tree slot `at`): the k
+    nodes of level l are written at slots ``at + (l-1)k ..``; each reads every slot before `at` (no holes) and its
+    ancestors among the tree rows (`grow_trees`). Output: the trees' layout, W nodes a row."""
+
+    def __init__(self, shared: DraftPrograms, k: int, levels: int, min_logp: float, prune: bool, width: int):
+        keys = shared.keys
+        rows = keys.shape[0]
+        self._drafter = shared._drafter  # (a weak reference: the programs and their owner form no cycle)
+        # root positions [B], depths [B], at, root tokens [B], verify positions [B], sizes [B]
+        self.ints = keys.new_zeros(5 * rows + 1, dtype=torch.long)
+        steps = keys.new_ones(levels * k, dtype=torch.long).cumsum(0) - 1  # [levels * k] 0 ..
+        self.program = Program(grow_trees, (shared.keys, shared.values, shared.logits, shared.hidden, self.ints, steps,
+                                      shared.columns, k, levels, min_logp, prune, width), shared.how,
+                               "drafter's levels")
+        self.after: dict[int, Program] = {}  # catch-up rows n -> the catch-up and these levels, one program
+
+    def __call__(self, roots: list[int], depths: list[int], at: int, *layout: list[int],
+                 after: CatchUp | None = None):
+        """A launch (`after`: a catch-up written to run first, in the same program)."""
+        values = [*roots, *depths, at] + [v for part in layout for v in part]
+        self.ints.copy_(to_device(torch.tensor(values), self.ints.device))
+        program = self.program
+        if after is not None:
+            program = self.after.get(after.n)
+            if program is None:
+                program = self.after[after.n] = Program(catch_up_then_grow, (after.program.args, self.program.args),
+                                                        self.program.how, "drafter's catch-up and levels")
+        return program(self._drafter())
+
+
+def grow_trees(drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, logits: torch.Tensor,
+               hidden: torch.Tensor, ints: torch.Tensor, steps: torch.Tensor, columns: torch.Tensor, k: int, levels: int,
+               min_logp: float, prune: bool, width: int):
+    """`Levels`' body: `grow_levels` over the drafter's cache storage from the shared logits and hidden states;
+    the trees' `TreeLayout` (W nodes a row) and the verify positions [B, W]."""
+    rows = logits.shape[0]
+    base, depth, at = ints[:rows, None], ints[rows : 2 * rows, None], ints[2 * rows]
+    past = (columns < at)[None, None, :]  # [1, 1, C] the real rows
+    block = (columns - at)[None, None, :]  # [1, 1, C] each column's place among the tree rows
+
+    def forward(feed, tokens, level, tail, fed):
+        slots = steps[fed : fed + k] + at  # [k]
+        inside = (block >= 0) & (block < fed + k)
+        seen = tail.gather(2, block.clamp(0, fed + k - 1).expand(rows, k, -1)) & inside  # [B, k, C]
+        return drafter.step(feed, tokens, (base + level).expand(rows, k), past=SlotWriter(keys, values, slots),
+                            mask=(past | seen)[:, None])
+
+    kept = grow_levels(drafter, forward, logits, hidden, k, levels, depth, min_logp, prune)
+    tokens, position, sizes = (ints[2 * rows + 1 + i * rows : 2 * rows + 1 + (i + 1) * rows] for i in range(3))
+    # (a chain's draft below the threshold is kept, only not expanded: every eligible candidate is a node)
+    layout = tree_layout(kept, tokens, k, width, min_logp if prune else -math.inf,
+                         torch.where(depth > 0, sizes[:, None], 1))
+    return layout, position[:, None] + layout.depths  # [B, W] the verify positions

@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .copying import CopySource
-from .draft_programs import Chooser, TreeLayout, TreeRequest, host_trees, laid_out, with_copies
-from .drafting import DraftState, draft_trees
+from .drafting import Chooser, DraftState, TreeLayout, TreeRequest, draft_trees, host_trees, laid_out, with_copies
 from .rounds import Round, RoundRecord, RowPlan, Timer
 from .schedule import DraftLengthController
 from .settings import MAX_DEPTH, DraftSettings
@@ -311,7 +310,7 @@ def _settle(speculators: Sequence[Speculator], trees: list[DraftTree]) -> list[D
 
 @dataclass
 class PendingTrees:
-    """A round's trees laid out for the verify on the device (`eagle_hf.speculation.draft_programs.TreeLayout`, W
+    """A round's trees laid out for the verify on the device (`eagle_hf.speculation.drafting.TreeLayout`, W
     nodes a row of the drafter's, then with `graft_copies` each row's copy branches, with the verify positions),
     read by the host with the verify's result (`settle`), or before the verify where the verify needs them on the
     host (sampling). `copies`: each row's copy branches as a tree of its own (None: none). Trees the host holds

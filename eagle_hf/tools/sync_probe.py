@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import programs
-from ..speculation.draft_programs import LevelGraphs
+from ..speculation.drafting import LevelGraphs
 
 _TAG = "_eagle_hf_device"
 #: tensor methods and functions that read a device tensor's values on the host
