@@ -12,6 +12,7 @@ last round left out: `eagle_hf.tools.sync_probe`), and the host milliseconds a r
     python benchmarks/round_regime.py                      # the table (markdown), 5 timed calls a case
     python benchmarks/round_regime.py --calls 3 --only dynamic
     python benchmarks/round_regime.py --only dynamic --no-time --ops   # torch operations a round (deterministic)
+    python benchmarks/round_regime.py --only static --modes "chain 5" --rows 1 --split   # the drafting step apart
     PYTHONPATH=/path/to/other/checkout python benchmarks/round_regime.py --json other.json   # another version
 
 To compare two versions, run both in turn on a quiet machine; times are reported, never asserted. Reads are
@@ -133,19 +134,39 @@ def rounds_of_last_call() -> int:
     return max(s.cycles + s.fallback_steps + s.final_steps, 1)
 
 
-def host_ms(target, drafter, mode: str, cache: str, rows: int, new_tokens: int, calls: int) -> float:
-    """Median over `calls` warm calls of (the call's time - its target forwards) / its rounds, in ms."""
+def host_ms(target, drafter, mode: str, cache: str, rows: int, new_tokens: int, calls: int,
+            split: bool = False) -> float | tuple[float, float]:
+    """Median over `calls` warm calls of (the call's time - its target forwards) / its rounds, in ms; with `split`,
+    also the median of the same calls' time in the round's drafting step (eagle_hf's loop's `draft_round`)."""
+    import eagle_hf.hf.tree_loop as loop
+
     kwargs = run_kwargs(mode, cache, drafter, new_tokens)
-    samples = []
-    with target_forwards(target) as state:
-        for call in range(calls + 2):  # (two warm-ups: compiles, first shapes)
-            state["spent"] = 0.0
-            start = time.perf_counter()
-            target.generate(**prompts(rows), **kwargs)
-            total = time.perf_counter() - start
-            if call >= 2:
-                samples.append(1000 * (total - state["spent"]) / rounds_of_last_call())
-    return statistics.median(samples)
+    samples, drafting = [], []
+    step, spent = loop.draft_round, [0.0]
+
+    @functools.wraps(step)
+    def timed(*args, **kw):
+        start = time.perf_counter()
+        try:
+            return step(*args, **kw)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    if split:
+        loop.draft_round = timed
+    try:
+        with target_forwards(target) as state:
+            for call in range(calls + 2):  # (two warm-ups: compiles, first shapes)
+                state["spent"], spent[0] = 0.0, 0.0
+                start = time.perf_counter()
+                target.generate(**prompts(rows), **kwargs)
+                total = time.perf_counter() - start
+                if call >= 2:
+                    samples.append(1000 * (total - state["spent"]) / rounds_of_last_call())
+                    drafting.append(1000 * spent[0] / rounds_of_last_call())
+    finally:
+        loop.draft_round = step
+    return (statistics.median(samples), statistics.median(drafting)) if split else statistics.median(samples)
 
 
 def host_ops(target, drafter, mode: str, cache: str, rows: int, new_tokens: int) -> float:
@@ -178,6 +199,8 @@ def main():
     parser.add_argument("--no-time", action="store_true", help="reads only")
     parser.add_argument("--ops", action="store_true", help="also the torch operations a round outside the target's "
                         "forward (deterministic)")
+    parser.add_argument("--split", action="store_true", help="also the host ms a round in the drafting step "
+                        "(`draft_round`); time one mode a process for it (a mode's compiled graphs stay for the next)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     os.environ.setdefault("EAGLE_HF_COST_CACHE", "off")
@@ -187,14 +210,17 @@ def main():
     target, drafter = pair()
     out = {"eagle_hf": str(Path(eagle_hf.__file__).parent), "cases": {}}
     print("| cache | mode | rows | reads a round (median / mean) | host ms a round outside the target's forward |"
-          + (" operations a round outside it |" if args.ops else ""))
-    print("|---|---|---|---|---|" + ("---|" if args.ops else ""))
+          + (" of which the drafting step |" if args.split else "") + (" operations a round outside it |" if args.ops else ""))
+    print("|---|---|---|---|---|" + ("---|" if args.split else "") + ("---|" if args.ops else ""))
     for cache in [args.only] if args.only else CACHES:
         for mode in args.modes.split(";"):
             for rows in [int(r) for r in args.rows.split(",")]:
                 row = {}  # (timed first: the probes' modes, once a compiled forward ran under them, leave it
                 # recompiled for them, and a static case timed after them measured up to three times its time)
-                if not args.no_time:
+                if not args.no_time and args.split:
+                    row["host ms"], row["drafting ms"] = host_ms(target, drafter, mode, cache, rows, args.new_tokens,
+                                                                 args.calls, split=True)
+                elif not args.no_time:
                     row["host ms"] = host_ms(target, drafter, mode, cache, rows, args.new_tokens, args.calls)
                 if args.ops:
                     row["ops"] = host_ops(target, drafter, mode, cache, rows, args.new_tokens)
@@ -203,7 +229,7 @@ def main():
                 mean = row["reads mean"]
                 print(f"| {cache} | {mode} | {rows} | {row['reads median']} / "
                       f"{'-' if mean is None else f'{mean:.2f}'} | {row.get('host ms', float('nan')):.2f} |"
-                      + (f" {row['ops']:.0f} |" if args.ops else ""),
+                      + (f" {row['drafting ms']:.2f} |" if args.split else "") + (f" {row['ops']:.0f} |" if args.ops else ""),
                       flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
