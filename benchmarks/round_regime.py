@@ -134,39 +134,64 @@ def rounds_of_last_call() -> int:
     return max(s.cycles + s.fallback_steps + s.final_steps, 1)
 
 
-def host_ms(target, drafter, mode: str, cache: str, rows: int, new_tokens: int, calls: int,
-            split: bool = False) -> float | tuple[float, float]:
-    """Median over `calls` warm calls of (the call's time - its target forwards) / its rounds, in ms; with `split`,
-    also the median of the same calls' time in the round's drafting step (eagle_hf's loop's `draft_round`)."""
-    import eagle_hf.hf.tree_loop as loop
+#: the host steps `--split` times apart, each where the measured version has it: the round's drafting step, and
+#: the tree loop's acceptance (the round's read), commit (the caches and the drafter's rows) and verify mask
+STEPS = {"drafting": ("eagle_hf.hf.tree_loop", "draft_round"), "accept": ("eagle_hf.hf.tree_loop", "TreeLoop.accept"),
+         "commit": ("eagle_hf.hf.tree_loop", "TreeLoop.commit"),
+         "verify mask": ("eagle_hf.hf.tree_loop", "TreeLoop.verify_mask")}
 
-    kwargs = run_kwargs(mode, cache, drafter, new_tokens)
-    samples, drafting = [], []
-    step, spent = loop.draft_round, [0.0]
 
-    @functools.wraps(step)
-    def timed(*args, **kw):
-        start = time.perf_counter()
-        try:
-            return step(*args, **kw)
-        finally:
-            spent[0] += time.perf_counter() - start
+@contextlib.contextmanager
+def steps_timed():
+    """The `STEPS` this version has, timed while the block runs: the yielded dict holds each one's seconds."""
+    import importlib
 
-    if split:
-        loop.draft_round = timed
+    spent, undo = {}, []
+    for name, (module, path) in STEPS.items():
+        owner = importlib.import_module(module)
+        *holder, attr = path.split(".")
+        for part in holder:
+            owner = getattr(owner, part)
+        step = getattr(owner, attr, None)
+        if step is None:
+            continue
+
+        def timed(*args, _step=step, _name=name, **kw):
+            start = time.perf_counter()
+            try:
+                return _step(*args, **kw)
+            finally:
+                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - start
+
+        setattr(owner, attr, functools.wraps(step)(timed))
+        undo.append((owner, attr, step))
     try:
-        with target_forwards(target) as state:
-            for call in range(calls + 2):  # (two warm-ups: compiles, first shapes)
-                state["spent"], spent[0] = 0.0, 0.0
-                start = time.perf_counter()
-                target.generate(**prompts(rows), **kwargs)
-                total = time.perf_counter() - start
-                if call >= 2:
-                    samples.append(1000 * (total - state["spent"]) / rounds_of_last_call())
-                    drafting.append(1000 * spent[0] / rounds_of_last_call())
+        yield spent
     finally:
-        loop.draft_round = step
-    return (statistics.median(samples), statistics.median(drafting)) if split else statistics.median(samples)
+        for owner, attr, step in undo:
+            setattr(owner, attr, step)
+
+
+def host_ms(target, drafter, mode: str, cache: str, rows: int, new_tokens: int, calls: int,
+            split: bool = False) -> float | tuple[float, dict]:
+    """Median over `calls` warm calls of (the call's time - its target forwards) / its rounds, in ms; with `split`,
+    also the medians of the same calls' ms a round in each of the `STEPS`."""
+    kwargs = run_kwargs(mode, cache, drafter, new_tokens)
+    samples, parts = [], {}
+    with target_forwards(target) as state, (steps_timed() if split else contextlib.nullcontext({})) as spent:
+        for call in range(calls + 2):  # (two warm-ups: compiles, first shapes)
+            state["spent"] = 0.0
+            spent.clear()
+            start = time.perf_counter()
+            target.generate(**prompts(rows), **kwargs)
+            total = time.perf_counter() - start
+            if call >= 2:
+                rounds = rounds_of_last_call()
+                samples.append(1000 * (total - state["spent"]) / rounds)
+                for name, seconds in spent.items():
+                    parts.setdefault(name, []).append(1000 * seconds / rounds)
+    host = statistics.median(samples)
+    return (host, {name: statistics.median(v) for name, v in parts.items()}) if split else host
 
 
 def host_ops(target, drafter, mode: str, cache: str, rows: int, new_tokens: int) -> float:
@@ -200,7 +225,8 @@ def main():
     parser.add_argument("--ops", action="store_true", help="also the torch operations a round outside the target's "
                         "forward (deterministic)")
     parser.add_argument("--split", action="store_true", help="also the host ms a round in the drafting step "
-                        "(`draft_round`); time one mode a process for it (a mode's compiled graphs stay for the next)")
+                        "(`draft_round`), and in the JSON in each of `STEPS`; time one mode a process for it (a "
+                        "mode's compiled graphs stay for the next)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     os.environ.setdefault("EAGLE_HF_COST_CACHE", "off")
@@ -218,8 +244,9 @@ def main():
                 row = {}  # (timed first: the probes' modes, once a compiled forward ran under them, leave it
                 # recompiled for them, and a static case timed after them measured up to three times its time)
                 if not args.no_time and args.split:
-                    row["host ms"], row["drafting ms"] = host_ms(target, drafter, mode, cache, rows, args.new_tokens,
-                                                                 args.calls, split=True)
+                    row["host ms"], parts = host_ms(target, drafter, mode, cache, rows, args.new_tokens, args.calls,
+                                                    split=True)
+                    row.update({f"{name} ms": ms for name, ms in parts.items()})
                 elif not args.no_time:
                     row["host ms"] = host_ms(target, drafter, mode, cache, rows, args.new_tokens, args.calls)
                 if args.ops:
@@ -229,7 +256,7 @@ def main():
                 mean = row["reads mean"]
                 print(f"| {cache} | {mode} | {rows} | {row['reads median']} / "
                       f"{'-' if mean is None else f'{mean:.2f}'} | {row.get('host ms', float('nan')):.2f} |"
-                      + (f" {row['drafting ms']:.2f} |" if args.split else "") + (f" {row['ops']:.0f} |" if args.ops else ""),
+                      + (f" {row.get('drafting ms', float('nan')):.2f} |" if args.split else "") + (f" {row['ops']:.0f} |" if args.ops else ""),
                       flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
