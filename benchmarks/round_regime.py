@@ -134,9 +134,6 @@ def rounds_of_last_call() -> int:
     return max(s.cycles + s.fallback_steps + s.final_steps, 1)
 
 
-#: what `host_ms` measured besides its result, for the JSON: the median host ms of a whole call (a round's host time
-#: also moves with how the schedule split the call into rounds: a plain round costs less than a drafting one)
-LAST: dict = {}
 #: the host steps `--split` times apart, each where the measured version has it: the round's drafting step, and
 #: the tree loop's acceptance (the round's read), commit (the caches and the drafter's rows) and verify mask
 STEPS = {"drafting": ("eagle_hf.hf.tree_loop", "draft_round"), "accept": ("eagle_hf.hf.tree_loop", "TreeLoop.accept"),
@@ -176,27 +173,26 @@ def steps_timed():
 
 
 def host_ms(target, drafter, mode: str, cache: str, rows: int, new_tokens: int, calls: int,
-            split: bool = False) -> float | tuple[float, dict]:
-    """Median over `calls` warm calls of (the call's time - its target forwards) / its rounds, in ms; with `split`,
-    also the medians of the same calls' ms a round in each of the `STEPS`."""
+            split: bool = False) -> dict[str, float]:
+    """Medians over `calls` warm calls: "host ms", the call's time less its target forwards over its rounds, in ms;
+    "host ms a call", the same for the whole call (a round's host time also moves with how the schedule split the
+    call into rounds, and every version emits the same tokens: greedy, lossless); with `split`, "<step> ms" a round
+    in each of the `STEPS`."""
     kwargs = run_kwargs(mode, cache, drafter, new_tokens)
-    samples, per_call, parts = [], [], {}
+    samples: dict[str, list[float]] = {}
     with target_forwards(target) as state, (steps_timed() if split else contextlib.nullcontext({})) as spent:
         for call in range(calls + 2):  # (two warm-ups: compiles, first shapes)
             state["spent"] = 0.0
             spent.clear()
             start = time.perf_counter()
             target.generate(**prompts(rows), **kwargs)
-            total = time.perf_counter() - start
+            host = 1000 * (time.perf_counter() - start - state["spent"])
             if call >= 2:
                 rounds = rounds_of_last_call()
-                samples.append(1000 * (total - state["spent"]) / rounds)
-                per_call.append(1000 * (total - state["spent"]))
-                for name, seconds in spent.items():
-                    parts.setdefault(name, []).append(1000 * seconds / rounds)
-    host = statistics.median(samples)
-    LAST["host ms a call"] = statistics.median(per_call)  # (the same tokens in every version: greedy, lossless)
-    return (host, {name: statistics.median(v) for name, v in parts.items()}) if split else host
+                for name, ms in {"host ms": host / rounds, "host ms a call": host,
+                                 **{f"{step} ms": 1000 * sec / rounds for step, sec in spent.items()}}.items():
+                    samples.setdefault(name, []).append(ms)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def host_ops(target, drafter, mode: str, cache: str, rows: int, new_tokens: int) -> float:
@@ -248,14 +244,8 @@ def main():
             for rows in [int(r) for r in args.rows.split(",")]:
                 row = {}  # (timed first: the probes' modes, once a compiled forward ran under them, leave it
                 # recompiled for them, and a static case timed after them measured up to three times its time)
-                if not args.no_time and args.split:
-                    row["host ms"], parts = host_ms(target, drafter, mode, cache, rows, args.new_tokens, args.calls,
-                                                    split=True)
-                    row.update({f"{name} ms": ms for name, ms in parts.items()})
-                elif not args.no_time:
-                    row["host ms"] = host_ms(target, drafter, mode, cache, rows, args.new_tokens, args.calls)
-                row.update(LAST)
-                LAST.clear()
+                if not args.no_time:
+                    row.update(host_ms(target, drafter, mode, cache, rows, args.new_tokens, args.calls, args.split))
                 if args.ops:
                     row["ops"] = host_ops(target, drafter, mode, cache, rows, args.new_tokens)
                 row.update(reads(target, drafter, mode, cache, rows, args.new_tokens))

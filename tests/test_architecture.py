@@ -69,8 +69,8 @@ def test_the_schedule_asks_whether_its_rows_are_a_batch_in_one_place():
 
 def test_a_round_reads_few_modules():
     """A round's plan and record are one module (`rounds`), its drafting one (`drafting`: the drafter's cache, the
-    growth, the layout and the programs that launch them, with their kept storage), its host-to-device copies live with the programs that read them (`eagle_hf.programs`), and
-    eagle_hf/speculation holds at most 15 modules."""
+    growth, the layout and the programs that launch them, with their kept storage), its host-to-device copies live
+    with the programs that read them (`eagle_hf.programs`), and eagle_hf/speculation holds at most 15 modules."""
     stems = {p.stem for p in SPECULATION.glob("*.py")}
     assert not {"round_plan", "transfer", "draft_programs"} & stems
     assert not (ROOT / "eagle_hf" / "drafter" / "graphs.py").exists()

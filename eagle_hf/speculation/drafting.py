@@ -55,7 +55,7 @@ CATCH_UP_CHUNK = 1024
 # ------------------------------------------------------------------ the growth and the layout
 @dataclass
 class Choice:
-    """Children chosen for k expanded nodes, c each (device tensors: `read_choices` reads a level's at once)."""
+    """Children chosen for k expanded nodes, c each (device tensors: `tree_layout` lays them out on the device)."""
 
     tokens: torch.Tensor  # [k, c] target-vocabulary ids
     logp: torch.Tensor  # [k, c] log-probability of each child under the distribution it was chosen from
