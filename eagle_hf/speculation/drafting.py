@@ -298,31 +298,47 @@ def laid_out(trees: list[DraftTree], width: int, positions: list[int], device: t
         arrays["real"] = [b * width + n for b, t in enumerate(trees) for n in range(t.size)]
     if width > 1:  # (a plain round's root alone: its tokens and positions)
         arrays["depths"] = [t.host.depths + [0] * p for t, p in zip(trees, pad)]
-        seen = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)  # [B, W, W] (host)
-        seen[:, :, 0] = True
-        for b, t in enumerate(trees):
-            seen[b, : t.size, : t.size] = t.ancestor_mask()
-        arrays["ancestors"] = seen
+        arrays["ancestors"] = [row for t in trees for row in ancestor_rows(t.host.parents, width)]  # [B*W][W]
     host = pack(torch.device(device), **arrays)
-    ancestors = host["ancestors"].bool() if width > 1 else None
+    ancestors = host["ancestors"].view(len(trees), width, width).bool() if width > 1 else None
     return (TreeLayout(host["tokens"], host.get("depths"), ancestors, None, host.get("parents"), host.get("real")),
             host["positions"])
 
 
-def with_copies(laid: TreeLayout, positions: torch.Tensor, copies: TreeLayout) -> tuple[TreeLayout, torch.Tensor]:
+def ancestor_rows(parents: list[int], width: int) -> list[list[int]]:
+    """A host tree's ancestor mask as `width` rows of 0/1 (parents before children): node i sees its ancestors
+    and itself; the padding nodes after the tree see the root and themselves."""
+    rows: list[list[int]] = []
+    for i, parent in enumerate(parents):
+        row = rows[parent].copy() if parent >= 0 else [0] * width
+        row[i] = 1
+        rows.append(row)
+    for i in range(len(parents), width):
+        row = [0] * width
+        row[0] = row[i] = 1
+        rows.append(row)
+    return rows
+
+
+def with_copies(laid: TreeLayout, positions: torch.Tensor, copies: list[DraftTree], width: int
+                ) -> tuple[TreeLayout, torch.Tensor]:
     """The layout with each row's copy branches after its drafter's W nodes: `copies`, each row's root and its
-    copy branches laid out by the host, which knew them before the round (`laid_out`: C nodes after the root); a
-    copy node sees the root, its ancestors and itself. positions [B, W]: the drafter's verify positions. Returns
-    the layout of W + C nodes and its positions [B, W + C] (the host part stays the drafter's: the host holds the
-    copies)."""
+    copy branches as the host holds them (it knew them before the round), laid out in `width` (C) nodes after
+    the drafter's (padding nodes as `laid_out`'s), in one host-to-device copy; a copy node sees the root, its
+    ancestors and itself. positions [B, W]: the drafter's verify positions. Returns the layout of W + C nodes and
+    its positions [B, W + C] (the host part stays the drafter's: the host holds the copies)."""
     rows, w = laid.tokens.shape
-    c = copies.tokens.shape[1] - 1
-    seen = laid.ancestors.new_zeros(rows, w + c, w + c)  # [B, W + C, W + C]
-    seen[:, :w, :w] = laid.ancestors
-    seen[:, w:, w:] = copies.ancestors[:, 1:, 1:]
-    seen[:, w:, 0] = True
-    depths = copies.depths[:, 1:]  # [B, C]
-    return (TreeLayout(torch.cat([laid.tokens, copies.tokens[:, 1:]], 1), torch.cat([laid.depths, depths], 1), seen,
+    arrays = {"tokens": [], "depths": [], "ancestors": []}
+    for tree in copies:
+        h, pad = tree.host, width + 1 - tree.size
+        arrays["tokens"].append(h.tokens[1:] + h.tokens[:1] * pad)
+        arrays["depths"].append(h.depths[1:] + [0] * pad)
+        arrays["ancestors"] += [row[:1] + [0] * (w - 1) + row[1:] for row in ancestor_rows(h.parents, width + 1)[1:]]
+    host = pack(laid.tokens.device, **arrays)
+    seen = torch.cat([torch.nn.functional.pad(laid.ancestors, (0, width)),
+                      host["ancestors"].view(rows, width, w + width).bool()], 1)  # [B, W + C, W + C]
+    depths = host["depths"]  # [B, C]
+    return (TreeLayout(torch.cat([laid.tokens, host["tokens"]], 1), torch.cat([laid.depths, depths], 1), seen,
                        laid.host), torch.cat([positions, positions[:, :1] + depths], 1))
 
 

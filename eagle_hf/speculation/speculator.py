@@ -343,14 +343,13 @@ class PendingTrees:
         return self.layout.host.flatten().tolist()
 
     def graft_copies(self) -> None:
-        """Each row's copy branches into the layout, after the drafter's nodes (laid out as the host's trees are,
-        `laid_out`: one host-to-device copy)."""
+        """Each row's copy branches into the layout, after the drafter's nodes (`with_copies`: laid out as the
+        host's trees are, in one host-to-device copy)."""
         if not self.copy_width:
             return
         order = sorted(range(len(self.speculators)), key=lambda i: self.speculators[i].cache_row.slot)
         trees = [self.copies[i] or DraftTree.root(self.roots[i]) for i in order]
-        copies, _ = laid_out(trees, self.copy_width + 1, [0] * len(trees), self.layout.tokens.device)
-        self.layout, self.positions = with_copies(self.layout, self.positions, copies)
+        self.layout, self.positions = with_copies(self.layout, self.positions, trees, self.copy_width)
 
     def settle(self, values: list[float], grafted: bool = False) -> tuple[list[DraftTree], list[list[int]] | None]:
         """The rows' trees from the layout's host part read as `values`, each with its copy branches, and each
