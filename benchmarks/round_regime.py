@@ -134,10 +134,12 @@ def rounds_of_last_call() -> int:
     return max(s.cycles + s.fallback_steps + s.final_steps, 1)
 
 
-#: the host steps `--split` times apart, each where the measured version has it: the round's drafting step, and
-#: the tree loop's acceptance (the round's read), commit (the caches and the drafter's rows) and verify mask
-STEPS = {"drafting": ("eagle_hf.hf.tree_loop", "draft_round"), "accept": ("eagle_hf.hf.tree_loop", "TreeLoop.accept"),
-         "commit": ("eagle_hf.hf.tree_loop", "TreeLoop.commit"),
+#: the host steps `--split` times apart, each where the measured version has it: the round's drafting step, the
+#: copy branches grafted into the verify's layout, and the tree loop's acceptance (the round's read), commit (the
+#: caches and the drafter's rows) and verify mask
+STEPS = {"drafting": ("eagle_hf.hf.tree_loop", "draft_round"),
+         "copy branches": ("eagle_hf.speculation.speculator", "PendingTrees.graft_copies"),
+         "accept": ("eagle_hf.hf.tree_loop", "TreeLoop.accept"), "commit": ("eagle_hf.hf.tree_loop", "TreeLoop.commit"),
          "verify mask": ("eagle_hf.hf.tree_loop", "TreeLoop.verify_mask")}
 
 

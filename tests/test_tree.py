@@ -8,7 +8,7 @@ from conftest import patch_drafts, tiny_drafter, tiny_target, tree_attention_mas
 
 import eagle_hf
 from eagle_hf.hf.version import cache_kwarg, output_cache
-from eagle_hf.speculation.drafting import laid_out
+from eagle_hf.speculation.drafting import laid_out, with_copies
 from eagle_hf.speculation.tree import DraftTree, accept_greedy, accept_sampling, verify, verify_greedy
 
 #      0 (root)
@@ -53,6 +53,27 @@ def test_batched_tree_mask_hides_holes_and_padding_nodes():
     assert mask[1, 0, 0, 3:].tolist() == [True] + [False] * 6  # the root sees itself
     assert (mask[1, 0, 1:, 4:] == torch.eye(6, dtype=torch.bool)).all()  # padding nodes: themselves ...
     assert mask[1, 0, 1:, 3].all()  # ... and the root
+
+
+def test_copy_branches_are_laid_out_after_the_drafters_nodes():
+    """A drafter's chain (root 7, then 1 and 2) and the copy branches [3, 4] and [5] beside it, in 4 columns (one a
+    padding node): each copy node sees the root, its own ancestors and itself, never a drafter node."""
+    chain = DraftTree.of_lists([7, 1, 2], [-1, 0, 1], [0.0, -0.1, -0.2])
+    copies = DraftTree.of_lists([7, 3, 4, 5], [-1, 0, 1, 0], [0.0, -0.1, -0.2, -0.3])
+    laid, positions = laid_out([chain], 3, [10], "cpu")
+    layout, positions = with_copies(laid, positions, [copies], 4)
+    assert layout.tokens.tolist() == [[7, 1, 2, 3, 4, 5, 7]]
+    assert layout.depths.tolist() == [[0, 1, 2, 1, 2, 1, 0]]
+    assert positions.tolist() == [[10, 11, 12, 11, 12, 11, 10]]
+    assert layout.ancestors.int().tolist() == [[
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0],
+        [1, 0, 0, 1, 0, 0, 0],
+        [1, 0, 0, 1, 1, 0, 0],
+        [1, 0, 0, 0, 0, 1, 0],
+        [1, 0, 0, 0, 0, 0, 1],
+    ]]
 
 
 def test_greedy_acceptance_takes_the_longest_matching_path():
