@@ -41,7 +41,7 @@ import torch
 from ..drafter.modeling import KV, DraftStep, EagleDrafter, KVWriter
 from ..programs import Program, pack, to_device
 from .ragged import KeptMask, Ragged, SlotBuffers, new_buffers
-from .tree import DraftTree
+from .tree import DraftTree, ancestor_rows
 
 #: catch-ups of at most this many rows per row use the kept attention mask (a prompt's build their own)
 KEPT_MASK_ROWS = 64
@@ -303,21 +303,6 @@ def laid_out(trees: list[DraftTree], width: int, positions: list[int], device: t
     ancestors = host["ancestors"].view(len(trees), width, width).bool() if width > 1 else None
     return (TreeLayout(host["tokens"], host.get("depths"), ancestors, None, host.get("parents"), host.get("real")),
             host["positions"])
-
-
-def ancestor_rows(parents: list[int], width: int) -> list[list[int]]:
-    """A host tree's ancestor mask as `width` rows of 0/1 (parents before children): node i sees its ancestors
-    and itself; the padding nodes after the tree see the root and themselves."""
-    rows: list[list[int]] = []
-    for i, parent in enumerate(parents):
-        row = rows[parent].copy() if parent >= 0 else [0] * width
-        row[i] = 1
-        rows.append(row)
-    for i in range(len(parents), width):
-        row = [0] * width
-        row[0] = row[i] = 1
-        rows.append(row)
-    return rows
 
 
 def with_copies(laid: TreeLayout, positions: torch.Tensor, copies: list[DraftTree], width: int

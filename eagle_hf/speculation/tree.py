@@ -133,12 +133,7 @@ class DraftTree:
 
     def ancestor_mask(self) -> torch.Tensor:
         """bool [N+1, N+1]: row i sees node j iff j is i or an ancestor of i."""
-        n = self.size
-        rows = [[False] * n for _ in range(n)]
-        for i in range(n):
-            for j in self.host.path(i):
-                rows[i][j] = True
-        return torch.tensor(rows, dtype=torch.bool)
+        return torch.tensor(ancestor_rows(self.host.parents, self.size), dtype=torch.bool)
 
     def paths(self) -> list[list[int]]:
         """Root-to-leaf node paths (one per leaf), in node order of their leaves."""
@@ -152,6 +147,21 @@ class DraftTree:
         paths = self.paths()
         width = max(len(p) for p in paths)
         return torch.tensor([p + [-1] * (width - len(p)) for p in paths], dtype=torch.long)
+
+
+def ancestor_rows(parents: list[int], width: int) -> list[list[int]]:
+    """A host tree's ancestor mask as `width` rows of 0/1 (parents before children): node i sees its ancestors
+    and itself; the padding nodes after the tree see the root and themselves."""
+    rows: list[list[int]] = []
+    for i, parent in enumerate(parents):
+        row = rows[parent].copy() if parent >= 0 else [0] * width
+        row[i] = 1
+        rows.append(row)
+    for i in range(len(parents), width):
+        row = [0] * width
+        row[0] = row[i] = 1
+        rows.append(row)
+    return rows
 
 
 @dataclass
