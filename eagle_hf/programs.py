@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -61,8 +62,9 @@ def _body():
 #: torch.compile's recompile limit per function while programs compile (one graph per shape: rows, widths,
 #: buckets); its default 8 would run later shapes eagerly
 RECOMPILE_ROOM = 64
-#: the compiled bodies, one per function: programs of the same function and shapes share its graph
-_COMPILED: dict[Callable, Callable] = {}
+#: the compiled bodies, one per function and `signature`: programs of the same function, signature and shapes share
+#: a graph
+_COMPILED: dict[tuple, Callable] = {}
 
 
 class Program:
@@ -97,10 +99,11 @@ class Program:
         if made:
             global CAPTURES
             CAPTURES += 1
-            if self.function not in _COMPILED:
-                _COMPILED[self.function] = torch.compile(self.function, fullgraph=True, dynamic=False,
-                                                         options=_options(self.args))
-            self._run = _COMPILED[self.function]
+            key = (self.function, signature(first, self.args))
+            if key not in _COMPILED:
+                _COMPILED[key] = torch.compile(_own_code(self.function), fullgraph=True, dynamic=False,
+                                               options={**_options(self.args), "guard_filter_fn": _global_state_guards})
+            self._run = _COMPILED[key]
             config = torch._dynamo.config
             config.recompile_limit = max(config.recompile_limit, RECOMPILE_ROOM)
         try:
@@ -153,6 +156,62 @@ def _options(args: tuple) -> dict:
     static compiled path's host time a round)."""
     devices = {a.device.type for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)}
     return {"cpp_wrapper": True} if devices == {"cpu"} else {}
+
+
+def signature(first: tuple, args: tuple) -> tuple:
+    """What a compiled program's graph depends on that its launches do not check (`_launch_guards`): the structure
+    of its arguments and their numbers, and everything its modules hold (classes, settings, configuration, hooks,
+    their tensors' shapes, dtypes, devices and sharing). Read once, when the program is made: a program is made
+    again when its drafter's weights move (`eagle_hf.speculation.drafting.LevelGraphs`)."""
+    leaves, spec = torch.utils._pytree.tree_flatten((first, args))
+    seen: dict[int, int] = {}
+    return str(spec), tuple(_held(leaf, seen) for leaf in leaves)
+
+
+#: attributes every module has: its parameters, buffers, submodules and hooks (read apart)
+_MODULE_ATTRIBUTES = frozenset(vars(torch.nn.Module()))
+
+
+def _held(value: Any, seen: dict[int, int]) -> Any:
+    """`value` as a hashable description of what a graph reads of it; a tensor by shape, dtype, device, stride and
+    the place in `seen` of the first tensor on its storage (storage address -> place)."""
+    if isinstance(value, torch.Tensor):
+        first = seen.setdefault(value.untyped_storage().data_ptr(), len(seen))
+        return "tensor", tuple(value.shape), value.dtype, value.device, value.stride(), first
+    if isinstance(value, torch.nn.Module):
+        hooks = tuple(len(getattr(value, name)) for name in sorted(_MODULE_ATTRIBUTES) if "hooks" in name)
+        tensors = tuple((name, _held(t, seen)) for name, t in (*value._parameters.items(), *value._buffers.items())
+                        if t is not None)
+        held = tuple((name, _held(v, seen)) for name, v in sorted(vars(value).items())
+                     if name not in _MODULE_ATTRIBUTES)
+        children = tuple((name, _held(m, seen)) for name, m in value._modules.items() if m is not None)
+        return type(value), value.training, hooks, tensors, held, children
+    if hasattr(value, "to_json_string"):  # (a model's configuration)
+        return type(value), value.to_json_string(use_diff=False)
+    if isinstance(value, (list, tuple)):
+        return type(value), tuple(_held(v, seen) for v in value)
+    if isinstance(value, dict):
+        return type(value), tuple((k, _held(v, seen)) for k, v in value.items())
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return value
+    return type(value)  # (functions, classes: the code the graph traced)
+
+
+def _global_state_guards(entries: list) -> list[bool]:
+    """Which of torch.compile's guards a compiled program's launch checks: those on the global state alone (grad
+    mode, default device, deterministic algorithms). Its arguments' are read once, when the program is made
+    (`signature`, the key of its graph), and its code is the program's: a module's hundreds of guards (its
+    attributes' types, empty hook dictionaries, each parameter) cost a launch about 150 µs on a 2-core CPU."""
+    return [not entry.name for entry in entries]
+
+
+def _own_code(function: Callable) -> Callable:
+    """`function` with a code object of its own. torch.compile keeps its graphs on the code object and tells them
+    apart by their guards alone: graphs of two signatures of one function must not meet there."""
+    own = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                             function.__defaults__, function.__closure__)
+    own.__kwdefaults__ = function.__kwdefaults__
+    return own
 
 
 def how_to_run(device: torch.device, compiled: bool) -> str:

@@ -186,7 +186,7 @@ def test_a_call_in_inference_mode_leaves_storage_a_later_call_can_write(levels_r
     assert torch.equal(target.generate(REPEAT, **call), first)
 
 
-def test_levels_follow_the_drafter_s_weights_and_let_it_go():
+def test_levels_follow_the_drafter_s_weights_and_setting_and_let_it_go():
     import gc
     import weakref
 
@@ -194,6 +194,9 @@ def test_levels_follow_the_drafter_s_weights_and_let_it_go():
     kept = LevelGraphs.for_drafter(drafter)
     assert LevelGraphs.for_drafter(drafter) is kept
     drafter.to(torch.float64)  # (new storage for every weight: captured graphs would read the old)
+    assert LevelGraphs.for_drafter(drafter) is not kept
+    kept = LevelGraphs.for_drafter(drafter)
+    drafter.config.norm_output = not drafter.config.norm_output  # (the setting its forward reads: compiled in)
     assert LevelGraphs.for_drafter(drafter) is not kept
     gone = weakref.ref(drafter)
     del drafter, kept

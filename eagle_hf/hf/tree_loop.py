@@ -106,6 +106,7 @@ class TreeLoop:
         self.cache.how = how_to_run(input_device(target), compiled is not None)  # its commits' programs
         self.tree_kwargs = routed_kernel(target)  # a drafting round's verify forward: eagle_hf's tree attention
         self.device = input_device(target)  # where the inputs go (looked up once: it walks the modules)
+        self.dtype = target.dtype  # its masks' (the same)
         # (None: never; nor where an indexer selects keys among the committed slots: `eagle_hf.hf.indexed`)
         self.split_from = None if has_indexed_layers(target) else split_keys_from(self.tree_kwargs, self.cache,
                                                                                   compiled, self.device)
@@ -319,7 +320,7 @@ class TreeLoop:
             tree = torch.ones(rows, 1, 1, dtype=torch.bool, device=positions.device)  # [B, 1, 1] each its root
         if tree is None:
             return self.cache.padding_mask(rows)
-        mask = self.cache.tree_mask(tree.bool(), self.target.dtype)  # [B, 1, N, C]: L committed, N nodes, rest hidden
+        mask = self.cache.tree_mask(tree.bool(), self.dtype)  # [B, 1, N, C]: L committed, N nodes, rest hidden
         if self.windows is None:
             return mask
         length = self.cache.length

@@ -660,12 +660,14 @@ class SlotWriter:
 
 
 def weights_of(drafter: EagleDrafter) -> tuple:
-    """Where the drafter's weights and buffers live now (and the target embedding it borrows): what its graphs read."""
+    """Where the drafter's weights and buffers live now (and the target embedding it borrows), and the setting its
+    forward reads: what its graphs read (a compiled program reads the rest of the drafter when it is made,
+    `eagle_hf.programs.signature`)."""
     tensors = [*drafter.parameters(), *drafter.buffers()]
     embedding = getattr(drafter, "_target_embedding", None)
     if embedding is not None:
         tensors.append(embedding.weight)
-    return tuple((t.data_ptr(), t.dtype, t.device) for t in tensors)
+    return (*((t.data_ptr(), t.dtype, t.device) for t in tensors), drafter.config.norm_output)
 
 
 class LevelGraphs:

@@ -1,0 +1,56 @@
+"""`eagle_hf.programs`: a program launched eagerly or compiled is the same arithmetic. A compiled launch checks only
+its arguments' tensors, numbers and the global state; what its modules hold is read when the program is made
+(`programs.signature`): programs over modules that differ in it never share a graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from eagle_hf import programs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Doubling(nn.Module):
+    """A module whose arithmetic follows a setting held outside its tensors (as a drafter's configuration)."""
+
+    def __init__(self, doubles: bool):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.doubles = doubles
+
+
+def doubled(module: Doubling, x: torch.Tensor, out: torch.Tensor, shift: int) -> torch.Tensor:
+    y = module.linear(x)  # [2, 4]
+    out.copy_((2 * y if module.doubles else y) + shift)
+    return out
+
+
+def test_compiled_programs_follow_their_modules_settings_and_numbers():
+    torch.manual_seed(0)
+    plain, doubling = Doubling(False), Doubling(True)
+    doubling.linear.load_state_dict(plain.linear.state_dict())
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for module, shift in ((plain, 0), (doubling, 0), (plain, 3)):
+            out = torch.zeros(2, 4)
+            launched = programs.Program(doubled, (x, out, shift), "compile")
+            want = doubled(module, x, torch.zeros(2, 4), shift)
+            for _ in range(2):  # (the first launch compiles, the second runs the compiled graph)
+                torch.testing.assert_close(launched(module).clone(), want)
+            assert launched.how == "compile"
+
+
+def test_a_signature_reads_what_modules_hold():
+    a, b = Doubling(False), Doubling(False)
+    x = torch.zeros(2, 4)
+    assert programs.signature((a,), (x, 1)) == programs.signature((b,), (x, 1))
+    b.doubles = True
+    assert programs.signature((a,), (x, 1)) != programs.signature((b,), (x, 1))
+    assert programs.signature((a,), (x, 1)) != programs.signature((a,), (x, 2))
+    assert programs.signature((a,), (x, 1)) != programs.signature((a.to(torch.float64),), (x, 1))
+    handle = a.linear.register_forward_hook(lambda *args: None)
+    assert programs.signature((a,), (x, 1)) != programs.signature((Doubling(False),), (x, 1))
+    handle.remove()
