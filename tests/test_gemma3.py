@@ -10,11 +10,8 @@ from eagle_hf import EagleDrafter, load_target
 
 PARAGRAPH = ("The river rises in the northern hills and runs south through the valley, past the old mill, the "
              "market town and the long stone bridge, before it turns east towards the sea. ")
-PROMPTS = [
-    "The capital of France is",
+PROMPTS = [  # (a short one inside the window, a long one past it: each of the 262k-vocabulary forwards is slow)
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Monday, Tuesday, Wednesday, Thursday,",
-    "Once upon a time, in a small village by the sea, there lived",
     PARAGRAPH * 24 + "The river rises in the",  # about 700 tokens: past the 512-token window
 ]
 MODES = {"default": {}, "tree": dict(draft_mode="tree", num_assistant_tokens_schedule="constant"),
