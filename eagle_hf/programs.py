@@ -60,11 +60,10 @@ def _body():
         _DEPTH -= 1
 
 
-#: torch.compile's recompile limit per function while programs compile (one graph per shape: rows, widths,
-#: buckets); its default 8 would run later shapes eagerly
+#: graphs a function's programs compile in a process (one a `signature`: rows, widths, buckets, drafters); the
+#: programs of later signatures run eagerly, as torch.compile's recompile limit has them
 RECOMPILE_ROOM = 64
-#: the compiled bodies, one per function and `signature`: programs of the same function, signature and shapes share
-#: a graph
+#: the compiled bodies, one per function and `signature`: programs of the same function and signature share a graph
 _COMPILED: dict[tuple, Callable] = {}
 
 
@@ -101,12 +100,14 @@ class Program:
             global CAPTURES
             CAPTURES += 1
             key = (self.function, signature(first, self.args))
+            if key not in _COMPILED and sum(function is self.function for function, _ in _COMPILED) >= RECOMPILE_ROOM:
+                logger.info("The %s runs eagerly: %d graphs of it are compiled already", self.name, RECOMPILE_ROOM)
+                self.how = "eager"
+                return self.body(*first)
             if key not in _COMPILED:
                 _COMPILED[key] = torch.compile(_own_code(self.function), fullgraph=True, dynamic=False,
                                                options={**_options(self.args), "guard_filter_fn": _global_state_guards})
             self._run = _COMPILED[key]
-            config = torch._dynamo.config
-            config.recompile_limit = max(config.recompile_limit, RECOMPILE_ROOM)
         try:
             if not made:
                 return self._run(*first, *self.args)

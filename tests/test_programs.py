@@ -54,3 +54,14 @@ def test_a_signature_reads_what_modules_hold():
     handle = a.linear.register_forward_hook(lambda *args: None)
     assert programs.signature((a,), (x, 1)) != programs.signature((Doubling(False),), (x, 1))
     handle.remove()
+
+
+def test_a_function_compiles_a_bounded_number_of_graphs(monkeypatch):
+    """Past `RECOMPILE_ROOM` signatures of one function (a long-lived process meeting many shapes), later programs
+    run eagerly, the same arithmetic."""
+    monkeypatch.setattr(programs, "RECOMPILE_ROOM", 0)
+    module, x = Doubling(True), torch.randn(2, 4)
+    launched = programs.Program(doubled, (x, torch.zeros(2, 4), 1), "compile")
+    with torch.no_grad():
+        torch.testing.assert_close(launched(module), doubled(module, x, torch.zeros(2, 4), 1))
+    assert launched.how == "eager"
