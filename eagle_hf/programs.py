@@ -161,7 +161,7 @@ def _options(args: tuple) -> dict:
 
 
 def signature(first: tuple, args: tuple) -> tuple:
-    """What a compiled program's graph depends on that its launches do not check (`_launch_guards`): the structure
+    """What a compiled program's graph depends on that its launches do not check (`_global_state_guards`): the structure
     of its arguments and their numbers, and everything its modules hold (classes, settings, configuration, hooks,
     their tensors' shapes, dtypes, devices and sharing). Read once, when the program is made: a program is made
     again when its drafter's weights move (`eagle_hf.speculation.drafting.LevelGraphs`)."""
