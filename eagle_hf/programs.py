@@ -100,14 +100,15 @@ class Program:
             global CAPTURES
             CAPTURES += 1
             key = (self.function, signature(first, self.args))
-            if key not in _COMPILED and sum(function is self.function for function, _ in _COMPILED) >= RECOMPILE_ROOM:
-                logger.info("The %s runs eagerly: %d graphs of it are compiled already", self.name, RECOMPILE_ROOM)
-                self.how = "eager"
-                return self.body(*first)
-            if key not in _COMPILED:
-                _COMPILED[key] = torch.compile(_own_code(self.function), fullgraph=True, dynamic=False,
-                                               options={**_options(self.args), "guard_filter_fn": _global_state_guards})
-            self._run = _COMPILED[key]
+            self._run = _COMPILED.get(key)
+            if self._run is None:
+                if sum(function is self.function for function, _ in _COMPILED) >= RECOMPILE_ROOM:
+                    logger.info("The %s runs eagerly: %d graphs of it are compiled already", self.name, RECOMPILE_ROOM)
+                    self.how = "eager"
+                    return self.body(*first)
+                self._run = _COMPILED[key] = torch.compile(
+                    _own_code(self.function), fullgraph=True, dynamic=False,
+                    options={**_options(self.args), "guard_filter_fn": _global_state_guards})
         try:
             if not made:
                 return self._run(*first, *self.args)
