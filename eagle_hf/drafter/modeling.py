@@ -33,15 +33,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # x * rsqrt(mean(x^2) + eps) in float32, cast back, then the weight (as EAGLE's and Llama's norm); the
+        # normalisation as one call (eager: one Python call where it was five)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE: ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``, written as a roll of the
+    halves against `Rotary`'s sin, whose first half is negated (sign flips are exact: the same numbers)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class Rotary(nn.Module):
@@ -67,10 +67,13 @@ class Rotary(nn.Module):
         return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [B, T] -> cos, sin: [B, 1, T, head_dim]
-        freqs = positions[..., None].float() * self.inv_freq.float().to(positions.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype)[:, None], (emb.sin() * self.scaling).to(dtype)[:, None]
+        """positions [B, T] -> cos, sin [B, 1, T, head_dim], the angles' halves repeated, sin's first half
+        negated (`rotate`)."""
+        freqs = positions[:, None, :, None].float() * self.inv_freq.float().to(positions.device)  # [B, 1, T, d/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
 
 
 @dataclass
@@ -132,8 +135,7 @@ class EagleAttention(nn.Module):
         q = self.q_proj(u).view(b, t, self.heads, self.head_dim).transpose(1, 2)  # [B, h, T, d]
         k = self.k_proj(u).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kvh, T, d]
         v = self.v_proj(u).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         new = KV(k, v)
         full = past.extended(new) if past is not None else new
         if mask is None and full.length > t:  # past fully visible, causal among the new rows
