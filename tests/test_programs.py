@@ -65,3 +65,29 @@ def test_a_function_compiles_a_bounded_number_of_graphs(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(launched(module), doubled(module, x, torch.zeros(2, 4), 1))
     assert launched.how == "eager"
+
+
+def test_a_compiled_launch_skips_torch_compile_s_entry_while_the_global_state_holds():
+    """A compiled program's later launches run its graph directly (no torch.compile entry: no guard lookup) while
+    the global state is the one it was compiled in; under another (deterministic algorithms) its guarded entry
+    compiles the graph for that state. The same arithmetic either way."""
+    module, x = Doubling(True), torch.randn(2, 4)
+    want = doubled(module, x, torch.zeros(2, 4), 1).detach()
+    launched = programs.Program(doubled, (x, torch.zeros(2, 4), 2), "compile")  # (a signature of its own)
+    with torch.no_grad():
+        launched(module)  # (compiles)
+    entered = []
+    guarded = launched._run.guarded
+    launched._run.guarded = lambda *args: (entered.append(1), guarded(*args))[1]
+    with torch.no_grad():
+        torch.testing.assert_close(launched(module).clone(), want + 1)
+    assert not entered and launched.how == "compile"
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch.use_deterministic_algorithms(True)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(launched(module).clone(), want + 1)
+    finally:
+        torch.use_deterministic_algorithms(False)
+        launched._run.guarded = guarded
+    assert entered and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
