@@ -188,14 +188,17 @@ def tree_layout(kept: list[tuple], roots: torch.Tensor, k: int, width: int, min_
     tokens, scores = candidates(kept)  # [B, M] each
     index = torch.arange(tokens.shape[1], device=device)  # [M] level l's k^2 candidates from k + (l - 1) k^2 on
     # each level's frontier (its k candidates that grew children): the first level's all, then `order`'s picks
-    frontier = [index[:k].expand(rows, k)] + [order + (k + (level - 1) * k * k)
-                                              for level, (_, _, order) in enumerate(kept[1:-1], start=1)]
-    parents = torch.cat([torch.full_like(tokens0, -1)] + [f[..., None].expand(rows, k, k).flatten(1)
-                                                           for f in frontier], 1)  # [B, M] -1: the root
-    first_born = index[:k] < 1  # [k] the first child drafted below a node
-    greedy = first_born.expand(rows, k)  # [B, M so far] on the greedy chain: first-born all the way up
-    for f in frontier:
-        greedy = torch.cat([greedy, (greedy.gather(1, f)[..., None] & first_born).flatten(1)], 1)
+    frontier = torch.cat([index[:k].expand(rows, k)] + [order + (k + (level - 1) * k * k)
+                                                        for level, (_, _, order) in enumerate(kept[1:-1], start=1)],
+                         1)  # [B, F]
+    parents = torch.cat([torch.full_like(tokens0, -1), frontier[..., None].expand(-1, -1, k).flatten(1)],
+                        1)  # [B, M] -1: the root
+    # on the greedy chain: the first child drafted below a node (a candidate's place among its siblings is its
+    # index mod k), first-born all the way up: one level more each pass
+    first_born = index % k == 0  # [M]
+    greedy, up = first_born & (parents < 0), parents.clamp(min=0)  # [B, M] (the root's first child)
+    for _ in range(len(kept) - 1):
+        greedy = first_born & greedy.gather(1, up)
     m, n = tokens.shape[1], width - 1  # [B, M] each
     eligible = (scores > -math.inf) & (scores >= min_logp)
     if m < n:  # (fewer candidates than room: padding candidates, never eligible)
@@ -204,28 +207,30 @@ def tree_layout(kept: list[tuple], roots: torch.Tensor, k: int, width: int, min_
                                                                                           greedy))
         eligible = torch.nn.functional.pad(eligible, (0, pad))
         m = n
+    number = torch.arange(1, n + 1, device=device)  # [n] a node's number among the root's
     best = torch.sort(torch.where(eligible, scores, -math.inf), dim=1, descending=True, stable=True).indices[:, :n]
-    chosen = eligible.gather(1, best) & (number_of(best) < sizes)  # [B, n] real nodes, within the row's size
-    order = torch.where(chosen, best + m * (~greedy.gather(1, best)).long(), 2 * m)  # the chain first, padding last
+    chosen = eligible.gather(1, best) & (number < sizes)  # [B, n] real nodes, within the row's size
+    # the chain first, then drafting order, padding last
+    order = torch.where(chosen, torch.where(greedy.gather(1, best), best, best + m), 2 * m)
     picked = torch.sort(order, dim=1).values  # [B, n]
     real = picked < 2 * m
     picked = picked % m
-    number = number_of(picked)
-    node_of = tokens.new_zeros(rows, m + 1).scatter_(1, torch.where(real, picked, m), number)  # candidate -> node
+    node_of = tokens.new_zeros(rows, m + 1).scatter_(1, torch.where(real, picked, m), number.expand(rows, n))
     parent = parents.gather(1, picked)
     parent = torch.where(real & (parent >= 0), node_of.gather(1, parent.clamp(min=0)), 0)  # [B, n] node indices
     node_tokens = torch.where(real, tokens.gather(1, picked), roots[:, None])
-    node_depths = torch.where(real, torch.where(picked < k, 1, 2 + (picked - k).clamp(min=0) // (k * k)), 0)
     node_scores = torch.where(real, scores.gather(1, picked), 0.0)
-    chain = torch.cat([parent.new_zeros(rows, 1), parent], 1)  # [B, W] each node's parent (the root's: itself)
-    seen = torch.eye(width, dtype=torch.bool, device=tokens.device).repeat(rows, 1, 1)  # [B, W, W]
-    up = torch.where(torch.cat([real.new_ones(rows, 1), real], 1), chain, 0)  # padding nodes: below the root
+    chain = torch.cat([parent.new_zeros(rows, 1), parent], 1)[..., None]  # [B, W, 1] each node's parent (the
+    # root's: itself)
+    full = torch.cat([real.new_ones(rows, 1), real], 1)  # [B, W] the root and the real nodes
+    seen = torch.eye(width, dtype=torch.bool, device=device).repeat(rows, 1, 1)  # [B, W, W]
+    up = torch.where(full[..., None], chain, 0)  # [B, W, 1] padding nodes: below the root
     for _ in range(len(kept)):
-        seen.scatter_(2, up[..., None], True)
+        seen.scatter_(2, up, True)
         up = chain.gather(1, up)
-    host = torch.cat([node_tokens.double(), parent.double(), node_scores, real.sum(1, keepdim=True).double()], 1)
-    return TreeLayout(torch.cat([roots[:, None], node_tokens], 1), torch.cat([parent.new_zeros(rows, 1),
-                                                                             node_depths], 1), seen, host)
+    depths = torch.where(full, seen.sum(2) - 1, 0)  # [B, W] a real node's ancestors, the root's included
+    host = torch.cat([node_tokens, parent, node_scores, real.sum(1, keepdim=True)], 1)  # (float64: the scores)
+    return TreeLayout(torch.cat([roots[:, None], node_tokens], 1), depths, seen, host)
 
 
 def prefix_layout(kept: list[tuple], roots: torch.Tensor, width: int, min_logp: float, sizes: torch.Tensor,
