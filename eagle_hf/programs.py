@@ -6,9 +6,8 @@ static buffers only (no host value read, no data-dependent shape), so it can run
 
 * captured once as a CUDA graph and replayed (on CUDA, where the target's forward is compiled);
 * compiled by torch.compile with ``fullgraph=True`` (where compile is forced on another device, as tests do on the
-  CPU): one call into inductor's kernels (on the CPU, called from its generated C++ wrapper), made ahead of its
-  first launch and launched directly, not through torch.compile's entry (`_Direct`). A launch checks the global
-  state alone; what else its graph depends on is read when the program is made (`signature`);
+  CPU): one call into inductor's kernels (on the CPU, called from its generated C++ wrapper), launched directly
+  once compiled, not through torch.compile's entry (`_Direct`). A launch checks the global state alone; what else its graph depends on is read when the program is made (`signature`);
 * eagerly (everywhere else, and whenever capture or compile fails: never the call's failure).
 
 The caller writes a launch's inputs into the program's buffers (``copy_``, in place), calls it, and reads its
@@ -107,15 +106,14 @@ class Program:
                     logger.info("The %s runs eagerly: %d graphs of it are compiled already", self.name, RECOMPILE_ROOM)
                     self.how = "eager"
                     return self.body(*first)
-                graphs = _graphs()
-                self._run = _COMPILED[key] = _compile(self.function, (*first, *self.args), _options(self.args))
-                _count_graphs(graphs)
+                self._run = _COMPILED[key] = _compile(self.function, _options(self.args))
         try:
             if not made:
                 return self._run(*first, *self.args)
             graphs = _graphs()
             out = self._run(*first, *self.args)  # (the first launch compiles, or reuses a graph of the same shapes)
-            _count_graphs(graphs)
+            global GRAPHS
+            GRAPHS += _graphs() - graphs
             return out
         except RuntimeError as err:  # (never the call's failure: the same body runs eagerly; dynamo's and
             # inductor's errors are runtime errors)
@@ -200,39 +198,51 @@ def _held(value: Any, seen: dict[int, int]) -> Any:
     return type(value)  # (functions, classes: the code the graph traced)
 
 
-def _compile(function: Callable, example: tuple, options: dict) -> Callable:
-    """`function` compiled for arguments like `example` (fullgraph, static shapes), launched directly where torch
-    can compile it ahead (``aot_compile``, `_Direct`); else through torch.compile's entry."""
-    guarded = torch.compile(_own_code(function), fullgraph=True, dynamic=False,
-                            options={**options, "guard_filter_fn": _global_state_guards})
-    try:
-        direct = guarded.aot_compile((example, {}))
-        direct.disable_guard_check()
-        return _Direct(direct, guarded)
-    except Exception as err:  # noqa: BLE001  (a private API of torch: whatever fails, the entry compiles the
-        # same graph, or fails as it would have and the program runs eagerly)
-        logger.debug("Programs of %s launch through torch.compile's entry: %s", function.__name__, err)
-        return guarded
+def _compile(function: Callable, options: dict) -> _Direct:
+    """`function` compiled by torch.compile (fullgraph, static shapes), launched directly once compiled (`_Direct`)."""
+    own = _own_code(function)
+    return _Direct(torch.compile(own, fullgraph=True, dynamic=False,
+                                 options={**options, "guard_filter_fn": _global_state_guards}), own)
 
 
 class _Direct:
-    """A compiled graph launched without torch.compile's entry, which looks its graphs up and checks their guards
-    at every call (about 50 µs a launch on a 2-core CPU, more with a module's arguments). What the graph depends
-    on is its `signature`, read when the program is made; the global state (grad mode, deterministic algorithms,
-    ...) is checked at each launch (torch's `GlobalStateGuard`: well under a microsecond). Under another global
-    state it launches through the `guarded` entry, which compiles that state's graph."""
+    """A compiled program's graph launched without torch.compile's entry, which looks a code object's graphs up
+    and checks their guards at every call (about 50 µs a launch on a 2-core CPU, more with a module's
+    arguments). The first launch goes through the `guarded` entry, which compiles the graph (or finds it in
+    inductor's caches); later launches run the code torch.compile made for that graph, which calls it with the
+    arguments' tensors, as the entry would. What the graph depends on is its `signature`, read when the program
+    is made; the global state (grad mode, deterministic algorithms, ...) is checked at each launch (torch's
+    `GlobalStateGuard`: well under a microsecond), and under another state the entry runs (and compiles that
+    state's graph). Where torch does not hand the code out, every launch goes through the entry."""
 
-    def __init__(self, direct: Callable, guarded: Callable):
-        self.direct, self.guarded = direct, guarded
-        self.state = torch._C._dynamo.guards.GlobalStateGuard()  # (the state it was compiled in)
+    def __init__(self, guarded: Callable, own: Callable):
+        self.guarded, self.own = guarded, own
+        self.direct: Callable | None = None
+        self.state = None  # the global state the direct code was compiled in
+        self.looked = False
 
     def __call__(self, *args) -> Any:
-        return self.direct(*args) if self.state.check() else self.guarded(*args)
+        if self.direct is not None and self.state.check():
+            return self.direct(*args)
+        out = self.guarded(*args)
+        if not self.looked:
+            self.looked = True
+            self.direct, self.state = _compiled_code(self.own)
+        return out
 
 
-def _count_graphs(before: int) -> None:
-    global GRAPHS
-    GRAPHS += _graphs() - before
+def _compiled_code(own: Callable) -> tuple[Callable | None, Any]:
+    """The code torch.compile made for `own`'s one graph, as a function of `own`'s arguments, with the global
+    state it holds for (None where there is not exactly one graph, or torch does not hand it out)."""
+    try:
+        entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(own.__code__)
+        if len(entries) != 1:
+            return None, None
+        direct = types.FunctionType(entries[0].code, own.__globals__, own.__name__, own.__defaults__, own.__closure__)
+        return direct, torch._C._dynamo.guards.GlobalStateGuard()
+    except Exception as err:  # noqa: BLE001  (private parts of torch: whatever fails, the entry launches)
+        logger.debug("Programs of %s launch through torch.compile's entry: %s", own.__name__, err)
+        return None, None
 
 
 def _global_state_guards(entries: list) -> list[bool]:

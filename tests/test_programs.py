@@ -68,8 +68,8 @@ def test_a_function_compiles_a_bounded_number_of_graphs(monkeypatch):
 
 
 def test_a_compiled_launch_skips_torch_compile_s_entry_while_the_global_state_holds():
-    """A compiled program's later launches run its graph directly (no torch.compile entry: no guard lookup) while
-    the global state is the one it was compiled in; under another (deterministic algorithms) its guarded entry
+    """A compiled program's later launches run the code torch.compile made for its graph directly (no entry: no
+    guard lookup) while the global state is the one it was compiled in; under another (deterministic algorithms) its guarded entry
     compiles the graph for that state. The same arithmetic either way."""
     module, x = Doubling(True), torch.randn(2, 4)
     want = doubled(module, x, torch.zeros(2, 4), 1).detach()

@@ -195,7 +195,7 @@ def tree_layout(kept: list[tuple], roots: torch.Tensor, k: int, width: int, min_
                         1)  # [B, M] -1: the root
     # on the greedy chain: the first child drafted below a node (a candidate's place among its siblings is its
     # index mod k), first-born all the way up: one level more each pass
-    first_born = index % k == 0  # [M]
+    first_born = index % k < 1  # [M]
     greedy, up = first_born & (parents < 0), parents.clamp(min=0)  # [B, M] (the root's first child)
     for _ in range(len(kept) - 1):
         greedy = first_born & greedy.gather(1, up)
