@@ -7,7 +7,8 @@ static buffers only (no host value read, no data-dependent shape), so it can run
 * captured once as a CUDA graph and replayed (on CUDA, where the target's forward is compiled);
 * compiled by torch.compile with ``fullgraph=True`` (where compile is forced on another device, as tests do on the
   CPU): one call into inductor's kernels (on the CPU, called from its generated C++ wrapper), launched directly
-  once compiled, not through torch.compile's entry (`_Direct`). A launch checks the global state alone; what else its graph depends on is read when the program is made (`signature`);
+  once compiled, not through torch.compile's entry (`_Direct`). A launch checks the global state alone; what
+  else its graph depends on is read when the program is made (`signature`);
 * eagerly (everywhere else, and whenever capture or compile fails: never the call's failure).
 
 The caller writes a launch's inputs into the program's buffers (``copy_``, in place), calls it, and reads its
