@@ -47,22 +47,20 @@ class Candidates:
         self.parent: list[int] = []  # node id of each candidate's parent
         self.score: list[float] = []  # cumulative log-probability
         self.own: list[float] = []  # the candidate's own (conditional) log-probability
-        self.q: list[torch.Tensor | None] = []  # the distribution a sampled candidate was drawn from
         self.depth: list[int] = []  # 1 for the root's children
 
-    def add(self, tokens: list[list[int]], logp: list[list[float]], q_logits: torch.Tensor | None,
-            parents: list[int], parent_scores: list[float]) -> list[int]:
+    def add(self, tokens: list[list[int]], logp: list[list[float]], parents: list[int],
+            parent_scores: list[float]) -> list[int]:
         """Append the chosen children of `parents` (node ids; per parent its tokens and their log-probabilities);
         returns their candidate indices, best first."""
         first = len(self.tokens)
         for r, parent in enumerate(parents):
             depth = 1 if parent == 0 else self.depth[parent - 1] + 1
-            for c, (tok, own) in enumerate(zip(tokens[r], logp[r])):
+            for tok, own in zip(tokens[r], logp[r]):
                 self.tokens.append(tok)
                 self.parent.append(parent)
                 self.own.append(own)
                 self.score.append(parent_scores[r] + own)
-                self.q.append(None if q_logits is None else q_logits[r, c])
                 self.depth.append(depth)
         return sorted(range(first, len(self.tokens)), key=lambda i: -self.score[i])
 
@@ -186,7 +184,7 @@ def _level_step(drafter, state: DraftState, growth: list[_Growth], parent_out: t
 def _choose(drafter, top_k, growth: list[_Growth], logits_of: dict, all_logits: torch.Tensor, paths_of: dict) -> dict:
     """Each growing row's children of its frontier nodes (from ``logits_of[b]`` [k_b, Vd]; `all_logits` [B, k, Vd]
     are every row's at once; ``paths_of[b]``: each node's draft tokens below the root), read in one device-to-host
-    copy: row -> (tokens, log-probabilities, q logits) per expanded node. Rows with the default chooser are chosen
+    copy: row -> (tokens, log-probabilities) per expanded node. Rows with the default chooser are chosen
     together."""
     growing = list(logits_of)
     default = [b for b in growing if growth[b].chooser is None]
@@ -197,12 +195,12 @@ def _choose(drafter, top_k, growth: list[_Growth], logits_of: dict, all_logits: 
         width = batch.tokens.shape[1]
         choices.append(Choice(batch.tokens.flatten(0, 1), batch.logp.flatten(0, 1)))  # [B * k, top_k]
     read = read_choices(choices) if choices else []
-    out = {b: (tokens, logp, c.q_logits) for b, c, (tokens, logp) in zip(custom, choices, read)}
+    out = {b: (tokens, logp) for b, (tokens, logp) in zip(custom, read)}
     if default:
         tokens, logp = read[-1]
         for b in default:
             rows = slice(b * width, b * width + len(paths_of[b]))
-            out[b] = (tokens[rows], logp[rows], None)
+            out[b] = (tokens[rows], logp[rows])
     return out
 
 
@@ -262,7 +260,7 @@ def greedy_chain(cand_parent: list[int]) -> list[bool]:
 def _select(cands: Candidates, root_token: int, total_tokens: int, min_logp: float) -> DraftTree:
     """The best ``total_tokens - 1`` candidates, closed under ancestors, the drafter's greedy chain first
     (`greedy_chain`), then in drafting order: parents before children, siblings in the order drafted."""
-    cand_tokens, cand_parent, cand_score, cand_q = cands.tokens, cands.parent, cands.score, cands.q
+    cand_tokens, cand_parent, cand_score = cands.tokens, cands.parent, cands.score
     n_keep = min(total_tokens - 1, len(cand_tokens))
     # a path's score only falls with depth, so dropping low scores keeps the selection closed under ancestors
     order = sorted((c for c in range(len(cand_tokens)) if cand_score[c] >= min_logp), key=lambda c: (-cand_score[c], c))
@@ -279,11 +277,7 @@ def _select(cands: Candidates, root_token: int, total_tokens: int, min_logp: flo
     tokens = [root_token] + [cand_tokens[c] for c in kept]
     parents = [-1] + [0 if cand_parent[c] == 0 else new_id[cand_parent[c] - 1] for c in kept]
     scores = [0.0] + [cand_score[c] for c in kept]
-    q_logits = None
-    if kept and cand_q[kept[0]] is not None:
-        rows = [cand_q[c] for c in kept]
-        q_logits = torch.cat([torch.zeros_like(rows[0])[None], torch.stack(rows)])  # [N+1, V]
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores), q_logits)
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores))
 
 
 def device_trees(drafter: EagleDrafter, state: DraftState, roots: list[int], logits: torch.Tensor,

@@ -129,14 +129,18 @@ def _callers(name: str) -> dict[str, int]:
 def test_growing_choosing_and_verifying_are_each_implemented_once():
     """A round's trees grow in one function (`grow_levels`, launched eagerly by `draft_trees` or as a program by
     `grow_trees`), their nodes are chosen in one (`tree_layout`, after `grow_levels` in the same two launches), and
-    the target verifies them in one forward (`TreeLoop.verify`, for laid-out and host trees alike). The host's
-    level-by-level growth lives in the tests only (`tests/reference_growth.py`)."""
+    the target verifies them in one forward (`TreeLoop.verify`, for laid-out and host trees alike), and one method
+    accepts (`TreeLoop.accept`: greedy and sampling from the round's one read). The host's level-by-level growth
+    and the node-by-node rejection sampling live in the tests only (`tests/reference_growth.py`,
+    `tests/reference_acceptance.py`)."""
     launches = {"speculation/drafting.draft_trees", "speculation/drafting.grow_trees"}
     assert set(_callers("grow_levels")) == launches
     assert set(_callers("tree_layout")) == launches
     assert set(_callers("verify")) == {"hf/tree_loop.verify_and_commit"}
+    assert set(_callers("verify_greedy")) == set(_callers("accept_drawn")) == {"hf/tree_loop.accept"}
     source = "\n".join(p.read_text() for p in (ROOT / "eagle_hf").rglob("*.py"))
-    for gone in ("class Candidates", "def _select(", "def greedy_chain(", "class FixedLevel", "def read_choices("):
+    for gone in ("class Candidates", "def _select(", "def greedy_chain(", "class FixedLevel", "def read_choices(",
+                 "def accept_sampling(", "q_logits"):
         assert gone not in source, gone
 
 

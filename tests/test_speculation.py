@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_drafter, tiny_target
+from reference_acceptance import accept_sampling
 from scipy import stats as scipy_stats
 from transformers import GenerationConfig
 
@@ -22,7 +23,7 @@ from eagle_hf.speculation.rounds import RoundTiming, Timer, plan_round
 from eagle_hf.speculation.schedule import DraftLengthController
 from eagle_hf.speculation.speculator import Speculator
 from eagle_hf.speculation.stats import SpecDecodeStats
-from eagle_hf.speculation.tree import DraftTree, accept_sampling
+from eagle_hf.speculation.tree import DraftTree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,11 +125,10 @@ def test_sampled_and_deterministic_siblings_are_accepted_exactly():
     first, n = [], 6000
     for _ in range(n):
         x = int(torch.multinomial(q, 1, generator=g))  # the sampled draft
-        tree = DraftTree(torch.tensor([0, x, 3]), torch.tensor([-1, 0, 0]), torch.zeros(3),
-                         q_logits=torch.stack([torch.zeros(vocab), q_logits, torch.zeros(vocab)]))
-        tree.q_logits[2] = torch.full((vocab,), -1e9)
-        tree.q_logits[2, 3] = 0.0  # node 2 is deterministic: one-hot on token 3
-        path, token = accept_sampling(tree, torch.stack([p, p, p]), generator=g)
+        tree = DraftTree(torch.tensor([0, x, 3]), torch.tensor([-1, 0, 0]), torch.zeros(3))
+        q_rows = torch.stack([torch.zeros(vocab), q_logits, torch.full((vocab,), -1e9)])  # [3, V]
+        q_rows[2, 3] = 0.0  # node 2 is deterministic: one-hot on token 3
+        path, token = accept_sampling(tree, torch.stack([p, p, p]), q_rows, generator=g)
         first.append(int(tree.tokens[path[1]]) if len(path) > 1 else token)
     observed = torch.bincount(torch.tensor(first), minlength=vocab).double()
     assert scipy_stats.chisquare(observed.numpy(), (p.double() * n).numpy()).pvalue > 1e-3

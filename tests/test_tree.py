@@ -5,11 +5,12 @@ from unittest import mock
 import pytest
 import torch
 from conftest import patch_drafts, tiny_drafter, tiny_target, tree_attention_mask
+from reference_acceptance import accept_sampling, verify
 
 import eagle_hf
 from eagle_hf.hf.version import cache_kwarg, output_cache
 from eagle_hf.speculation.drafting import laid_out, with_copies
-from eagle_hf.speculation.tree import DraftTree, accept_greedy, accept_sampling, verify, verify_greedy
+from eagle_hf.speculation.tree import DraftTree, accept_greedy, verify_greedy
 
 #      0 (root)
 #     / \

@@ -347,7 +347,7 @@ class TreeLoop:
                 node_scores = process_logits(self.logits_processor, row.seq, paths, raw, row.index)  # [n, V]
                 raws.append(raw), scores.append(node_scores)
                 n = tree.size
-                draws.append(sampling_draws(tree, torch.softmax(node_scores, -1), layout.parents[b, 1:n],
+                draws.append(sampling_draws(torch.softmax(node_scores, -1), layout.parents[b, 1:n],
                                             layout.tokens[b, 1:n]) if self.do_sample
                              else node_scores.argmax(-1).double())
         parts = front + draws

@@ -59,7 +59,6 @@ class Choice:
 
     tokens: torch.Tensor  # [k, c] target-vocabulary ids
     logp: torch.Tensor  # [k, c] log-probability of each child under the distribution it was chosen from
-    q_logits: torch.Tensor | None = None  # [k, c, V] the processed logits a *sampled* child was drawn from
 
 
 def top_k_choice(drafter: EagleDrafter, logits: torch.Tensor, top_k: int) -> Choice:

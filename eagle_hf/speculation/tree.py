@@ -40,8 +40,6 @@ class DraftTree:
     tokens: torch.Tensor  # [N+1] target ids; tokens[0] is the root
     parents: torch.Tensor  # [N+1] parent node index; parents[0] = -1
     scores: torch.Tensor  # [N+1] cumulative draft log-probability (root 0)
-    q_logits: torch.Tensor | None = None  # [N+1, V] processed logits each *sampled* draft was drawn from (row 0
-    # unused); None for deterministic (top-k) drafts; a deterministic draft among sampled ones has a one-hot row
     sources: torch.Tensor | None = None  # [N+1] bits EAGLE | COPY of who proposed each node; None: all EAGLE
 
     @classmethod
@@ -76,7 +74,6 @@ class DraftTree:
         token's assumed log-probability (added to its parent's score)."""
         tokens, parents = self.tokens.tolist(), self.parents.tolist()
         scores, sources = self.scores.tolist(), [self.source(i) for i in range(self.size)]
-        q_rows = list(self.q_logits) if self.q_logits is not None else None
         child = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
         for b, (branch, branch_logp) in enumerate(zip(branches, logp)):
             node = 0 if at is None else at[b]
@@ -86,20 +83,15 @@ class DraftTree:
                     sources[node] |= COPY
                     continue
                 tokens.append(tok), parents.append(node), scores.append(scores[node] + lp), sources.append(COPY)
-                if q_rows is not None:  # a deterministic proposal among sampled ones: one-hot q
-                    row = torch.full_like(q_rows[0], -1e9)
-                    row[tok] = 0.0
-                    q_rows.append(row)
                 node = child[(node, tok)] = len(tokens) - 1
         return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores),
-                         None if q_rows is None else torch.stack(q_rows), torch.tensor(sources, dtype=torch.uint8))
+                         torch.tensor(sources, dtype=torch.uint8))
 
     def first(self, n: int) -> DraftTree:
         """The tree of its first `n` nodes (a node's parent comes before it: a prefix is a tree)."""
         if n >= self.size:
             return self
         return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n],
-                         None if self.q_logits is None else self.q_logits[:n],
                          None if self.sources is None else self.sources[:n])
 
     @property
@@ -318,47 +310,6 @@ def accept_greedy(tree: DraftTree, target_tokens: Sequence[int]) -> list[int]:
     return best
 
 
-def accept_sampling(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None = None) -> tuple[list[int], int]:
-    """Lossless acceptance over a tree of deterministic and sampled drafts (recursive rejection across siblings).
-
-    probs: [N+1, V] the target's processed distribution after each node. At a node with target distribution P,
-    its children are tried in node order: child x proposed with distribution q (one-hot on x for a deterministic
-    draft; ``softmax(tree.q_logits[child])`` for a sampled one) is accepted with probability min(1, P(x)/q(x));
-    on rejection P := normalise(max(P - q, 0)) before the next sibling (for a deterministic draft: P(x) := 0).
-    When no child is accepted the recovered token is drawn from the residual P. Returns (accepted node path,
-    bonus or recovered token).
-    """
-    node, path = 0, [0]
-    while True:
-        p = probs[node].double().clone()
-        p = p / p.sum()
-        tried: set[int] = set()
-        accepted = None
-        for child in tree.children(node):
-            tok = int(tree.tokens[child])
-            sampled = tree.q_logits is not None
-            if tok in tried and not sampled:
-                continue  # a deterministic duplicate was rejected already: P(tok) is 0 now
-            tried.add(tok)
-            if sampled:
-                q = torch.softmax(tree.q_logits[child].double(), -1).to(p.device)
-            else:
-                q = torch.zeros_like(p)
-                q[tok] = 1.0
-            u = torch.rand((), generator=generator, dtype=torch.float64, device=p.device)
-            if q[tok] > 0 and u * q[tok] <= p[tok]:
-                accepted = child
-                break
-            residual = torch.clamp(p - q, min=0.0)
-            if residual.sum() <= 0:  # P was q exactly: nothing left to recover from; keep P
-                continue
-            p = residual / residual.sum()
-        if accepted is None:
-            return path, int(draw(p[None], generator)[0])
-        path.append(accepted)
-        node = accepted
-
-
 #: tokens per block of the two-level draw (`draw`)
 DRAW_BLOCK = 256
 
@@ -389,18 +340,15 @@ def _inverse(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_(max=weights.shape[1] - 1)
 
 
-def sampling_draws(tree: DraftTree, probs: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Everything rejection sampling over a tree of deterministic drafts needs from the device, drawn up front
-    and read back with the round's one read: a flat float64 tensor of, per draft node i = 1..N (node order), the
-    target's probability of its token at its parent ``P_parent(x_i)`` and a uniform u_i; then per node n = 0..N a
-    token drawn from its *residual*: P_n without its children's tokens (P_n itself at a leaf, or where its
-    children took all the mass). `accept_drawn` walks the tree with them on the host, exactly as
-    `accept_sampling` does. probs: [N+1, V] the target's processed distribution after each node; parents,
-    tokens: [N] each draft's parent node and token, on the device.
-
-    Trees with sampled drafts (``q_logits``) need the residual after each rejected sibling: `accept_sampling`."""
-    if tree.q_logits is not None:
-        raise ValueError("sampling_draws takes deterministic drafts; sampled drafts go through accept_sampling")
+def sampling_draws(probs: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Everything rejection sampling over a tree of deterministic drafts (recursive rejection across siblings,
+    docs/concepts.md) needs from the device, drawn up front and read back with the round's one read: a flat
+    float64 tensor of, per draft node i = 1..N (node order), the target's probability of its token at its parent
+    ``P_parent(x_i)`` and a uniform u_i; then per node n = 0..N a token drawn from its *residual*: P_n without its
+    children's tokens (P_n itself at a leaf, or where its children took all the mass). `accept_drawn` walks the
+    tree with them on the host. probs: [N+1, V] the target's processed distribution after each node; parents,
+    tokens: [N] each draft's parent node and token, on the device. (A sampled chain's drafts, drawn from the
+    drafter's own distribution, are accepted by transformers' assisted loop with that distribution.)"""
     device = probs.device
     p_edge = probs[parents, tokens]  # [N]
     residual = probs.index_put((parents, tokens), torch.zeros_like(p_edge))  # [N+1, V]
@@ -412,8 +360,8 @@ def sampling_draws(tree: DraftTree, probs: torch.Tensor, parents: torch.Tensor, 
 
 
 def accept_drawn(tree: DraftTree, drawn: Sequence[float]) -> tuple[list[int], int]:
-    """`accept_sampling` from the values `sampling_draws` read back: (accepted node path, bonus or recovered
-    token). At a node, its children are tried in node order: child x is accepted with probability
+    """Rejection sampling over a tree of deterministic drafts from the values `sampling_draws` read back:
+    (accepted node path, bonus or recovered token). At a node, its children are tried in node order: child x is accepted with probability
     ``P(x) / (1 - P(rejected siblings' tokens))`` (P renormalised after each rejection); when none is, the token
     is the node's residual draw."""
     h = tree.host
@@ -436,13 +384,6 @@ def accept_drawn(tree: DraftTree, drawn: Sequence[float]) -> tuple[list[int], in
             return path, int(residual[node])
         path.append(accepted)
         node = accepted
-
-
-def verify(tree: DraftTree, node_logits: torch.Tensor, do_sample: bool) -> tuple[list[int], int]:
-    """Accept from processed target logits [N+1, V]: (accepted node path, root first; the token that follows)."""
-    if do_sample:
-        return accept_sampling(tree, torch.softmax(node_logits.float(), -1))
-    return verify_greedy(tree, node_logits.argmax(-1).tolist())
 
 
 def verify_greedy(tree: DraftTree, target_tokens: Sequence[int]) -> tuple[list[int], int]:
