@@ -40,8 +40,8 @@ def run(checkout: Path, args: list[str], json_path: Path, log_path: Path) -> dic
 
 def summary(pairs: list[tuple[dict, dict]], keys: list[str]) -> list[str]:
     """Markdown rows: per case and key, the medians of both versions and of the pairs' ratios, and each ratio."""
-    lines = ["| case | figure | pairs | other (median) | this (median) | ratio (median of the pairs') | ratios |",
-             "|---|---|---|---|---|---|---|"]
+    header = "| cache | mode | rows | figure | pairs | other (median) | this (median) | ratio (median of the pairs') |"
+    lines = [header + " ratios |", "|---|---|---|---|---|---|---|---|---|"]  # (a case is "cache | mode | rows")
     for case in pairs[0][0]:
         for key in keys:
             got = [(o[case][key], t[case][key]) for o, t in pairs if o[case].get(key) and t[case].get(key)]
