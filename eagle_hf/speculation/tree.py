@@ -361,9 +361,9 @@ def sampling_draws(probs: torch.Tensor, parents: torch.Tensor, tokens: torch.Ten
 
 def accept_drawn(tree: DraftTree, drawn: Sequence[float]) -> tuple[list[int], int]:
     """Rejection sampling over a tree of deterministic drafts from the values `sampling_draws` read back:
-    (accepted node path, bonus or recovered token). At a node, its children are tried in node order: child x is accepted with probability
-    ``P(x) / (1 - P(rejected siblings' tokens))`` (P renormalised after each rejection); when none is, the token
-    is the node's residual draw."""
+    (accepted node path, bonus or recovered token). At a node, its children are tried in node order: child x is
+    accepted with probability ``P(x) / (1 - P(rejected siblings' tokens))`` (P renormalised after each
+    rejection); when none is, the token is the node's residual draw."""
     h = tree.host
     n = tree.size - 1
     p_edge, uniform, residual = drawn[:n], drawn[n : 2 * n], drawn[2 * n :]
