@@ -9,7 +9,8 @@ request the one manager (`ServedGeneration`); and that manager, whose calls spec
 (`SpeculativeGenerateManager`). The FastAPI app is assembled here as transformers' `build_server` assembles its
 own (`build_app`), with the routes this server answers and a `/metrics` route of its own.
 
-Tested with transformers 5.23 and 5.24, whose parts used here are the same.
+Tested with transformers 5.23 and 5.24, whose parts used here are the same; 5.25 rewrote the server (generation
+in a model process, no sequential manager): importing this module there raises `EagleCompatibilityError`.
 """
 
 from __future__ import annotations
@@ -29,15 +30,27 @@ if not is_serve_available():
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from transformers import StopStringCriteria
-from transformers.cli.serving.chat_completion import ChatCompletionHandler
-from transformers.cli.serving.completion import CompletionHandler
-from transformers.cli.serving.model_manager import ModelManager
-from transformers.cli.serving.utils import (
-    X_REQUEST_ID,
-    DirectStreamer,
-    GenerateManager,
-    GenerationState,
-)
+
+#: the transformers versions whose server this module builds on, as pip reads them
+SERVER_VERSIONS = ">=5.23,<5.25"
+
+try:
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.completion import CompletionHandler
+    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.utils import (
+        X_REQUEST_ID,
+        DirectStreamer,
+        GenerateManager,
+        GenerationState,
+    )
+except ImportError as err:  # (5.25 runs generation in a model process: no sequential manager to subclass)
+    import transformers
+
+    raise EagleCompatibilityError(
+        f"transformers {transformers.__version__} changed the parts of its server that eagle-hf serve builds on "
+        f"({err}). eagle-hf serve runs on transformers 5.23 and 5.24: pip install 'transformers{SERVER_VERSIONS}' "
+        "(see eagle_hf/hf/serving.py).") from None
 
 from ..serving.metrics import ServerCounters, request_speculation
 from ..serving.requests import RequestError, ServedRequest, check_request, error_body, parse_body
@@ -87,7 +100,7 @@ def check_server_internals() -> None:
         raise EagleCompatibilityError(
             f"transformers {transformers.__version__} changed the parts of its server that eagle-hf serve builds on: "
             f"{'; '.join(changed)}. eagle-hf serve runs on transformers 5.23 and 5.24: "
-            "pip install 'transformers>=5.23,<5.25' (see eagle_hf/hf/serving.py).")
+            f"pip install 'transformers{SERVER_VERSIONS}' (see eagle_hf/hf/serving.py).")
 
 
 class ServedModel(ModelManager):
