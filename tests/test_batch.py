@@ -148,9 +148,19 @@ def test_finished_rows_stay_as_padding_where_the_full_batch_is_cheaper(monkeypat
         assert (min(rows) == len(ids)) == full_batch_cheaper, rows
 
 
-def test_holes_are_compacted_without_changing_the_output(monkeypatch):
+@pytest.mark.parametrize("drafting", ["eager", "programs"])
+def test_holes_are_compacted_without_changing_the_output(monkeypatch, drafting):
+    """Holes in both caches, compacted often: the output is plain decoding's, with the drafter's levels run eagerly
+    or as its fixed-shape programs (their validity buffer copied in again after each compaction)."""
+    from eagle_hf.speculation.drafting import DraftState
+
+    monkeypatch.setenv("EAGLE_HF_DRAFTER_GRAPHS", "on" if drafting == "programs" else "off")
     monkeypatch.setattr(ragged, "MIN_HOLES_TO_COMPACT", 2)
     monkeypatch.setattr(ragged, "HOLE_FRACTION", 0.0)
+    drafter_compactions = []
+    compact = DraftState.compact
+    monkeypatch.setattr(DraftState, "compact", lambda self, d: (drafter_compactions.append(
+        self.ragged.worth_compacting()), compact(self, d))[1])
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     ids, mask = left_padded(lengths=(6, 6, 6), seed=5)
@@ -165,6 +175,38 @@ def test_holes_are_compacted_without_changing_the_output(monkeypatch):
         out = target.generate(ids, assistant_model=drafter, **plain, **MODES["tree"])
     assert torch.equal(out, ref)
     assert compactions, "the ragged rounds should have left holes to compact"
+    assert any(drafter_compactions), "... in the drafter's cache too"
+
+
+def test_the_drafting_programs_grow_over_holes_and_compactions(monkeypatch):
+    """A random drafter's trees in a left-padded batch (rows accept different lengths: holes in the drafter's cache,
+    compacted often), grown by the fixed-shape programs over the validity buffer: plain decoding's output."""
+    from eagle_hf.speculation import drafting
+
+    monkeypatch.setenv("EAGLE_HF_DRAFTER_GRAPHS", "on")
+    monkeypatch.setattr(ragged, "MIN_HOLES_TO_COMPACT", 2)
+    monkeypatch.setattr(ragged, "HOLE_FRACTION", 0.0)
+    launched, compactions = [], []
+    compact = drafting.DraftState.compact
+    monkeypatch.setattr(drafting.DraftState, "compact", lambda self, d: (compactions.append(
+        self.ragged.worth_compacting()), compact(self, d))[1])
+    grow = drafting.DraftPrograms.grow
+    monkeypatch.setattr(drafting.DraftPrograms, "grow", lambda self, *a: (launched.append(
+        drafting.DraftPrograms), grow(self, *a))[1])
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    with torch.no_grad():
+        drafter.lm_head.weight.mul_(30.0)  # peaky: trees reach their depth, and some of their drafts are right
+    ids, mask = left_padded(lengths=(9, 6, 4), seed=5)
+    plain = dict(attention_mask=mask, max_new_tokens=40, do_sample=False)
+    ref = target.generate(ids, **plain)
+    for mode in ("tree", "chain"):
+        launched.clear()
+        compactions.clear()
+        out = target.generate(ids, assistant_model=drafter, **plain, **MODES[mode])
+        assert torch.equal(out, ref), mode
+        assert launched, mode
+        assert any(compactions) or mode == "chain"  # (the chain's rows part less: holes, not enough to compact)
 
 
 def test_copy_alone_and_stop_strings_per_row():

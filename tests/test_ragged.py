@@ -105,7 +105,7 @@ class _DrafterCache:
         s.reserve(_Drafter(), new.shape[2], new)
         s.writer(s.length).extended(KV(new, -new))
         s.ragged.append(counts, new.shape[2], valid, new.device)
-        s.compact()
+        s.compact(_Drafter())
 
     def select(self, rows: list[int]):
         self.state.select(rows)

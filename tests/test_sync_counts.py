@@ -216,17 +216,18 @@ def test_an_asynchronous_device_clock_leaves_no_reference_cycles(models, monkeyp
 def test_levels_at_fixed_shapes_read_the_device_once_a_tree(models, one_thread, monkeypatch, name, rows, reads):
     """With draft levels at fixed shapes (CUDA graphs on a GPU), the device takes each level's decisions and lays
     the trees out for the verify: a greedy drafting round reads the device once, the trees with the target's
-    choices; a batch whose drafter cache has holes (left padding) too (its levels run eagerly under the kept
-    masks, the same arithmetic)."""
+    choices; a batch whose drafter cache has holes (left padding) too, in the same one program a round (the
+    programs' validity buffer hides the holes: 552 operations a round when such a batch's levels ran eagerly)."""
     monkeypatch.setenv("EAGLE_HF_DRAFTER_GRAPHS", "on")
     target, drafter = models
     run = dict(TREE, max_new_tokens=20, num_assistant_tokens_schedule="constant", assistant_model=drafter)
     target.generate(**inputs(rows), **run)
     torch.manual_seed(0)
-    probe = probe_generate(target, inputs(rows), **run)
+    probe = probe_generate(target, inputs(rows), count_ops=True, **run)
     draft = probe.summary()["draft"]
     assert draft["max_reads"] == reads, probe.culprits()  # (level by level it was 6, a depth-5 tree)
     assert draft["max_syncs"] == 0 and draft["max_copies"] == 0 and draft["max_mixed"] == 0, probe.culprits()
+    assert draft["max_launches"] == 1 and draft["median_ops"] <= 30, probe.culprits()
 
 
 #: where copies are found (the prompts repeat), every greedy round in eagle_hf's loop reads the device once (the

@@ -16,12 +16,12 @@ The module reads top to bottom as a round drafts:
   (`with_copies`) are laid out the same way;
 * **the drafter's cache** (`DraftState`): its real rows, their catch-up (`DraftState.extend`), ragged rows of a
   batch (`eagle_hf.speculation.ragged`);
-* **the launch** (`draft_trees`): eagerly at the round's shapes (the CPU's default, a batch with holes, each level
-  under the kept mask), or as programs over the drafter cache's whole storage ``[B, kv_heads, C, d]``
-  (`eagle_hf.programs`: a CUDA graph on a GPU, a compiled call where the target's forward is compiled), kept with
-  the storage between calls (`LevelGraphs`): the **catch-up program** (n rows a row, a power of two: the target's
-  taps fused and written under a causal mask over all C columns) and the **levels program** (`grow_trees`: the
-  growth and the layout). A round's catch-up is *staged* and runs first in the levels' launch
+* **the launch** (`draft_trees`): eagerly at the round's shapes (the CPU's default, and a sampling chain's chooser,
+  each level under the kept mask), or as programs over the drafter cache's whole storage ``[B, kv_heads, C, d]``
+  and its validity ``[B, C]`` (a batch's holes) (`eagle_hf.programs`: a CUDA graph on a GPU, a compiled call where
+  the target's forward is compiled), kept with the storage between calls (`LevelGraphs`): the **catch-up program**
+  (n rows a row, a power of two: the target's taps fused and written under each row's causal mask over the C
+  columns) and the **levels program** (`grow_trees`: the growth and the layout). A round's catch-up is *staged* and runs first in the levels' launch
   (`catch_up_then_grow`): one program a drafting round. It stands alone where its outputs are read before any
   level (the host choosing the children: sampling) or the storage grows under it. The host writes each launch's
   integers in one copy and the target's taps in one; nothing inside reads the host.
@@ -360,6 +360,8 @@ class DraftState:
     graphs: LevelGraphs | None = field(default=None, repr=False)
     #: how the fixed-shape programs run (`eagle_hf.programs.how_to_run`): "graph", "compile" or "eager"
     how: str = "eager"
+    #: the programs whose validity buffer holds this cache's validity up to `length` (None: none yet)
+    _valid_in: DraftPrograms | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.ragged is None:
@@ -446,10 +448,11 @@ class DraftState:
         counts = [n] * rows if counts is None else counts
         if n > CATCH_UP_CHUNK:
             return self._extend_in_chunks(drafter, aux, next_tokens, counts)
+        if self.graphs is not None and n <= FIXED_CATCH_UP:
+            return self._extend_fixed(drafter, aux, next_tokens, counts, staged)
         full = all(c == n for c in counts)
-        if self.graphs is not None and full and not self.ragged.holes and n <= FIXED_CATCH_UP:
-            return self._extend_fixed(drafter, aux, next_tokens, staged)
         self.launch_staged(drafter)
+        self._valid_in = None  # (rows written outside the programs: their validity is copied in at their next launch)
         host = pack(device, positions=[[p + i for i in range(n)] for p in self.positions],
                     last=[max(c, 1) - 1 for c in counts],
                     **({} if full else {"new_valid": [[i < c for i in range(n)] for c in counts]}))
@@ -475,30 +478,37 @@ class DraftState:
         last = host["last"][:, None, None]  # [B, 1, 1] each row's last new row
         normed = out.normed.gather(1, last.expand(rows, 1, out.normed.shape[-1]))  # [B, 1, H]
         hidden = out.hidden.gather(1, last.expand(rows, 1, out.hidden.shape[-1]))  # [B, 1, H]
-        self.compact()
+        self.compact(drafter)
         return drafter.lm_head(normed[:, 0]), hidden
 
-    def _extend_fixed(self, drafter: EagleDrafter, aux: torch.Tensor, next_tokens: torch.Tensor,
+    def _extend_fixed(self, drafter: EagleDrafter, aux: torch.Tensor, next_tokens: torch.Tensor, counts: list[int],
                       staged: int | None = None):
-        """`extend` for a round's catch-up at fixed shapes (`graphs`): every row reads its n rows (no holes), in one
-        program (`DraftPrograms.catch_up`: n padded to the next power of two, `staged` rows at least, the padding
-        rows written after the real ones and overwritten by the next pass, which never reads them)."""
-        rows, n = next_tokens.shape
+        """`extend` for a round's catch-up at fixed shapes (`graphs`): row b reads its first ``counts[b]`` of the n
+        rows, in one program (`DraftPrograms.catch_up`: n padded to the next power of two, `staged` rows at least;
+        a row's rows past its count are holes the programs' validity hides, the padding rows past n are
+        overwritten by the next pass, which never reads them)."""
+        n = next_tokens.shape[1]
         bucket = 1 << (max(n, staged or 1) - 1).bit_length()
         self.reserve(drafter, bucket, drafter.fc.weight)
-        logits, hidden = self.programs(drafter).catch_up(aux, next_tokens, self.positions, self.length, bucket,
-                                                         stage=staged is not None)
-        self._mask.arrive(self.length, n, None)
-        self.ragged.append([n] * rows, n, None, next_tokens.device)
-        self.positions = [p + n for p in self.positions]
-        self.compact()
+        logits, hidden, new_valid = self.programs(drafter).catch_up(aux, next_tokens, self.positions, counts,
+                                                                    self.length, bucket, stage=staged is not None)
+        self._mask.arrive(self.length, n, new_valid)
+        self.ragged.append(counts, n, new_valid, next_tokens.device)
+        self.positions = [p + c for p, c in zip(self.positions, counts)]
+        self.compact(drafter)
         return logits, hidden  # [B, Vd], [B, 1, H]
 
     def programs(self, drafter: EagleDrafter) -> DraftPrograms:
         """The draft programs over the cache's current storage (kept with the drafter's levels: a later call of
-        the same shape reuses them)."""
+        the same shape reuses them), their validity buffer holding this cache's (copied in after rows were
+        written outside them: a prompt, a compaction, rows leaving; O(length) where those were)."""
         key = ("programs", self.keys.data_ptr(), tuple(self.keys.shape), self.how, torch.is_inference_mode_enabled())
-        return self.graphs.kept(key, lambda: DraftPrograms(drafter, self.keys, self.values, self.how))
+        programs = self.graphs.kept(key, lambda: DraftPrograms(drafter, self.keys, self.values, self.how))
+        if self._valid_in is not programs:
+            seen = programs.valid[:, : self.length]  # [B, length]
+            seen.copy_(self.valid) if self.ragged.holes else seen.fill_(True)
+            self._valid_in = programs
+        return programs
 
     def _extend_in_chunks(self, drafter: EagleDrafter, aux: torch.Tensor, next_tokens: torch.Tensor,
                           counts: list[int]):
@@ -534,6 +544,7 @@ class DraftState:
 
     def select(self, rows: list[int]) -> None:
         """Keep these rows of the batch (finished rows leave); their holes go at the next compaction."""
+        self._valid_in = None
         if self.slots is not None:
             index = to_device(torch.tensor(rows), self.keys.device)
             self.slots.select(index)
@@ -543,10 +554,12 @@ class DraftState:
             self.ragged.counts = [self.ragged.counts[b] for b in rows]
         self.positions = [self.positions[b] for b in rows]
 
-    def compact(self) -> None:
+    def compact(self, drafter: EagleDrafter) -> None:
         """Drop the holes once they are worth it (`eagle_hf.speculation.ragged`)."""
         if not self.ragged.worth_compacting():
             return
+        self.launch_staged(drafter)  # (its rows belong in the slots the compaction moves)
+        self._valid_in = None
         index = self.ragged.compact()  # [B, W]
         self._mask.drop()
         self.slots.compact(index)
@@ -580,15 +593,15 @@ def draft_trees(drafter: EagleDrafter, state: DraftState, logits: torch.Tensor, 
     ``assistant_confidence_threshold`` for chains).
 
     How it runs is a launch: one program over the cache's whole storage (`DraftPrograms.grow`, with the staged
-    catch-up first) where the levels run at fixed shapes and every slot is real; otherwise eagerly at the round's
-    shapes, each level under the kept mask (which hides a batch's holes). Returns the `TreeLayout` and the verify
-    positions [B, W]."""
+    catch-up first, a batch's holes hidden by the programs' validity buffer) where the levels run at fixed shapes;
+    otherwise eagerly at the round's shapes, each level under the kept mask (which hides a batch's holes). Returns
+    the `TreeLayout` and the verify positions [B, W]."""
     min_logp = math.log(threshold) if threshold > 0 else -math.inf
     levels = max(depths, default=0)
     state.reserve(drafter, max(levels - 1, 0) * top_k, hidden)
     state.steps += max(levels - 1, 0)
     roots = [p - 1 for p in state.positions]  # each row's root position
-    if state.graphs is not None and not state.ragged.holes and choose is None:
+    if state.graphs is not None and choose is None:
         return state.programs(drafter).grow(logits, hidden, top_k, levels, min_logp, prune, roots, depths,
                                             state.length, layout)
     state.launch_staged(drafter)
@@ -741,33 +754,36 @@ class DraftPrograms:
         self.logits = keys.new_zeros(rows, drafter.lm_head.weight.shape[0], dtype=torch.float32)  # [B, Vd]
         self.hidden = keys.new_zeros(rows, 1, drafter.config.hidden_size, dtype=drafter.fc.weight.dtype)
         self.columns = keys.new_ones(capacity, dtype=torch.long).cumsum(0) - 1  # [C] 0 .. C-1
+        # [B, C] which slots each row reads: the catch-ups write their rows', the levels read it (a batch's holes)
+        self.valid = keys.new_ones(rows, capacity, dtype=torch.bool)
         self.catch_ups: dict[int, CatchUp] = {}
         self.levels: dict[tuple, Levels] = {}
         self.staged: CatchUp | None = None  # a catch-up written, not launched: it runs with the next levels
 
     def tensors(self) -> list[torch.Tensor]:
         """The device tensors it keeps (its programs' buffers included)."""
-        out = [self.keys, self.values, self.logits, self.hidden, self.columns]
+        out = [self.keys, self.values, self.valid, self.logits, self.hidden, self.columns]
         for program in [*self.catch_ups.values(), *self.levels.values()]:
             out += [t for t in program.program.args if isinstance(t, torch.Tensor)]
         return out
 
-    def catch_up(self, aux: torch.Tensor, tokens: torch.Tensor, positions: list[int], at: int, n: int,
-                 stage: bool = False):
+    def catch_up(self, aux: torch.Tensor, tokens: torch.Tensor, positions: list[int], counts: list[int], at: int,
+                 n: int, stage: bool = False):
         """The round's catch-up (`CatchUp`, n rows a row: a power of two at least m): aux [B, m, A*H_t], tokens
-        [B, m], m real rows a row from slot `at`, row b's first at ``positions[b]``. Returns the shared (logits
-        [B, Vd], hidden [B, 1, H]), written by the launch, or with `stage` by the next `grow`'s launch (one
-        program: the catch-up, then the levels)."""
+        [B, m], from slot `at`, row b's first ``counts[b]`` real (the rest holes), its first at ``positions[b]``.
+        Returns the shared (logits [B, Vd], hidden [B, 1, H]), written by the launch, or with `stage` by the next
+        `grow`'s launch (one program: the catch-up, then the levels), and the new rows' validity [B, m] (None: all
+        real)."""
         program = self.catch_ups.get(n)
         if program is None:
             program = self.catch_ups[n] = CatchUp(self, n)
-        program.write(aux, tokens, positions, at)
+        new_valid = program.write(aux, tokens, positions, counts, at)
         if stage:
             self.staged = program
         else:
             self.launch_staged()
             program.program(self._drafter())
-        return self.logits, self.hidden
+        return self.logits, self.hidden, new_valid
 
     def launch_staged(self) -> None:
         """The staged catch-up on its own (its outputs are read before any levels run)."""
@@ -794,10 +810,11 @@ class DraftPrograms:
 
 class CatchUp:
     """A round's catch-up at fixed shapes (n rows a row, a power of two): the taps ``aux`` [B, n, A*H_t] fused and
-    the tokens after them [B, n] written at slots ``at .. at+n-1`` under a causal mask over all C columns, with
-    `ints` = (each row's first position [B], `at`, the real rows a row `count`); the padding rows after the real
-    ones are overwritten by the next pass, which never reads them. Writes the last real row's draft logits and
-    fed-back hidden state into the shared buffers (`catch_up_rows`)."""
+    the tokens after them [B, n] written at slots ``at .. at+n-1``, each row under a causal mask over the C columns
+    it reads, with `ints` = (each row's first position [B], `at`, each row's real rows [B]); a row's rows after its
+    real ones are holes (its validity says so) or padding past the round's rows, overwritten by the next pass.
+    Writes each row's last real row's draft logits and fed-back hidden state into the shared buffers
+    (`catch_up_rows`)."""
 
     def __init__(self, shared: DraftPrograms, n: int):
         keys, drafter = shared.keys, shared._drafter()
@@ -805,32 +822,38 @@ class CatchUp:
         self.n = n
         self.aux = keys.new_zeros(rows, n, drafter.fc.weight.shape[1], dtype=drafter.fc.weight.dtype)
         self.tokens = keys.new_zeros(rows, n, dtype=torch.long)  # [B, n]
-        self.ints = keys.new_zeros(rows + 2, dtype=torch.long)  # positions [B], at, count
+        self.ints = keys.new_zeros(2 * rows + 1, dtype=torch.long)  # positions [B], at, counts [B]
         self.steps = keys.new_ones(n, dtype=torch.long).cumsum(0) - 1  # [n] 0 .. n-1
-        self.program = Program(catch_up_rows, (shared.keys, shared.values, self.aux, self.tokens, self.ints, self.steps,
-                                          shared.columns, shared.logits, shared.hidden), shared.how,
-                               "drafter's catch-up")
+        self.program = Program(catch_up_rows, (shared.keys, shared.values, shared.valid, self.aux, self.tokens,
+                                               self.ints, self.steps, shared.columns, shared.logits, shared.hidden),
+                               shared.how, "drafter's catch-up")
 
-    def write(self, aux: torch.Tensor, tokens: torch.Tensor, positions: list[int], at: int) -> None:
-        """A launch's inputs into the buffers."""
-        m = tokens.shape[1]
+    def write(self, aux: torch.Tensor, tokens: torch.Tensor, positions: list[int], counts: list[int],
+              at: int) -> torch.Tensor | None:
+        """A launch's inputs into the buffers; returns the m new rows' validity [B, m] (None: every row real)."""
+        rows, m = tokens.shape
         self.aux[:, :m].copy_(aux)
         self.tokens[:, :m].copy_(tokens)
-        self.ints.copy_(to_device(torch.tensor([*positions, at, m]), self.ints.device))
+        self.ints.copy_(to_device(torch.tensor([*positions, at, *counts]), self.ints.device))
+        if all(c == m for c in counts):
+            return None
+        return self.steps[None, :m] < self.ints[rows + 1 :, None]  # [B, m] (on the device, after the copy)
 
 
-def catch_up_rows(drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, aux: torch.Tensor,
-                  tokens: torch.Tensor, ints: torch.Tensor, steps: torch.Tensor, columns: torch.Tensor, logits: torch.Tensor,
-             hidden: torch.Tensor) -> None:
-    """`CatchUp`'s body: the drafter, its cache storage ``[B, kv_heads, C, d]``, the program's buffers, and the
-    shared outputs (logits [B, Vd], hidden [B, 1, H]) it writes."""
-    rows, n = tokens.shape
-    positions, at, count = ints[:rows], ints[rows], ints[rows + 1]
+def catch_up_rows(drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+                  aux: torch.Tensor, tokens: torch.Tensor, ints: torch.Tensor, steps: torch.Tensor,
+                  columns: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+    """`CatchUp`'s body: the drafter, its cache storage ``[B, kv_heads, C, d]`` and validity [B, C], the program's
+    buffers, and the shared outputs (logits [B, Vd], hidden [B, 1, H]) it writes."""
+    rows = tokens.shape[0]
+    positions, at, counts = ints[:rows], ints[rows], ints[rows + 1 :]
     slots = steps + at  # [n]
-    mask = (columns[None, :] <= slots[:, None])[None, None].expand(rows, 1, n, -1)  # [B, 1, n, C] causal
+    valid.index_copy_(1, slots, steps[None, :] < counts[:, None])  # [B, n]: row b's first counts[b] rows are real
+    causal, own = columns[None, :] <= slots[:, None], columns[None, :] >= slots[:, None]  # [n, C] each
+    mask = causal & (valid[:, None, :] | own)  # [B, n, C]: the real rows so far, and itself (a hole too)
     out = drafter.step(drafter.fuse(aux), tokens, positions[:, None] + steps, past=SlotWriter(keys, values, slots),
-                       mask=mask)
-    last = (count - 1).reshape(1, 1, 1)
+                       mask=mask[:, None])
+    last = (counts - 1).clamp(min=0)[:, None, None]  # [B, 1, 1] each row's last real row (none: meaningless)
     logits.copy_(out.logits.gather(1, last.expand(rows, 1, out.logits.shape[-1]))[:, 0])  # [B, Vd]
     hidden.copy_(out.hidden.gather(1, last.expand(rows, 1, out.hidden.shape[-1])))  # [B, 1, H]
 
@@ -845,8 +868,9 @@ def catch_up_then_grow(drafter: EagleDrafter, catch_up: tuple, levels: tuple):
 class Levels:
     """A round's draft levels at fixed shapes (top-k k, `levels` levels; `grow_levels`) from the shared logits and
     hidden states, with `ints` = (each row's root position [B], its depth [B], the first tree slot `at`): the k
-    nodes of level l are written at slots ``at + (l-1)k ..``; each reads every slot before `at` (no holes) and its
-    ancestors among the tree rows (`grow_trees`). Output: the trees' layout, W nodes a row."""
+    nodes of level l are written at slots ``at + (l-1)k ..``; each reads its row's real slots before `at` (the
+    validity buffer) and its ancestors among the tree rows (`grow_trees`). Output: the trees' layout, W nodes a
+    row."""
 
     def __init__(self, shared: DraftPrograms, k: int, levels: int, min_logp: float, prune: bool, width: int):
         keys = shared.keys
@@ -855,9 +879,9 @@ class Levels:
         # root positions [B], depths [B], at, root tokens [B], verify positions [B], sizes [B]
         self.ints = keys.new_zeros(5 * rows + 1, dtype=torch.long)
         steps = keys.new_ones(levels * k, dtype=torch.long).cumsum(0) - 1  # [levels * k] 0 ..
-        self.program = Program(grow_trees, (shared.keys, shared.values, shared.logits, shared.hidden, self.ints, steps,
-                                      shared.columns, k, levels, min_logp, prune, width), shared.how,
-                               "drafter's levels")
+        self.program = Program(grow_trees, (shared.keys, shared.values, shared.valid, shared.logits, shared.hidden,
+                                            self.ints, steps, shared.columns, k, levels, min_logp, prune, width),
+                               shared.how, "drafter's levels")
         self.after: dict[int, Program] = {}  # catch-up rows n -> the catch-up and these levels, one program
 
     def __call__(self, roots: list[int], depths: list[int], at: int, *layout: list[int],
@@ -874,14 +898,14 @@ class Levels:
         return program(self._drafter())
 
 
-def grow_trees(drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, logits: torch.Tensor,
-               hidden: torch.Tensor, ints: torch.Tensor, steps: torch.Tensor, columns: torch.Tensor, k: int, levels: int,
-               min_logp: float, prune: bool, width: int):
-    """`Levels`' body: `grow_levels` over the drafter's cache storage from the shared logits and hidden states;
-    the trees' `TreeLayout` (W nodes a row) and the verify positions [B, W]."""
+def grow_trees(drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+               logits: torch.Tensor, hidden: torch.Tensor, ints: torch.Tensor, steps: torch.Tensor,
+               columns: torch.Tensor, k: int, levels: int, min_logp: float, prune: bool, width: int):
+    """`Levels`' body: `grow_levels` over the drafter's cache storage (validity [B, C]) from the shared logits and
+    hidden states; the trees' `TreeLayout` (W nodes a row) and the verify positions [B, W]."""
     rows = logits.shape[0]
     base, depth, at = ints[:rows, None], ints[rows : 2 * rows, None], ints[2 * rows]
-    past = (columns < at)[None, None, :]  # [1, 1, C] the real rows
+    past = (valid & (columns < at)[None, :])[:, None, :]  # [B, 1, C] each row's real rows
     block = (columns - at)[None, None, :]  # [1, 1, C] each column's place among the tree rows
 
     def forward(feed, tokens, level, tail, fed):
