@@ -14,8 +14,8 @@
 - `version`: the supported transformers versions and their name for the KV cache; `hub`: the Hub-hostable `custom_generate/` folder.
 - `serving`: `eagle-hf serve` on transformers' own server (imported on its own use: it needs the `serve` extra).
 
-Tested against transformers 5.23 and 5.24 (``SUPPORTED_TRANSFORMERS``; `version` speaks either's name for the
-KV cache); other versions raise a clear error on use.
+Tested against transformers 5.23 and 5.24 (``SUPPORTED_TRANSFORMERS``: 5.20 to 5.24; `version` speaks either's
+name for the KV cache); other versions raise a clear error on use.
 """
 
 from __future__ import annotations

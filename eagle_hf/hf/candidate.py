@@ -46,6 +46,11 @@ class EagleCandidateGenerator(CandidateGenerator):
     def stats(self):
         return self.speculator.stats
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most tokens a round drafts (transformers 5.25's loop keeps that many recurrent states)."""
+        return self.speculator.settings.depth
+
     def _choose(self, draft_logits: torch.Tensor, prefix: torch.Tensor, drafted: torch.Tensor):
         """draft_logits: [1, Vd], drafted: [1, d] the drafts so far -> (target id [1], processed target logits
         [1, V] or None, its log-probability [1]), on the device: nothing is read while the chain grows."""
