@@ -203,3 +203,26 @@ def test_levels_follow_the_drafter_s_weights_and_setting_and_let_it_go():
     del drafter, kept
     gc.collect()
     assert gone() is None
+
+
+def test_rows_leaving_keep_the_programs_storage_for_the_next_call():
+    """A batch whose rows leave moves its drafter cache into the programs' storage kept by shape: the rows' real
+    rows as they were, and a later call whose batch shrinks alike gets the same storage and its programs (no new
+    capture on a GPU, nothing kept alive per call)."""
+    import gc
+
+    drafter, aux, ids = _drafter_over_prompts(3)
+    graphs = LevelGraphs.for_drafter(drafter)
+    seen = []
+    for _ in range(2):
+        state = DraftState(positions=[0, 0, 0], graphs=graphs)
+        with torch.no_grad():
+            state.extend(drafter, aux, ids[:, 1:])
+            before = state.kv.keys.clone()  # [3, kv_heads, 8, d]
+            state.select([0, 2])
+            assert torch.equal(state.kv.keys, before[[0, 2]])
+            state.extend(drafter, aux[[0, 2], :2], ids[[0, 2], 1:3])  # (a round's catch-up in the programs)
+        seen.append((state.keys.data_ptr(), state.programs(drafter)))
+        del state
+        gc.collect()
+    assert seen[0][0] == seen[1][0] and seen[0][1] is seen[1][1]

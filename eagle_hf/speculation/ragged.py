@@ -188,8 +188,13 @@ class SlotBuffers:
         return self.live(at + n)
 
     def select(self, index: torch.Tensor) -> None:
-        """Keep the batch rows `index` (a device index tensor), room included."""
-        self.buffers = tuple(b.index_select(0, index.to(b.device)) for b in self.buffers)
+        """Keep the batch rows `index` (a device index tensor), room included, in buffers from `allocate` (the
+        drafter's programs' storage is kept by shape: a later call whose batch shrinks alike reuses it)."""
+        shapes = tuple((index.shape[0], *b.shape[1:]) for b in self.buffers)
+        kept = self.allocate(shapes, self.buffers[0])  # [B', H, capacity, D] each
+        for new, old in zip(kept, self.buffers):
+            new.copy_(old.index_select(0, index.to(old.device)))  # (not out=: a cache written with grad copies too)
+        self.buffers = tuple(kept)
 
     def compact(self, index: torch.Tensor) -> None:
         """Row b keeps its slots ``index[b]`` ([B, W], `Ragged.compact`), in new buffers with room after them:
