@@ -21,10 +21,10 @@ The module reads top to bottom as a round drafts:
   and its validity ``[B, C]`` (a batch's holes) (`eagle_hf.programs`: a CUDA graph on a GPU, a compiled call where
   the target's forward is compiled), kept with the storage between calls (`LevelGraphs`): the **catch-up program**
   (n rows a row, a power of two: the target's taps fused and written under each row's causal mask over the C
-  columns) and the **levels program** (`grow_trees`: the growth and the layout). A round's catch-up is *staged* and runs first in the levels' launch
-  (`catch_up_then_grow`): one program a drafting round. It stands alone where its outputs are read before any
-  level (the host choosing the children: sampling) or the storage grows under it. The host writes each launch's
-  integers in one copy and the target's taps in one; nothing inside reads the host.
+  columns) and the **levels program** (`grow_trees`: the growth and the layout). A round's catch-up is *staged*
+  and runs first in the levels' launch (`catch_up_then_grow`): one program a drafting round. It stands alone where
+  its outputs are read before any level (the host choosing the children: sampling) or the storage grows under it.
+  The host writes each launch's integers in one copy and the target's taps in one; nothing inside reads the host.
 """
 
 from __future__ import annotations
@@ -472,9 +472,7 @@ class DraftState:
         self.reserve(drafter, n, fused)
         out = drafter.step(fused, next_tokens, host["positions"], past=self.writer(self.length), mask=mask,
                            compute_logits=False)
-        self._mask.arrive(self.length, n, new_valid)
-        self.ragged.append(counts, n, new_valid, device)
-        self.positions = [p + c for p, c in zip(self.positions, counts)]
+        self._arrive(counts, n, new_valid)
         last = host["last"][:, None, None]  # [B, 1, 1] each row's last new row
         normed = out.normed.gather(1, last.expand(rows, 1, out.normed.shape[-1]))  # [B, 1, H]
         hidden = out.hidden.gather(1, last.expand(rows, 1, out.hidden.shape[-1]))  # [B, 1, H]
@@ -492,11 +490,16 @@ class DraftState:
         self.reserve(drafter, bucket, drafter.fc.weight)
         logits, hidden, new_valid = self.programs(drafter).catch_up(aux, next_tokens, self.positions, counts,
                                                                     self.length, bucket, stage=staged is not None)
-        self._mask.arrive(self.length, n, new_valid)
-        self.ragged.append(counts, n, new_valid, next_tokens.device)
-        self.positions = [p + c for p, c in zip(self.positions, counts)]
+        self._arrive(counts, n, new_valid)
         self.compact(drafter)
         return logits, hidden  # [B, Vd], [B, 1, H]
+
+    def _arrive(self, counts: list[int], n: int, new_valid: torch.Tensor | None) -> None:
+        """n slots a row were written after the real rows, row b's first ``counts[b]`` real (`new_valid` [B, n] on
+        the device; None: all): the kept mask, the validity and the positions take them."""
+        self._mask.arrive(self.length, n, new_valid)
+        self.ragged.append(counts, n, new_valid, self.keys.device)
+        self.positions = [p + c for p, c in zip(self.positions, counts)]
 
     def programs(self, drafter: EagleDrafter) -> DraftPrograms:
         """The draft programs over the cache's current storage (kept with the drafter's levels: a later call of
@@ -506,7 +509,10 @@ class DraftState:
         programs = self.graphs.kept(key, lambda: DraftPrograms(drafter, self.keys, self.values, self.how))
         if self._valid_in is not programs:
             seen = programs.valid[:, : self.length]  # [B, length]
-            seen.copy_(self.valid) if self.ragged.holes else seen.fill_(True)
+            if self.ragged.holes:
+                seen.copy_(self.valid)
+            else:
+                seen.fill_(True)
             self._valid_in = programs
         return programs
 
