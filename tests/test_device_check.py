@@ -39,7 +39,9 @@ def test_small_run_on_cpu_writes_the_report_and_greedy_equality_holds(tmp_path):
     profiled = stages["profile"]["data"]["per round"]  # plain, a tree round and one unsplit, the prefill subtracted
     assert [r["mode"] for r in profiled] == ["plain", "tree", "tree, keys unsplit"]
     assert all(r["rounds"] >= 1 for r in profiled)
-    assert all(r["wall_ms_per_round"] > 0 and r["top"] for r in profiled)
+    # (a time per round is the difference of two calls' times: on a loaded host it can come out at or below
+    # zero, so only its presence is checked; the profiler's operators per round are there whatever the load)
+    assert all(isinstance(r["wall_ms_per_round"], float) and r["top"] for r in profiled)
     # today's limits are findings, not crashes: the static cache in tree mode (issue #33)
     kernels = stages["kernels"]["data"]["runs"]
     assert any(r["case"] == "chain 5" and r["cache"] == "static" and r["runs"] for r in kernels)

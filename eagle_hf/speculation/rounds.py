@@ -98,7 +98,7 @@ class RoundRecord:
         """(the deepest level of the drafter's own nodes, how many of the accepted drafts it proposed in a row
         from the root): what the schedule learns the drafter's acceptance from."""
         tree = self.tree
-        if tree.sources is None:
+        if tree.all_eagle:
             return self.depth, self.accepted
         drafted = max((self.depths[n] for n in range(1, tree.size) if tree.source(n) & EAGLE), default=0)
         mine = next((i for i, n in enumerate(self.path[1:]) if not tree.source(n) & EAGLE), self.accepted)

@@ -11,6 +11,7 @@ residual distribution when a draft is rejected.
 
 from __future__ import annotations
 
+import array
 import functools
 import math
 from collections.abc import Sequence
@@ -25,45 +26,62 @@ EAGLE, COPY = 1, 2
 SOURCE_NAMES = {EAGLE: "eagle", COPY: "copy"}
 
 
-#: the parents and scores of every root-only tree (read only: a tree's tensors are never written in place)
-_ROOT_PARENTS, _ROOT_SCORES = torch.tensor([-1]), torch.zeros(1)
-
-
 def most_nodes(depth: int, top_k: int, total_tokens: int) -> int:
     """The most nodes a tree of `depth` levels holds, the root included: top_k candidates at depth 1, top_k**2 at
     each further depth (the children of the top_k nodes kept there), at most `total_tokens`."""
     return min(total_tokens, 1 + top_k + (depth - 1) * top_k * top_k) if depth > 0 else 1
 
 
-@dataclass
 class DraftTree:
-    tokens: torch.Tensor  # [N+1] target ids; tokens[0] is the root
-    parents: torch.Tensor  # [N+1] parent node index; parents[0] = -1
-    scores: torch.Tensor  # [N+1] cumulative draft log-probability (root 0)
-    sources: torch.Tensor | None = None  # [N+1] bits EAGLE | COPY of who proposed each node; None: all EAGLE
+    """A round's draft tree. It lives on the host (`host`: Python lists, what acceptance walks); its tensors
+    (`tokens`, `parents`, `scores`, `sources`) are made from the lists when first asked for (trees the loop
+    builds every round never need them). Built from tensors (`DraftTree(tokens, parents, scores)`) or host
+    lists (`of_lists`); scores are kept at float32, as a tree's tensors hold them."""
+
+    def __init__(self, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor,
+                 sources: torch.Tensor | None = None):
+        # tokens [N+1] target ids (tokens[0] the root); parents [N+1] parent node index (parents[0] = -1);
+        # scores [N+1] cumulative draft log-probability (root 0); sources [N+1] bits EAGLE | COPY of who
+        # proposed each node (None: all EAGLE)
+        self.__dict__.update(tokens=tokens, parents=parents, scores=scores, sources=sources)
+        self.host = _HostTree.of_lists(tokens.tolist(), parents.tolist(), scores.tolist(),
+                                       None if sources is None else sources.tolist())
+        self.all_eagle = sources is None
 
     @classmethod
     def root(cls, token: int) -> DraftTree:
-        """The tree of a plain step: the root alone (the target decodes one token). Its host lists are given (a
-        plain round builds one per row: nothing to read back)."""
-        tree = cls(torch.tensor([token]), _ROOT_PARENTS, _ROOT_SCORES)
-        tree.__dict__["host"] = _HostTree([token], [-1], [0.0], [EAGLE], [[]], [0])
-        return tree
+        """The tree of a plain step: the root alone (the target decodes one token)."""
+        return cls._of_host(_HostTree([token], [-1], [0.0], [EAGLE], [[]], [0]), all_eagle=True)
 
     @classmethod
     def of_lists(cls, tokens: list[int], parents: list[int], scores: list[float],
                  sources: list[int] | None = None) -> DraftTree:
         """A deterministic tree from host lists (node 0 the root, parents before children; `sources`: who proposed
         each node, default the drafter)."""
-        tree = cls(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores),
-                   sources=None if sources is None else torch.tensor(sources, dtype=torch.uint8))
-        tree.__dict__["host"] = _HostTree.of_lists(tokens, parents, tree.scores.tolist(), sources)  # (as a tree's own)
+        host = _HostTree.of_lists(tokens, parents, array.array("f", scores).tolist(), sources)  # (float32)
+        return cls._of_host(host, all_eagle=sources is None)
+
+    @classmethod
+    def _of_host(cls, host: _HostTree, all_eagle: bool) -> DraftTree:
+        tree = cls.__new__(cls)
+        tree.host, tree.all_eagle = host, all_eagle
         return tree
 
     @functools.cached_property
-    def host(self) -> _HostTree:
-        """The tree as Python lists (a tree lives on the host; its tensors are read once, here)."""
-        return _HostTree.of(self)
+    def tokens(self) -> torch.Tensor:
+        return torch.tensor(self.host.tokens)
+
+    @functools.cached_property
+    def parents(self) -> torch.Tensor:
+        return torch.tensor(self.host.parents)
+
+    @functools.cached_property
+    def scores(self) -> torch.Tensor:
+        return torch.tensor(self.host.scores)
+
+    @functools.cached_property
+    def sources(self) -> torch.Tensor | None:
+        return None if self.all_eagle else torch.tensor(self.host.sources, dtype=torch.uint8)
 
     def source(self, node: int) -> int:
         return self.host.sources[node]
@@ -72,8 +90,8 @@ class DraftTree:
         """This tree plus deterministic COPY branches below the root (or below node ``at[b]`` for branch b); a
         branch token that is already a child is shared (and marked as proposed by both). logp: each branch
         token's assumed log-probability (added to its parent's score)."""
-        tokens, parents = self.tokens.tolist(), self.parents.tolist()
-        scores, sources = self.scores.tolist(), [self.source(i) for i in range(self.size)]
+        h = self.host
+        tokens, parents, scores, sources = list(h.tokens), list(h.parents), list(h.scores), list(h.sources)
         child = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
         for b, (branch, branch_logp) in enumerate(zip(branches, logp)):
             node = 0 if at is None else at[b]
@@ -84,15 +102,14 @@ class DraftTree:
                     continue
                 tokens.append(tok), parents.append(node), scores.append(scores[node] + lp), sources.append(COPY)
                 node = child[(node, tok)] = len(tokens) - 1
-        return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores),
-                         torch.tensor(sources, dtype=torch.uint8))
+        return DraftTree.of_lists(tokens, parents, scores, sources)
 
     def first(self, n: int) -> DraftTree:
         """The tree of its first `n` nodes (a node's parent comes before it: a prefix is a tree)."""
         if n >= self.size:
             return self
-        return DraftTree(self.tokens[:n], self.parents[:n], self.scores[:n],
-                         None if self.sources is None else self.sources[:n])
+        h = self.host
+        return DraftTree.of_lists(h.tokens[:n], h.parents[:n], h.scores[:n], None if self.all_eagle else h.sources[:n])
 
     @property
     def num_drafts(self) -> int:
@@ -108,7 +125,7 @@ class DraftTree:
 
     @property
     def size(self) -> int:
-        return self.tokens.shape[0]
+        return len(self.host.tokens)
 
     def depths(self) -> torch.Tensor:
         """[N+1] depth of each node (root 0)."""
@@ -166,11 +183,6 @@ class _HostTree:
     sources: list[int]
     children: list[list[int]]
     depths: list[int]
-
-    @classmethod
-    def of(cls, tree: DraftTree) -> _HostTree:
-        return cls.of_lists(tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist(),
-                            None if tree.sources is None else tree.sources.tolist())
 
     @classmethod
     def of_lists(cls, tokens: list[int], parents: list[int], scores: list[float],
@@ -297,7 +309,7 @@ def accept_greedy(tree: DraftTree, target_tokens: Sequence[int]) -> list[int]:
     """
     if tree.size == 1:  # a plain step
         return [0]
-    tokens, chosen = tree.tokens.tolist(), [int(t) for t in target_tokens]
+    tokens, chosen = tree.host.tokens, [int(t) for t in target_tokens]
     best: list[int] = [0]
     for path in tree.paths():
         ok = [0]
