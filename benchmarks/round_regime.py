@@ -174,16 +174,33 @@ def steps_timed():
             setattr(owner, attr, step)
 
 
+def calibration_ms() -> float:
+    """The host's speed now: the median ms of a fixed piece of host work like a round's (small tensor operations and
+    Python between them), the same in every version. This host's speed moves by up to half from process to
+    process; a round's host time over this, measured beside it in the same process, does not move with it."""
+    a, b = torch.randn(4, 64), torch.randn(64, 64)
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        for i in range(200):
+            c = torch.cat([a @ b, a], 1).argmax(-1).tolist()
+            _ = {j: [x + i for x in c] for j in range(4)}
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
 def host_ms(target, drafter, mode: str, cache: str, rows: int, new_tokens: int, calls: int,
             split: bool = False) -> dict[str, float]:
     """Medians over `calls` warm calls: "host ms", the call's time less its target forwards over its rounds, in ms;
     "host ms a call", the same for the whole call (a round's host time also moves with how the schedule split the
-    call into rounds, and every version emits the same tokens: greedy, lossless); with `split`, "<step> ms" a round
-    in each of the `STEPS`."""
+    call into rounds, and every version emits the same tokens: greedy, lossless); "host per calibration", a round's
+    host time over `calibration_ms` timed before its call (x 1000: what a change to the round's host work moves,
+    whatever the host's speed); with `split`, "<step> ms" a round in each of the `STEPS`."""
     kwargs = run_kwargs(mode, cache, drafter, new_tokens)
     samples: dict[str, list[float]] = {}
     with target_forwards(target) as state, (steps_timed() if split else contextlib.nullcontext({})) as spent:
         for call in range(calls + 2):  # (two warm-ups: compiles, first shapes)
+            calibration = calibration_ms() if call >= 2 else None
             state["spent"] = 0.0
             spent.clear()
             start = time.perf_counter()
@@ -192,6 +209,7 @@ def host_ms(target, drafter, mode: str, cache: str, rows: int, new_tokens: int, 
             if call >= 2:
                 rounds = rounds_of_last_call()
                 for name, ms in {"host ms": host / rounds, "host ms a call": host,
+                                 "host per calibration": 1000 * host / rounds / calibration,
                                  **{f"{step} ms": 1000 * sec / rounds for step, sec in spent.items()}}.items():
                     samples.setdefault(name, []).append(ms)
     return {name: statistics.median(v) for name, v in samples.items()}
