@@ -134,29 +134,27 @@ def rounds_of_last_call() -> int:
     return max(s.cycles + s.fallback_steps + s.final_steps, 1)
 
 
-#: the host steps `--split` times apart, each where the measured version has it: the round's drafting step, the
-#: copy branches grafted into the verify's layout, and the tree loop's acceptance (the round's read), commit (the
-#: caches and the drafter's rows) and verify mask
-STEPS = {"drafting": ("eagle_hf.hf.tree_loop", "draft_round"),
-         "copy branches": ("eagle_hf.speculation.speculator", "PendingTrees.graft_copies"),
-         "accept": ("eagle_hf.hf.tree_loop", "TreeLoop.accept"), "commit": ("eagle_hf.hf.tree_loop", "TreeLoop.commit"),
-         "verify mask": ("eagle_hf.hf.tree_loop", "TreeLoop.verify_mask")}
+#: the host steps `--split` times apart, each where the measured version has it (the first of its places that it
+#: has): the round's drafting step, the copy branches grafted into the verify's layout, and the tree loop's
+#: acceptance (the round's read), commit (the caches and the drafter's rows) and verify mask
+STEPS = {"drafting": [("eagle_hf.hf.tree_loop", "draft_round")],
+         "copy branches": [("eagle_hf.speculation.drafting", "PendingTrees.graft_copies"),
+                           ("eagle_hf.speculation.speculator", "PendingTrees.graft_copies")],
+         "accept": [("eagle_hf.hf.tree_loop", "TreeLoop.accept")],
+         "commit": [("eagle_hf.hf.tree_loop", "TreeLoop.commit")],
+         "verify mask": [("eagle_hf.hf.tree_loop", "TreeLoop.verify_mask")]}
 
 
 @contextlib.contextmanager
 def steps_timed():
     """The `STEPS` this version has, timed while the block runs: the yielded dict holds each one's seconds."""
-    import importlib
 
     spent, undo = {}, []
-    for name, (module, path) in STEPS.items():
-        owner = importlib.import_module(module)
-        *holder, attr = path.split(".")
-        for part in holder:
-            owner = getattr(owner, part)
-        step = getattr(owner, attr, None)
-        if step is None:
+    for name, places in STEPS.items():
+        found = [place for place in (_place(*where) for where in places) if place is not None]
+        if not found:
             continue
+        owner, attr, step = found[0]
 
         def timed(*args, _step=step, _name=name, **kw):
             start = time.perf_counter()
@@ -172,6 +170,18 @@ def steps_timed():
     finally:
         for owner, attr, step in undo:
             setattr(owner, attr, step)
+
+
+def _place(module: str, path: str):
+    """(the object holding `path` in `module`, its last name, what it holds there), or None where it is not."""
+    import importlib
+
+    owner = importlib.import_module(module)
+    *holder, attr = path.split(".")
+    for part in holder:
+        owner = getattr(owner, part, None)
+    step = getattr(owner, attr, None)
+    return None if step is None else (owner, attr, step)
 
 
 def calibration_ms() -> float:

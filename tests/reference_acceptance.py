@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle_hf.speculation.tree import DraftTree, draw, verify_greedy
+from eagle_hf.speculation.tree import DraftTree, accept_greedy, draw
 
 
 def accept_sampling(tree: DraftTree, probs: torch.Tensor, q_logits: torch.Tensor | None = None,
@@ -57,4 +57,6 @@ def verify(tree: DraftTree, node_logits: torch.Tensor, do_sample: bool) -> tuple
     """Accept from processed target logits [N+1, V]: (accepted node path, root first; the token that follows)."""
     if do_sample:
         return accept_sampling(tree, torch.softmax(node_logits.float(), -1))
-    return verify_greedy(tree, node_logits.argmax(-1).tolist())
+    chosen = node_logits.argmax(-1).tolist()
+    path = accept_greedy(tree, chosen)
+    return path, chosen[path[-1]]

@@ -101,10 +101,11 @@ def _constructed(name: str) -> set[str]:
 
 def test_only_the_round_plan_decides_and_only_the_round_record_reports():
     """The round's seams: the schedule's choice and the copy source's proposal are asked for by the round plan
-    alone; a round's outcome is one `RoundRecord`, made by the speculator's `end_round`, which both loops call;
+    alone, which cuts the copy branches to a static cache's room before anything runs; a round's outcome is one `RoundRecord`, made by the speculator's `end_round`, which both loops call;
     a round's timings reach the schedule through `report_round` alone."""
     assert _calls("choose", on="controller") == {"speculation/rounds.py"}
     assert _calls("propose") == {"speculation/rounds.py"}
+    assert set(_callers("cut_branches")) == {"speculation/rounds.plan_round"}  # copy branches cut to a static cache's room
     assert _constructed("RoundRecord") == {"speculation/speculator.py"}
     assert _calls("end_round") == {"hf/tree_loop.py", "hf/candidate.py"}
     assert _calls("observe") <= {"speculation/rounds.py", "speculation/schedule.py"}
@@ -129,15 +130,16 @@ def _callers(name: str) -> dict[str, int]:
 def test_growing_choosing_and_verifying_are_each_implemented_once():
     """A round's trees grow in one function (`grow_levels`, launched eagerly by `draft_trees` or as a program by
     `grow_trees`), their nodes are chosen in one (`tree_layout`, after `grow_levels` in the same two launches), and
-    the target verifies them in one forward (`TreeLoop.verify`, for laid-out and host trees alike), and one method
-    accepts (`TreeLoop.accept`: greedy and sampling from the round's one read). The host's level-by-level growth
+    the target verifies them in one forward (`TreeLoop.verify`, for laid-out and host trees alike), and one function
+    accepts (`accept_paths`, from `TreeLoop.accept`: greedy and sampling from the round's one read). The host's level-by-level growth
     and the node-by-node rejection sampling live in the tests only (`tests/reference_growth.py`,
     `tests/reference_acceptance.py`)."""
     launches = {"speculation/drafting.draft_trees", "speculation/drafting.grow_trees"}
     assert set(_callers("grow_levels")) == launches
     assert set(_callers("tree_layout")) == launches
     assert set(_callers("verify")) == {"hf/tree_loop.verify_and_commit"}
-    assert set(_callers("verify_greedy")) == set(_callers("accept_drawn")) == {"hf/tree_loop.accept"}
+    assert set(_callers("accept_paths")) == {"hf/tree_loop.accept"}
+    assert set(_callers("accept_greedy")) == set(_callers("accept_drawn")) == {"speculation/tree.accept_paths"}
     source = "\n".join(p.read_text() for p in (ROOT / "eagle_hf").rglob("*.py"))
     for gone in ("class Candidates", "def _select(", "def greedy_chain(", "class FixedLevel", "def read_choices(",
                  "def accept_sampling(", "q_logits"):
@@ -146,9 +148,10 @@ def test_growing_choosing_and_verifying_are_each_implemented_once():
 
 def test_the_tree_loop_reaches_the_round_through_its_steps():
     """The tree loop's round reaches eagle_hf/speculation through the modules of its steps alone: the plan and the
-    report (`rounds`), the drafting step (`speculator.draft_round`: the drafting itself, `drafting`, is behind it),
-    the tree and its acceptance (`tree`), and the ragged rows its cache shares with the drafter's (`ragged`)."""
+    report (`rounds`), the drafting step (`speculator.draft_round`: the drafting itself is behind it), the trees as
+    the verify reads them (`drafting.PendingTrees`), the tree and its acceptance (`tree`), and the ragged rows its
+    cache shares with the drafter's (`ragged`)."""
     tree = ast.parse((ROOT / "eagle_hf" / "hf" / "tree_loop.py").read_text())
     reached = {node.module.rsplit(".", 1)[-1] for node in ast.walk(tree)  # (`from ..speculation.<m> import`)
                if isinstance(node, ast.ImportFrom) and node.level == 2 and (node.module or "").startswith("speculation")}
-    assert reached == {"ragged", "rounds", "speculator", "tree"}, reached
+    assert reached == {"drafting", "ragged", "rounds", "speculator", "tree"}, reached

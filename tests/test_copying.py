@@ -1,7 +1,8 @@
-"""Copy drafting: the n-gram index, branch sizing, grafting onto the draft tree, losslessness, stats, bad input."""
+"""Copy drafting: the n-gram index, branch sizing, the copy tree and its grafting, losslessness, stats, bad input."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -116,21 +117,35 @@ def test_a_branch_ends_at_an_eos_token():
     assert src.propose(room=50, verified=1).branches[0].tokens == [7, 8, 99]
 
 
-def test_graft_shares_prefixes_and_marks_sources():
+def test_the_copy_tree_shares_prefixes_and_grafts_onto_the_drafters_tree():
+    """A round's branches are one tree below the text's last token (a prefix two branches share is one path, each
+    token scored by the acceptance estimate); grafted onto the drafter's tree, a node both proposed is one, marked
+    as both's, and a copy node keeps its own log-probability below its new parent."""
+    from eagle_hf.speculation.copying import Branch
+
+    src = _source()
+    src.index.extend([4, 2, 5])
+    src.begin_round([Branch([8, 6, 7], 2), Branch([8, 6, 1], 1), Branch([3], 1)])
+    copy = src.tree
+    assert copy.host.tokens == [5, 8, 6, 7, 1, 3] and copy.host.parents == [-1, 0, 1, 2, 2, 0]
+    assert copy.host.sources == [EAGLE, COPY, COPY, COPY, COPY, COPY]
+    first, later = src.acceptance.first[1], src.acceptance.later
+    assert copy.host.scores[3] == pytest.approx(math.log(first) + 2 * math.log(later), abs=1e-6)
     tree = DraftTree(torch.tensor([5, 8, 9, 4]), torch.tensor([-1, 0, 0, 1]), torch.tensor([0.0, -0.1, -2.0, -0.5]))
-    grafted = tree.graft([[8, 6, 7], [3]], [[-0.2] * 3, [-0.3]])
-    assert grafted.tokens.tolist() == [5, 8, 9, 4, 6, 7, 3]
-    assert grafted.parents.tolist() == [-1, 0, 0, 1, 1, 4, 0]
-    assert grafted.sources.tolist() == [EAGLE, EAGLE | COPY, EAGLE, EAGLE, COPY, COPY, COPY]
+    grafted = tree.graft(copy)
+    assert grafted.tokens.tolist() == [5, 8, 9, 4, 6, 7, 1, 3]
+    assert grafted.parents.tolist() == [-1, 0, 0, 1, 1, 4, 4, 0]
+    assert grafted.sources.tolist() == [EAGLE, EAGLE | COPY, EAGLE, EAGLE, COPY, COPY, COPY, COPY]
+    assert grafted.scores[4].item() == pytest.approx(-0.1 + math.log(later), abs=1e-6)
 
 
 def test_the_drafter_learns_only_its_own_nodes_beside_copy_branches():
     """A greedy round lays copy branches out beside the drafter's nodes (`_beside`): the tree keeps who proposed
     each node, so the schedule learns the drafter's acceptance from its own nodes, not from the copies'."""
+    from eagle_hf.speculation.drafting import _beside
     from eagle_hf.speculation.rounds import Round, RoundRecord
-    from eagle_hf.speculation.speculator import _beside
 
-    copy = DraftTree.root(5).graft([[8, 6, 7]], [[-0.1] * 3])
+    copy = DraftTree.of_lists([5, 8, 6, 7], [-1, 0, 1, 2], [0.0, -0.1, -0.2, -0.3], [EAGLE, COPY, COPY, COPY])
     tree, columns = _beside([5, 8, 9], [-1, 0, 0], [0.0, -0.1, -2.0], copy, width=4)
     assert tree.host.sources == tree.sources.tolist()
     assert tree.sources.tolist() == [EAGLE, EAGLE | COPY, EAGLE, COPY | EAGLE, COPY, COPY]
@@ -272,25 +287,18 @@ def test_copy_drafting_where_the_own_loop_cannot_run(caplog):
     assert torch.equal(out, ref) and "copy" not in eagle_hf.last_stats().drafted_by_source
 
 
-def test_graft_below_a_draft_node():
-    tree = DraftTree(torch.tensor([5, 8, 9]), torch.tensor([-1, 0, 0]), torch.tensor([0.0, -0.1, -2.0]))
-    grafted = tree.graft([[6, 7]], [[-0.2, -0.3]], at=[2])
-    assert grafted.parents.tolist() == [-1, 0, 0, 2, 3]
-    assert grafted.scores[3] == pytest.approx(-2.2) and grafted.sources.tolist() == [EAGLE, EAGLE, EAGLE, COPY, COPY]
+def test_branches_cut_to_fit_teach_only_what_was_verified():
+    """Where a static cache has no room for every copy node, the plan keeps the first nodes of the copy tree
+    (`cut_branches`): each branch is shortened to what is kept (gone if nothing), so its acceptance learns nothing about
+    the tokens never verified."""
+    from eagle_hf.speculation.copying import Branch, cut_branches
 
-
-def test_a_branch_cut_to_fit_teaches_only_what_was_verified():
-    """A tree cut to a static cache's free slots keeps a prefix of each copy branch: the branch is shortened to
-    what the tree kept (gone if nothing), so its acceptance learns nothing about the tokens never verified."""
-    from eagle_hf.speculation.copying import Branch
-
-    src = _source()
-    tree = DraftTree.root(7).graft([[1, 2, 3, 4], [5, 6]], [[-0.1] * 4, [-0.1] * 2])  # nodes: 7 | 1 2 3 4 | 5 6
-    src.branches = [Branch([1, 2, 3, 4], 2), Branch([5, 6], 2)]
-    src.keep_within(tree.first(3))  # the root and the first branch's first two tokens
-    assert [b.tokens for b in src.branches] == [[1, 2]]
-    uncut = _source()
-    uncut.branches = [Branch([1, 2, 3, 4], 2)]
+    branches = [Branch([1, 2, 3, 4], 2), Branch([5, 6], 2)]  # nodes: 1 2 3 4 | 5 6
+    assert [b.tokens for b in cut_branches(branches, 2)] == [[1, 2]]
+    assert [b.tokens for b in cut_branches(branches, 5)] == [[1, 2, 3, 4], [5]]
+    assert [b.tokens for b in cut_branches([Branch([1, 2, 3], 1), Branch([1, 2, 9], 1)], 3)] == [[1, 2, 3], [1, 2]]
+    src, uncut = _source(), _source()
+    src.branches, uncut.branches = cut_branches(branches, 2), [Branch([1, 2, 3, 4], 2)]
     src.update([1, 2]), uncut.update([1, 2])  # a full hit of a 2-token branch, not a miss at the third of four
     assert vars(src.acceptance) != vars(uncut.acceptance)
 

@@ -19,18 +19,22 @@ from eagle_hf.hf.cache import VERIFY_BUCKETS, StaticTreeCache, cache_unsupported
 from eagle_hf.hf.costs import cost_model
 from eagle_hf.hf.routing import STATIC_CACHE_ROOM
 from eagle_hf.hf.version import cache_kwarg, output_cache
-from eagle_hf.speculation import ragged
-from eagle_hf.speculation.speculator import Speculator
+from eagle_hf.speculation import copying, ragged, rounds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STATIC = dict(cache_implementation="static")
 
 
 def test_default_mode_runs_on_a_static_cache(caplog, monkeypatch):
-    cuts = []  # trees cut to a static cache's free slots: host trees (`fit`), copy branches beside laid-out ones
-    fit, keep = Speculator.fit, Speculator.keep_copies
-    monkeypatch.setattr(Speculator, "fit", lambda self, n: (cuts.append((self.this_round.tree.size, n)), fit(self, n))[1])
-    monkeypatch.setattr(Speculator, "keep_copies", lambda self, tree: (cuts.append(tree.size), keep(self, tree))[1])
+    cuts = []  # copy branches the plan cut to a static cache's free slots (`cut_branches`)
+
+    def cut_branches(branches, nodes):
+        kept = copying.cut_branches(branches, nodes)
+        if kept != branches:
+            cuts.append(nodes)
+        return kept
+
+    monkeypatch.setattr(rounds, "cut_branches", cut_branches)
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     ref = target.generate(REPEAT, max_new_tokens=40, do_sample=False)
@@ -52,7 +56,7 @@ def test_default_mode_runs_on_a_static_cache(caplog, monkeypatch):
                           num_assistant_tokens_schedule="constant",
                           **cache_kwarg(StaticCache(config=target.config, max_cache_len=ref.shape[1] - 1)))
     assert torch.equal(out, ref)
-    assert cuts  # near the end, the drafter's tree with copy branches grafted on was cut to the free slots
+    assert cuts  # near the end, the copy branches beside the drafter's tree were cut to the free slots
 
 
 def test_a_chain_on_a_static_cache_runs_in_eagle_hfs_loop(caplog):

@@ -10,7 +10,7 @@ from reference_acceptance import accept_sampling, verify
 import eagle_hf
 from eagle_hf.hf.version import cache_kwarg, output_cache
 from eagle_hf.speculation.drafting import laid_out, with_copies
-from eagle_hf.speculation.tree import DraftTree, accept_greedy, verify_greedy
+from eagle_hf.speculation.tree import DraftTree, accept_greedy, accept_paths
 
 #      0 (root)
 #     / \
@@ -25,8 +25,8 @@ TREE = DraftTree(tokens=torch.tensor([10, 11, 12, 13, 14, 15, 16]), parents=torc
 
 def test_tree_tensors_by_hand():
     assert TREE.depths().tolist() == [0, 1, 1, 2, 2, 2, 3]
-    m = TREE.ancestor_mask().int()
-    assert m.tolist() == [
+    ancestors = laid_out([TREE], 7, [3], "cpu")[0].ancestors[0]  # [7, 7] node i sees node j
+    assert ancestors.int().tolist() == [
         [1, 0, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0, 0],
         [1, 0, 1, 0, 0, 0, 0],
@@ -36,10 +36,10 @@ def test_tree_tensors_by_hand():
         [1, 1, 0, 1, 0, 0, 1],
     ]
     assert TREE.retrieve_indices().tolist() == [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]]
-    mask = tree_attention_mask(laid_out([TREE], 7, [3], "cpu")[0].ancestors, None, 3, dtype=torch.float32)
+    mask = tree_attention_mask(ancestors[None], None, 3, dtype=torch.float32)
     assert mask.shape == (1, 1, 7, 10)
     assert (mask[0, 0, :, :3] == 0).all()  # the prefix is visible to every node
-    assert ((mask[0, 0, :, 3:] == 0) == TREE.ancestor_mask()).all()
+    assert ((mask[0, 0, :, 3:] == 0) == ancestors).all()
 
 
 def test_batched_tree_mask_hides_holes_and_padding_nodes():
@@ -62,7 +62,7 @@ def test_copy_branches_are_laid_out_after_the_drafters_nodes():
     chain = DraftTree.of_lists([7, 1, 2], [-1, 0, 1], [0.0, -0.1, -0.2])
     copies = DraftTree.of_lists([7, 3, 4, 5], [-1, 0, 1, 0], [0.0, -0.1, -0.2, -0.3])
     laid, positions = laid_out([chain], 3, [10], "cpu")
-    layout, positions = with_copies(laid, positions, [copies], 4)
+    layout, positions = with_copies(laid, positions, [copies], [7], 4)
     assert layout.tokens.tolist() == [[7, 1, 2, 3, 4, 5, 7]]
     assert layout.depths.tolist() == [[0, 1, 2, 1, 2, 1, 0]]
     assert positions.tolist() == [[10, 11, 12, 11, 12, 11, 10]]
@@ -75,6 +75,9 @@ def test_copy_branches_are_laid_out_after_the_drafters_nodes():
         [1, 0, 0, 0, 0, 1, 0],
         [1, 0, 0, 0, 0, 0, 1],
     ]]
+    layout, _ = with_copies(laid, laid_out([chain], 3, [10], "cpu")[1], [None], [7], 2)  # a row without copies
+    assert layout.tokens.tolist() == [[7, 1, 2, 7, 7]] and layout.depths.tolist() == [[0, 1, 2, 0, 0]]
+    assert layout.ancestors[0, 3:].int().tolist() == [[1, 0, 0, 1, 0], [1, 0, 0, 0, 1]]  # padding: root, itself
 
 
 def test_greedy_acceptance_takes_the_longest_matching_path():
@@ -85,13 +88,18 @@ def test_greedy_acceptance_takes_the_longest_matching_path():
     assert accept_greedy(TREE, torch.tensor([99, 0, 0, 0, 0, 0, 0])) == [0]
 
 
-def test_greedy_verification_from_logits_or_from_a_batch_argmax_agree():
-    """The batch's fast path hands each row the argmax of all logits at once (a list); `verify` takes the row's
-    logits: the same path and bonus, and a plain step accepts its root alone."""
+def test_greedy_acceptance_from_a_row_or_from_a_batch_layout_agree():
+    """`accept_paths` reads a row's own values (the target's token after each node) or a batch's layout (`width`
+    values a row, each node at its column): the path and bonus of the reference's acceptance from the logits, and
+    a plain step accepts its root alone."""
     logits = torch.randn(7, 20, generator=torch.Generator().manual_seed(1))
     logits[0, 11], logits[1, 13], logits[3, 16], logits[6, 4] = 9.0, 9.0, 9.0, 9.0  # the path 0-1-3-6, bonus 4
-    assert verify(TREE, logits, do_sample=False) == verify_greedy(TREE, logits.argmax(-1).tolist()) == ([0, 1, 3, 6], 4)
-    assert verify_greedy(DraftTree.root(5), [8]) == ([0], 8)
+    chosen = logits.argmax(-1).tolist()
+    assert verify(TREE, logits, do_sample=False) == ([0, 1, 3, 6], 4)
+    assert accept_paths([TREE], chosen, sampled=False) == [([0, 1, 3, 6], 4)]
+    batch = [8] + [0] * 7 + [chosen[0], -1, *chosen[1:]]  # width 8: a root alone, then TREE after a padding column
+    assert accept_paths([DraftTree.root(5), TREE], batch, sampled=False, width=8,
+                        columns=[[0], [0, 2, 3, 4, 5, 6, 7]]) == [([0], 8), ([0, 1, 3, 6], 4)]
 
 
 def test_tree_sampling_acceptance_is_lossless_at_each_node():

@@ -26,10 +26,11 @@ from .. import programs
 from ..devices import input_device
 from ..drafter.capture import gather_aux, hidden_state_request
 from ..programs import how_to_run, pack, to_device
+from ..speculation.drafting import PendingTrees
 from ..speculation.ragged import Ragged
 from ..speculation.rounds import RoundPlan, RoundTiming, plan_round, report_round, round_facts
-from ..speculation.speculator import PendingTrees, Speculator, draft_round
-from ..speculation.tree import DraftTree, accept_drawn, draw, process_logits, sampling_draws, verify_greedy
+from ..speculation.speculator import Speculator, draft_round
+from ..speculation.tree import DraftTree, accept_paths, draw, process_logits, sampling_draws
 from .attention import TREE_PREFIX, routed_kernel, split_keys_from
 from .cache import VERIFY_BUCKETS, key_positions, layer_windows, tree_cache, window_masks
 from .call import active_call, finish_rows, speculators_for
@@ -202,9 +203,10 @@ class TreeLoop:
         aux = gather_aux(out.hidden_states, self.aux_ids) if self.uses_eagle else None  # [B, T - cached, A*H_t]
         counts = [sum(m) for m in host_mask]
         self.cache.ragged = Ragged(counts, ids.shape[1], mask.clone() if padded else None)
-        for b, row in enumerate(rows):
-            scores = process_logits(self.logits_processor, row.seq, [[]], raw[b : b + 1], row.index)
-            token = int(draw(torch.softmax(scores, -1))[0]) if self.do_sample else int(scores.argmax(-1))
+        # the processors see the batch as at plain generate()'s first step: [B, T] ids, [B, V] scores
+        scores = self.logits_processor(ids, raw) if len(self.logits_processor) else raw  # [B, V]
+        tokens = (draw(torch.softmax(scores, -1)) if self.do_sample else scores.argmax(-1)).tolist()  # [B]
+        for b, (row, token) in enumerate(zip(rows, tokens)):
             if aux is not None:
                 real = [i for i, m in enumerate(host_mask[b][cached:]) if m]  # the row's uncached real tokens
                 after = [*ids[b, cached + 1 :].tolist(), token]
@@ -213,7 +215,7 @@ class TreeLoop:
                               torch.tensor([[after[i] for i in real]], device=ids.device),
                               position=sum(host_mask[b][:cached]))
             row.position = counts[b]
-            self.keep_outputs(row, scores, raw[b : b + 1], out.hidden_states, b, None)
+            self.keep_outputs(row, scores[b : b + 1], raw[b : b + 1], out.hidden_states, b, None)
             self.append(row, self.cut(row, [token]))
 
     def draft(self, active: list[Row], batch: bool, marks: dict | None = None) -> tuple[RoundPlan, PendingTrees]:
@@ -231,17 +233,15 @@ class TreeLoop:
         speculators = [r.sp for r in active]
         plan = plan_round(speculators, rooms, self.total_tokens, fits, batch=batch)
         trees = draft_round(speculators, [r.token for r in active], plan.depths, plan.sizes, marks=marks,
-                            positions=[r.position for r in active], pad=self.verify_width, fits=fits)
+                            positions=[r.position for r in active], pad=self.verify_width)
         if isinstance(trees, PendingTrees):
             if self.greedy_batch:  # the verify reads the layout as it is; the host reads it with the verify's result
                 trees.graft_copies()
                 return plan, trees
             trees = trees.settle(trees.read())[0]  # (sampling, processing, kept scores: the host's trees)
-        if fits is not None and any(t.size > fits for t in trees):
-            trees = [row.sp.fit(fits) if t.size > fits else t for row, t in zip(active, trees)]
         width = self.verify_width(max(t.size for t in trees))  # N: padded to the largest (or a compiled bucket)
         # (a compiled forward keeps one shape: every node's logits)
-        return plan, PendingTrees.on_host(speculators, trees, width, [r.position for r in active], self.device,
+        return plan, PendingTrees.on_host(trees, width, [r.position for r in active], self.device,
                                           parents=self.do_sample, real=self.compiled is None)
 
     def verify_and_commit(self, active: list[Row], trees: PendingTrees, marks: dict) -> None:
@@ -354,18 +354,10 @@ class TreeLoop:
         values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()  # the round's one read-back
         at = len(values) - sum(d.numel() for d in draws)
         trees, columns = pending.settle(values[:at], grafted=True)
-        outcomes = []
-        for b, (row, tree) in enumerate(zip(active, trees)):
-            cols = columns[b] if columns is not None else range(tree.size)
-            if self.greedy_batch:
-                mine = values[at + b * width : at + (b + 1) * width]
-                path, token = verify_greedy(tree, [int(mine[c]) for c in cols])
-                outcomes.append(self.outcome(row, tree, path, token, columns=columns and columns[b]))
-                continue
-            mine = values[at : at + draws[b].numel()]
-            at += draws[b].numel()
-            path, token = accept_drawn(tree, mine) if self.do_sample else verify_greedy(tree, [int(v) for v in mine])
-            outcomes.append(self.outcome(row, tree, path, token, raws[b], scores[b]))
+        accepted = accept_paths(trees, values[at:], self.do_sample, width if self.greedy_batch else None, columns)
+        outcomes = [self.outcome(row, tree, path, token, raws[b] if raws else None, scores[b] if scores else None,
+                                 columns=columns and columns[b])
+                    for b, (row, tree, (path, token)) in enumerate(zip(active, trees, accepted))]
         return trees, outcomes, chosen
 
     def outcome(self, row: Row, tree: DraftTree, path: list[int], token: int, raw=None, scores=None,
@@ -409,7 +401,7 @@ class TreeLoop:
         if aux is not None and (index is not None or width < written):
             aux = aux[:, :width] if index is None else aux.gather(1, index[..., None].expand(-1, -1, aux.shape[-1]))
         whole = len(active) == 1  # one row keeping every kept node: its tensors need no slicing
-        for b, (row, o) in enumerate(zip(active, outcomes)):
+        for b, (row, tree, o) in enumerate(zip(active, trees, outcomes)):
             if row.done and not o.new:  # a padding row
                 continue
             n = len(o.new)
@@ -419,7 +411,7 @@ class TreeLoop:
             self.keep_outputs(row, o.scores, o.raw, hidden_states, b, o.keep)
             row.position += n
             self.append(row, o.new, mine[0])
-            row.sp.end_round(n - 1, row.token, path=o.keep if o.path is None else o.path, cut=o.cut)
+            row.sp.end_round(n - 1, row.token, path=o.keep if o.path is None else o.path, cut=o.cut, tree=tree)
 
     def retire(self, rows: list[Row]) -> list[Row]:
         """Finished rows leave the batch (and the cache), but as few as are needed for the cheapest forward that

@@ -15,11 +15,13 @@ doubles with each failed retry (exponential backoff).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from .schedule import Backoff, moved
+from .tree import COPY, EAGLE, DraftTree
 
 #: occurrences scanned per suffix length (the most recent first): bounds a lookup's cost at any context length
 MAX_OCCURRENCES = 8
@@ -119,10 +121,14 @@ class Wait(StrEnum):
 
 @dataclass
 class Proposal:
-    """The copy source's proposal for a round: its `branches` and what executing it does to its wait."""
+    """The copy source's proposal for a round: its `branches`, what executing it does to its wait, and what the
+    source expects of them: the copy drafts accepted (`CopySource.expected_tokens`) and the chance that no branch's
+    first token is (`CopySource.missed`)."""
 
     branches: list[Branch]
     wait: Wait | None = None
+    expected: float = 0.0
+    missed: float = 1.0
 
 
 class CopySource:
@@ -140,6 +146,7 @@ class CopySource:
         self.length, self.num_branches, self.marginal_cost = length, num_branches, marginal_cost
         self.backoff = Backoff(probe_every, max_probe_every)  # when a dropped source tries again
         self.branches: list[Branch] = []  # this round's branches (the plan's, `begin_round`)
+        self.tree: DraftTree | None = None  # the branches as this round's copy tree (None: no branches)
 
     def propose(self, room: int, verified: int = 1, retry_only: bool = False, retry: bool | None = None) -> Proposal:
         """This round's branches (at most `room` tokens each) on top of a tree of `verified` tokens (1: sized by
@@ -165,16 +172,34 @@ class CopySource:
             if n:
                 branches.append(Branch(tokens[:n], match))
         wait = Wait.SKIP if matches and not branches else (Wait.RESTART if retrying else None)
-        return Proposal(branches, wait)
+        return Proposal(branches, wait, self.expected_tokens(branches), self.missed(branches))
 
     def begin_round(self, branches: list[Branch], wait: Wait | None = None) -> None:
-        """Execute the round's plan for the copy source: the `branches` it drafts (and learns from), and what its
-        proposal did to its wait (`Proposal.wait`: it sat the round out, or it retries)."""
+        """Execute the round's plan for the copy source: the `branches` it drafts (and learns from), as this round's
+        copy `tree`, and what its proposal did to its wait (`Proposal.wait`: it sat the round out, or it retries)."""
         self.branches = branches
+        self.tree = self._tree() if branches else None
         if wait == Wait.SKIP:
             self.backoff.skip()
         elif wait == Wait.RESTART:
             self.backoff.restart()
+
+    def _tree(self) -> DraftTree:
+        """The round's branches as one tree below its root, the text's last token (a prefix two branches share is
+        one path), each copy token scored by the acceptance estimate: the first by its branch's match length,
+        a later one given the one before."""
+        a = self.acceptance
+        tokens, parents, scores = [self.index.tokens[-1]], [-1], [0.0]
+        child: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        for branch in self.branches:
+            node = 0
+            for i, token in enumerate(branch.tokens):
+                if (node, token) not in child:
+                    tokens.append(token), parents.append(node)
+                    scores.append(scores[node] + math.log(max(a.first[branch.match - 1] if i == 0 else a.later, 1e-6)))
+                    child[(node, token)] = len(tokens) - 1
+                node = child[(node, token)]
+        return DraftTree.of_lists(tokens, parents, scores, [EAGLE] + [COPY] * (len(tokens) - 1))
 
     def expected_tokens(self, branches: Sequence[Branch]) -> float:
         """Drafts `branches` are expected to get accepted: each token's chance to be reached and accepted, a prefix
@@ -191,20 +216,6 @@ class CopySource:
         firsts = {b.tokens[0]: self.acceptance.first[b.match - 1] for b in branches}
         return max(1.0 - sum(firsts.values()), 0.0)
 
-    def keep_within(self, tree) -> None:
-        """This round's branches cut to the nodes `tree` kept (a tree cut to fit a static cache): a branch teaches
-        only what was verified."""
-        host = tree.host
-        kept = []
-        for branch in self.branches:
-            node, n = 0, 0
-            while node is not None and n < len(branch.tokens):
-                node = next((c for c in tree.children(node) if host.tokens[c] == branch.tokens[n]), None)
-                n += node is not None
-            if n:
-                kept.append(Branch(branch.tokens[:n], branch.match))
-        self.branches = kept
-
     def update(self, taken: list[int]) -> None:
         """Outcome of this round's branches given the accepted draft tokens `taken` (root excluded)."""
         reached = 0  # tokens the branches reached
@@ -214,6 +225,20 @@ class CopySource:
             reached = max(reached, n)
         if self.branches:
             self.backoff.paid() if reached else self.backoff.failed()
+
+
+def cut_branches(branches: list[Branch], nodes: int) -> list[Branch]:
+    """`branches` cut to the first `nodes` nodes of their tree (a static cache's free slots; a prefix shared with an
+    earlier branch is no new node): a branch keeps, and teaches, only what is verified."""
+    kept, seen = [], set()
+    for branch in branches:
+        n = 0
+        while n < len(branch.tokens) and (tuple(branch.tokens[: n + 1]) in seen or len(seen) < nodes):
+            seen.add(tuple(branch.tokens[: n + 1]))
+            n += 1
+        if n:
+            kept.append(Branch(branch.tokens[:n], branch.match))
+    return kept
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

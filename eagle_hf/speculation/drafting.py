@@ -41,7 +41,7 @@ import torch
 from ..drafter.modeling import KV, DraftStep, EagleDrafter, KVWriter
 from ..programs import Program, pack, to_device
 from .ragged import KeptMask, Ragged, SlotBuffers, new_buffers
-from .tree import DraftTree, ancestor_rows
+from .tree import COPY, EAGLE, DraftTree
 
 #: catch-ups of at most this many rows per row use the kept attention mask (a prompt's build their own)
 KEPT_MASK_ROWS = 64
@@ -309,26 +309,129 @@ def laid_out(trees: list[DraftTree], width: int, positions: list[int], device: t
             host["positions"])
 
 
-def with_copies(laid: TreeLayout, positions: torch.Tensor, copies: list[DraftTree], width: int
-                ) -> tuple[TreeLayout, torch.Tensor]:
-    """The layout with each row's copy branches after its drafter's W nodes: `copies`, each row's root and its
-    copy branches as the host holds them (it knew them before the round), laid out in `width` (C) nodes after
-    the drafter's (padding nodes as `laid_out`'s), in one host-to-device copy; a copy node sees the root, its
-    ancestors and itself. positions [B, W]: the drafter's verify positions. Returns the layout of W + C nodes and
-    its positions [B, W + C] (the host part stays the drafter's: the host holds the copies)."""
+def ancestor_rows(parents: list[int], width: int) -> list[list[int]]:
+    """A host tree's ancestor mask as `width` rows of 0/1 (parents before children): node i sees its ancestors
+    and itself; the padding nodes after the tree see the root and themselves."""
+    rows: list[list[int]] = []
+    for i, parent in enumerate(parents):
+        row = rows[parent].copy() if parent >= 0 else [0] * width
+        row[i] = 1
+        rows.append(row)
+    for i in range(len(parents), width):
+        row = [0] * width
+        row[0] = row[i] = 1
+        rows.append(row)
+    return rows
+
+
+def with_copies(laid: TreeLayout, positions: torch.Tensor, copies: list[DraftTree | None], roots: list[int],
+                width: int) -> tuple[TreeLayout, torch.Tensor]:
+    """The layout with each row's copy branches after its drafter's W nodes: `copies`, each row's copy tree as
+    the host holds it (it knew it before the round; None: none), laid out in `width` (C) nodes after the
+    drafter's (padding nodes as `laid_out`'s: the row's root token, `roots`), in one host-to-device copy; a copy
+    node sees the root, its ancestors and itself. positions [B, W]: the drafter's verify positions. Returns the
+    layout of W + C nodes and its positions [B, W + C] (the host part stays the drafter's: the host holds the
+    copies)."""
     rows, w = laid.tokens.shape
     arrays = {"tokens": [], "depths": [], "ancestors": []}
-    for tree in copies:
-        h, pad = tree.host, width + 1 - tree.size
-        arrays["tokens"].append(h.tokens[1:] + h.tokens[:1] * pad)
-        arrays["depths"].append(h.depths[1:] + [0] * pad)
-        arrays["ancestors"] += [row[:1] + [0] * (w - 1) + row[1:] for row in ancestor_rows(h.parents, width + 1)[1:]]
+    for tree, root in zip(copies, roots):
+        tokens, parents, depths = (tree.host.tokens, tree.host.parents, tree.host.depths) if tree else ([root], [-1], [0])
+        pad = width + 1 - len(tokens)
+        arrays["tokens"].append(tokens[1:] + [root] * pad)
+        arrays["depths"].append(depths[1:] + [0] * pad)
+        arrays["ancestors"] += [row[:1] + [0] * (w - 1) + row[1:] for row in ancestor_rows(parents, width + 1)[1:]]
     host = pack(laid.tokens.device, **arrays)
     seen = torch.cat([torch.nn.functional.pad(laid.ancestors, (0, width)),
                       host["ancestors"].view(rows, width, w + width).bool()], 1)  # [B, W + C, W + C]
     depths = host["depths"]  # [B, C]
     return (TreeLayout(torch.cat([laid.tokens, host["tokens"]], 1), torch.cat([laid.depths, depths], 1), seen,
                        laid.host), torch.cat([positions, positions[:, :1] + depths], 1))
+
+
+@dataclass
+class PendingTrees:
+    """A round's trees laid out for the verify on the device (`eagle_hf.speculation.drafting.TreeLayout`, W
+    nodes a row of the drafter's, then with `graft_copies` each row's copy branches, with the verify positions),
+    read by the host with the verify's result (`settle`), or before the verify where the verify needs them on the
+    host (sampling). `copies`: each row's copy branches as a tree of its own (None: none). Trees the host holds
+    already (`on_host`) are laid out the same way: the verify reads one kind of layout."""
+
+    slots: list[int]  # each row's slot in the drafter's cache (the layout's rows are in slot order)
+    roots: list[int]
+    layout: TreeLayout
+    positions: torch.Tensor  # [B, W (+ C)]
+    copies: list[DraftTree | None]
+    drafter_width: int  # W
+    copy_width: int = 0  # C: the copy branches' nodes a row, padded
+    trees: list[DraftTree] | None = None  # the rows' trees where the host holds them (nothing to read)
+
+    @classmethod
+    def on_host(cls, trees: list[DraftTree], width: int, positions: list[int], device: torch.device,
+                parents: bool = False, real: bool = False) -> PendingTrees:
+        """The host's trees of the round (a round no drafter grew, or trees read before the verify) laid out for
+        the verify, `width` nodes a row (`laid_out`: `parents`, `real` as there)."""
+        layout, at = laid_out(trees, width, positions, device, parents, real)
+        return cls(list(range(len(trees))), [t.host.tokens[0] for t in trees], layout, at, [None] * len(trees),
+                   width, trees=trees)
+
+    @property
+    def width(self) -> int:
+        return self.layout.tokens.shape[1]
+
+    def read(self) -> list[float]:
+        """The layout's host part (the round's read where the trees are needed before the verify)."""
+        return self.layout.host.flatten().tolist()
+
+    def graft_copies(self) -> None:
+        """Each row's copy branches into the layout, after the drafter's nodes (`with_copies`: laid out as the
+        host's trees are, in one host-to-device copy)."""
+        if not self.copy_width:
+            return
+        order = sorted(range(len(self.slots)), key=self.slots.__getitem__)
+        self.layout, self.positions = with_copies(self.layout, self.positions, [self.copies[i] for i in order],
+                                                  [self.roots[i] for i in order], self.copy_width)
+
+    def settle(self, values: list[float], grafted: bool = False) -> tuple[list[DraftTree], list[list[int]] | None]:
+        """The rows' trees from the layout's host part read as `values`, each with its copy branches, and each
+        tree node's column in the layout (None: the trees' nodes are its first columns). `grafted`: the copies
+        are in the layout (`graft_copies`: a drafter node a copy branch proposed too stays two nodes there, both
+        marked as proposed by both); else they are grafted on the host (shared prefixes are one node). Trees the
+        host holds come as they are."""
+        if self.trees is not None:
+            return self.trees, None
+        by_slot = dict(zip(self.slots, self.roots))
+        lists = host_trees(values, [by_slot[slot] for slot in sorted(by_slot)])
+        trees, columns = [], []
+        for slot, copy in zip(self.slots, self.copies):
+            tokens, parents, scores = lists[slot]
+            size = len(tokens) - 1
+            if copy is not None and grafted:
+                tree, cols = _beside(tokens, parents, scores, copy, self.drafter_width)
+            else:
+                tree, cols = DraftTree.of_lists(tokens, parents, scores), list(range(size + 1))
+                if copy is not None:
+                    tree = tree.graft(copy)
+            trees.append(tree), columns.append(cols)
+        return trees, columns if grafted else None
+
+
+def _beside(tokens: list[int], parents: list[int], scores: list[float], copy: DraftTree, width: int):
+    """A drafter's tree (host lists) and its copy branches laid out after its `width` columns, as one tree: (the
+    tree, each node's column). A copy node on a path the drafter drafted too marks both nodes as both's."""
+    size, h = len(tokens), copy.host
+    sources = [EAGLE] * size
+    child = {(parents[i], tokens[i]): i for i in range(1, size)}  # the drafter's nodes by (parent, token)
+    same = {0: 0}  # copy node -> the drafter node on the same path
+    for j in range(1, len(h.tokens)):
+        p = h.parents[j]
+        node = child.get((same[p], h.tokens[j])) if p in same else None
+        tokens.append(h.tokens[j]), scores.append(h.scores[j]), parents.append(0 if p == 0 else size - 1 + p)
+        sources.append(COPY | (EAGLE if node is not None else 0))
+        if node is not None:
+            same[j] = node
+            sources[node] |= COPY
+    columns = list(range(size)) + [width - 1 + j for j in range(1, len(h.tokens))]
+    return DraftTree.of_lists(tokens, parents, scores, sources), columns
 
 
 def number_of(t: torch.Tensor) -> torch.Tensor:

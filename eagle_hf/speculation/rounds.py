@@ -34,7 +34,7 @@ from enum import StrEnum
 
 import torch
 
-from .copying import Branch, Wait
+from .copying import Branch, Proposal, Wait, cut_branches
 from .schedule import CopyAction
 from .tree import EAGLE, SOURCE_NAMES, DraftTree, most_nodes
 
@@ -337,8 +337,15 @@ def plan_round(speculators: Sequence, rooms: Sequence[int | None], total_tokens:
         if room is not None:  # (the verify reads the row's whole size: no more than its depth can fill)
             row.size = min(most_nodes(row.depth, sp.settings.branching, total_tokens), room + 1,
                            room + 1 if fits is None else fits)
-        sp.begin_round(row)
         rows.append(row)
+    if fits is not None:  # copy branches are not sized by the tree budget: they take the slots the trees leave
+        largest = max((row.size for row in rows if row.kind == Round.DRAFT and row.depth > 0), default=1)
+        for row in rows:
+            row.branches = cut_branches(row.branches, fits - largest)
+            if row.kind == Round.DRAFT and not (row.depth or row.branches):
+                row.kind = Round.FINAL  # (no room for a copy)
+    for sp, row in zip(speculators, rows):
+        sp.begin_round(row)
     return RoundPlan(rows, None if planned is None else controller.kind)
 
 
@@ -373,7 +380,7 @@ def plan_row(sp, room: int, planned: int | None = None) -> RowPlan:
         if with_copies_only:
             depth = min(controller.best()[0], room)
         if depth > 0 and branches and retry is None:  # (a batch's retry round retries the drafter too)
-            drafter, copying = sources_that_pay(controller, copy, branches, depth)
+            drafter, copying = sources_that_pay(controller, proposal, depth)
             if with_copies_only:  # it joins the copies or rests (alone it does not pay)
                 depth = depth if drafter and copying else 0
                 refresh = depth > 0
@@ -385,9 +392,9 @@ def plan_row(sp, room: int, planned: int | None = None) -> RowPlan:
     return RowPlan(kind, depth, branches=list(branches), copy_wait=wait, refresh_drafter=refresh)
 
 
-def sources_that_pay(controller, copy, branches: list[Branch], depth: int) -> tuple[bool, bool]:
-    """(drafter, copies): who drafts this round, of the drafter's tree of `depth` and the copy source's proposed
-    `branches`: the plan with the most tokens per cost, of the copies alone, the drafter alone and both
+def sources_that_pay(controller, proposal: Proposal, depth: int) -> tuple[bool, bool]:
+    """(drafter, copies): who drafts this round, of the drafter's tree of `depth` and the copy source's `proposal`
+    (its branches, with what it expects of them): the plan with the most tokens per cost, of the copies alone, the drafter alone and both
     (tokens and costs in one-token target forwards, from running acceptances and measured costs). The drafter's
     drafts add tokens to the copies' tokens where every copy's first token is rejected; it costs its levels, its
     catch-up and the wider verify. Where copies stream the drafter waits; where copies keep missing the drafter
@@ -395,13 +402,13 @@ def sources_that_pay(controller, copy, branches: list[Branch], depth: int) -> tu
     if controller is None:
         return True, True
     c, acceptance = controller.costs, controller.acceptance
-    nodes = 1 + sum(len(b.tokens) for b in branches)  # the copy round's verified tokens, root included
+    nodes = 1 + sum(len(b.tokens) for b in proposal.branches)  # the copy round's verified tokens, root included
     eagle = c.verified(depth) - 1  # the drafter's nodes
     round_cost = c.cycle_overhead + c.loop_overhead  # what every drafting round pays
     drafter_cost = depth * c.draft_step + c.round_overhead
-    copies = 1.0 + copy.expected_tokens(branches), c.verify_cost(nodes) + round_cost
+    copies = 1.0 + proposal.expected, c.verify_cost(nodes) + round_cost
     drafter = acceptance.expected_tokens(depth), c.verify_cost(1 + eagle) + drafter_cost + round_cost
-    both = (copies[0] + copy.missed(branches) * (drafter[0] - 1.0),
+    both = (copies[0] + proposal.missed * (drafter[0] - 1.0),
             c.verify_cost(nodes + eagle) + drafter_cost + round_cost)
     plans = {(False, True): copies, (True, False): drafter, (True, True): both}
     return max(plans, key=lambda p: plans[p][0] / plans[p][1])

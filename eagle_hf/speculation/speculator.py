@@ -16,19 +16,18 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .copying import CopySource
-from .drafting import Chooser, DraftState, TreeLayout, TreeRequest, draft_trees, host_trees, laid_out, with_copies
+from .drafting import Chooser, DraftState, PendingTrees, TreeRequest, draft_trees
 from .rounds import Round, RoundRecord, RowPlan, Timer
 from .schedule import DraftLengthController
 from .settings import MAX_DEPTH, DraftSettings
 from .stats import SpecDecodeStats
-from .tree import COPY, EAGLE, DraftTree
+from .tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +131,8 @@ class Speculator:
         """Catch up on the committed rows, grow this round's draft tree (a chain when top_k is 1), then graft
         the copy branches onto it, read on the host (`draft_round` for a single row)."""
         out = draft_round([self], [root_token], [depth], [total_tokens], marks, choose=choose)
-        return out[0] if isinstance(out, list) else out.settle(out.read())[0][0]
+        self.this_round.tree = out[0] if isinstance(out, list) else out.settle(out.read())[0][0]
+        return self.this_round.tree
 
     @property
     def round(self) -> Round:
@@ -155,17 +155,6 @@ class Speculator:
         (the prompt, plain steps), not a regular round's accepted tokens (nor its cost)."""
         return self.this_round.eagle_depth > 0 and not self.cache_row.after_cycle
 
-    def graft_copy(self, tree: DraftTree) -> DraftTree:
-        """This round's tree with the copy branches grafted on at the root, each copy token scored by the copy's
-        acceptance estimate (a prefix the drafter proposed too is marked as proposed by both)."""
-        if self.copy is None or not self.copy.branches:
-            return tree
-        a = self.copy.acceptance
-        return tree.graft([b.tokens for b in self.copy.branches],
-                          [[math.log(max(a.first[b.match - 1] if i == 0 else a.later, 1e-6))
-                            for i in range(len(b.tokens))] for b in self.copy.branches],
-                          at=[0] * len(self.copy.branches))
-
     def prefill(self) -> None:
         """The target reads the prompt this round: nothing to draft."""
         self.this_round.kind = Round.PREFILL
@@ -178,31 +167,21 @@ class Speculator:
         """Rows left the batch: this row is now `slot` in the shared drafter cache."""
         self.cache_row.slot = slot
 
-    def keep_copies(self, tree: DraftTree) -> DraftTree:
-        """This round's copy branches cut to `tree` (a static cache's room), which they keep, and learn from."""
-        self.copy.keep_within(tree)
-        return tree
-
-    def fit(self, size: int) -> DraftTree:
-        """This round's tree cut to its first `size` nodes (a static cache's free slots: copy branches are not
-        sized by the tree's budget); the copy branches keep, and learn from, only what is left."""
-        r = self.this_round
-        if r.tree is not None and r.tree.size > size:
-            r.tree = r.tree.first(size)
-            if self.copy is not None:
-                self.copy.keep_within(r.tree)
-        return r.tree
-
-    def end_round(self, accepted: int, last_token: int, path: list[int] | None = None,
-                  cut: bool = False) -> RoundRecord | None:
+    def end_round(self, accepted: int, last_token: int, path: list[int] | None = None, cut: bool = False,
+                  tree: DraftTree | None = None) -> RoundRecord | None:
         """The round's outcome, after the target verified (or decoded plainly), as one `RoundRecord` for its
         readers: the stats, the schedule, the copy source, the listeners (None after the prefill).
 
         path: the accepted node path (default: the first `accepted` drafts of a chain); cut: the round's tokens
-        were cut at EOS or the length limit, so nothing after the accepted drafts was rejected."""
+        were cut at EOS or the length limit, so nothing after the accepted drafts was rejected; tree: the round's
+        tree as verified (default: the one `draft` returned). A drafting round whose tree holds no draft (every
+        branch fell below the confidence threshold) was a plain step."""
         r = self.this_round
         if r.kind == Round.PREFILL:
             return None
+        r.tree = tree if tree is not None else r.tree
+        if r.kind == Round.DRAFT and r.tree is not None and r.tree.num_drafts == 0:
+            r.kind = Round.FALLBACK
         drafting = r.kind == Round.DRAFT
         record = RoundRecord(r.kind, accepted, last_token, self.row, r.tree if drafting else None,
                              (path if path is not None else list(range(accepted + 1))) if drafting else [0], cut,
@@ -244,7 +223,7 @@ def marginal_cost(controller: DraftLengthController | None, verified: int) -> fl
 
 def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: list[int], total_tokens: list[int],
                 marks: dict | None = None, positions: list[int] | None = None, pad: Callable[[int], int] | None = None,
-                fits: int | None = None, choose: Chooser | None = None) -> list[DraftTree] | PendingTrees:
+                choose: Chooser | None = None) -> list[DraftTree] | PendingTrees:
     """Step "draft" of one round for the rows of a batch that share a drafter cache, in its row order (a single
     row: `Speculator.draft`). Every row with committed rows catches them up in one drafter forward; the rows with
     a depth grow their trees together and lay them out for the verify, on the device (`draft_trees`): the round's
@@ -254,16 +233,16 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
 
     `marks`: the round's named marks on the timer (`eagle_hf.speculation.rounds.RoundTiming`); `positions`: each
     row's root position in the target's cache (the verify's); `pad`: the verify's width for trees of n nodes
-    (default n); `fits`: the most nodes a row's tree may have (a static cache's room; None: any); `choose`: the
-    drafter's children's choice (a sampling chain's, one row)."""
+    (default n); `choose`: the drafter's children's choice (a sampling chain's, one row). The copy branches are
+    the plan's (`eagle_hf.speculation.rounds.plan_round`: cut to a static cache's room there)."""
     first = speculators[0]
     state, timer, s = first.state, first.timer, first.settings
     drafting = [i for i, sp in enumerate(speculators) if sp.this_round.kind == Round.DRAFT and depths[i] > 0]
-    copies = [sp.graft_copy(DraftTree.root(root)) if sp.copying else None for sp, root in zip(speculators, roots)]
+    copies = [sp.copy.tree if sp.copying else None for sp in speculators]  # (the plan's, on the host)
     for i, sp in enumerate(speculators):
         sp.this_round.eagle_depth = depths[i] if i in drafting else 0
     if not drafting:
-        return _settle(speculators, [c or DraftTree.root(r) for c, r in zip(copies, roots)])
+        return [c or DraftTree.root(r) for c, r in zip(copies, roots)]
     if marks is not None:
         marks["draft"] = timer.mark()
     # the catch-up and the levels as one program where the levels run as one: the catch-up padded to a regular
@@ -275,9 +254,6 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
         marks["caught_up"] = timer.mark()
     largest = max(total_tokens[i] for i in drafting)
     extra = max((c.size - 1 for c in copies if c is not None), default=0)  # the copy nodes a row adds
-    if fits is not None and largest + extra > fits:  # (copy branches are not sized by the drafter's budget)
-        extra = max(fits - largest, 0)
-        copies = [None if c is None else sp.keep_copies(c.first(extra + 1)) for sp, c in zip(speculators, copies)]
     order = sorted(range(len(speculators)), key=lambda i: speculators[i].cache_row.slot)  # the cache's row order
     positions = positions or [0] * len(speculators)
     pad = pad or int
@@ -293,106 +269,7 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
         marks["drafted"] = timer.mark()
     for i in drafting:
         speculators[i].this_round.drafter_levels = state.steps - steps
-    return PendingTrees(speculators, roots, *grown, copies, width, extra)
-
-
-def _settle(speculators: Sequence[Speculator], trees: list[DraftTree]) -> list[DraftTree]:
-    """Each drafting row's round gets its tree (a tree without drafts: a plain step, every branch having fallen
-    below the confidence threshold)."""
-    for sp, tree in zip(speculators, trees):
-        r = sp.this_round
-        if r.kind == Round.DRAFT:
-            r.tree = tree
-            if tree.num_drafts == 0:
-                r.kind = Round.FALLBACK
-    return trees
-
-
-@dataclass
-class PendingTrees:
-    """A round's trees laid out for the verify on the device (`eagle_hf.speculation.drafting.TreeLayout`, W
-    nodes a row of the drafter's, then with `graft_copies` each row's copy branches, with the verify positions),
-    read by the host with the verify's result (`settle`), or before the verify where the verify needs them on the
-    host (sampling). `copies`: each row's copy branches as a tree of its own (None: none). Trees the host holds
-    already (`on_host`) are laid out the same way: the verify reads one kind of layout."""
-
-    speculators: Sequence[Speculator]
-    roots: list[int]
-    layout: TreeLayout
-    positions: torch.Tensor  # [B, W (+ C)]
-    copies: list[DraftTree | None]
-    drafter_width: int  # W
-    copy_width: int = 0  # C: the copy branches' nodes a row, padded
-    trees: list[DraftTree] | None = None  # the rows' trees where the host holds them (nothing to read)
-
-    @classmethod
-    def on_host(cls, speculators: Sequence[Speculator], trees: list[DraftTree], width: int, positions: list[int],
-                device: torch.device, parents: bool = False, real: bool = False) -> PendingTrees:
-        """The host's trees of the round (a round no drafter grew, or trees read before the verify) laid out for
-        the verify, `width` nodes a row (`laid_out`: `parents`, `real` as there)."""
-        layout, at = laid_out(trees, width, positions, device, parents, real)
-        return cls(speculators, [t.host.tokens[0] for t in trees], layout, at, [None] * len(trees), width,
-                   trees=trees)
-
-    @property
-    def width(self) -> int:
-        return self.layout.tokens.shape[1]
-
-    def read(self) -> list[float]:
-        """The layout's host part (the round's read where the trees are needed before the verify)."""
-        return self.layout.host.flatten().tolist()
-
-    def graft_copies(self) -> None:
-        """Each row's copy branches into the layout, after the drafter's nodes (`with_copies`: laid out as the
-        host's trees are, in one host-to-device copy)."""
-        if not self.copy_width:
-            return
-        order = sorted(range(len(self.speculators)), key=lambda i: self.speculators[i].cache_row.slot)
-        trees = [self.copies[i] or DraftTree.root(self.roots[i]) for i in order]
-        self.layout, self.positions = with_copies(self.layout, self.positions, trees, self.copy_width)
-
-    def settle(self, values: list[float], grafted: bool = False) -> tuple[list[DraftTree], list[list[int]] | None]:
-        """The rows' trees from the layout's host part read as `values`, each with its copy branches, and each
-        tree node's column in the layout (None: the trees' nodes are its first columns). `grafted`: the copies
-        are in the layout (`graft_copies`: a drafter node a copy branch proposed too stays two nodes there, both
-        marked as proposed by both); else they are grafted on the host (shared prefixes are one node). Trees the
-        host holds come as they are."""
-        if self.trees is not None:
-            return self.trees, None
-        slots = [sp.cache_row.slot for sp in self.speculators]
-        by_slot = {slot: root for slot, root in zip(slots, self.roots)}
-        lists = host_trees(values, [by_slot[slot] for slot in sorted(by_slot)])
-        trees, columns = [], []
-        for sp, slot, copy in zip(self.speculators, slots, self.copies):
-            tokens, parents, scores = lists[slot]
-            size = len(tokens) - 1
-            if copy is not None and grafted:
-                tree, cols = _beside(tokens, parents, scores, copy, self.drafter_width)
-            else:
-                tree, cols = DraftTree.of_lists(tokens, parents, scores), list(range(size + 1))
-                if copy is not None:
-                    tree = sp.graft_copy(tree)
-            trees.append(tree), columns.append(cols)
-        return _settle(self.speculators, trees), columns if grafted else None
-
-
-def _beside(tokens: list[int], parents: list[int], scores: list[float], copy: DraftTree, width: int):
-    """A drafter's tree (host lists) and its copy branches laid out after its `width` columns, as one tree: (the
-    tree, each node's column). A copy node on a path the drafter drafted too marks both nodes as both's."""
-    size, h = len(tokens), copy.host
-    sources = [EAGLE] * size
-    child = {(parents[i], tokens[i]): i for i in range(1, size)}  # the drafter's nodes by (parent, token)
-    same = {0: 0}  # copy node -> the drafter node on the same path
-    for j in range(1, len(h.tokens)):
-        p = h.parents[j]
-        node = child.get((same[p], h.tokens[j])) if p in same else None
-        tokens.append(h.tokens[j]), scores.append(h.scores[j]), parents.append(0 if p == 0 else size - 1 + p)
-        sources.append(COPY | (EAGLE if node is not None else 0))
-        if node is not None:
-            same[j] = node
-            sources[node] |= COPY
-    columns = list(range(size)) + [width - 1 + j for j in range(1, len(h.tokens))]
-    return DraftTree.of_lists(tokens, parents, scores, sources), columns
+    return PendingTrees([sp.cache_row.slot for sp in speculators], roots, *grown, copies, width, extra)
 
 
 def _catch_up(speculators: Sequence[Speculator], staged: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -86,30 +86,25 @@ class DraftTree:
     def source(self, node: int) -> int:
         return self.host.sources[node]
 
-    def graft(self, branches: list[list[int]], logp: list[list[float]], at: list[int] | None = None) -> DraftTree:
-        """This tree plus deterministic COPY branches below the root (or below node ``at[b]`` for branch b); a
-        branch token that is already a child is shared (and marked as proposed by both). logp: each branch
-        token's assumed log-probability (added to its parent's score)."""
-        h = self.host
+    def graft(self, other: DraftTree) -> DraftTree:
+        """This tree with the nodes of `other`, a tree of the same root (the copy source's), below its root: a node
+        both have is one, marked as proposed by both; `other`'s other nodes keep their own log-probabilities,
+        added to their new parents' scores."""
+        h, o = self.host, other.host
         tokens, parents, scores, sources = list(h.tokens), list(h.parents), list(h.scores), list(h.sources)
         child = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
-        for b, (branch, branch_logp) in enumerate(zip(branches, logp)):
-            node = 0 if at is None else at[b]
-            for tok, lp in zip(branch, branch_logp):
-                if (node, tok) in child:
-                    node = child[(node, tok)]
-                    sources[node] |= COPY
-                    continue
-                tokens.append(tok), parents.append(node), scores.append(scores[node] + lp), sources.append(COPY)
-                node = child[(node, tok)] = len(tokens) - 1
+        node_of = [0]  # each of `other`'s nodes here
+        for j in range(1, len(o.tokens)):
+            parent, token = node_of[o.parents[j]], o.tokens[j]
+            node = child.get((parent, token))
+            if node is None:
+                tokens.append(token), parents.append(parent), sources.append(o.sources[j])
+                scores.append(scores[parent] + o.scores[j] - o.scores[o.parents[j]])
+                node = child[(parent, token)] = len(tokens) - 1
+            else:
+                sources[node] |= o.sources[j]
+            node_of.append(node)
         return DraftTree.of_lists(tokens, parents, scores, sources)
-
-    def first(self, n: int) -> DraftTree:
-        """The tree of its first `n` nodes (a node's parent comes before it: a prefix is a tree)."""
-        if n >= self.size:
-            return self
-        h = self.host
-        return DraftTree.of_lists(h.tokens[:n], h.parents[:n], h.scores[:n], None if self.all_eagle else h.sources[:n])
 
     @property
     def num_drafts(self) -> int:
@@ -140,10 +135,6 @@ class DraftTree:
             node = max(children, key=lambda c: scores[c])
         return out
 
-    def ancestor_mask(self) -> torch.Tensor:
-        """bool [N+1, N+1]: row i sees node j iff j is i or an ancestor of i."""
-        return torch.tensor(ancestor_rows(self.host.parents, self.size), dtype=torch.bool)
-
     def paths(self) -> list[list[int]]:
         """Root-to-leaf node paths (one per leaf), in node order of their leaves."""
         h = self.host
@@ -156,21 +147,6 @@ class DraftTree:
         paths = self.paths()
         width = max(len(p) for p in paths)
         return torch.tensor([p + [-1] * (width - len(p)) for p in paths], dtype=torch.long)
-
-
-def ancestor_rows(parents: list[int], width: int) -> list[list[int]]:
-    """A host tree's ancestor mask as `width` rows of 0/1 (parents before children): node i sees its ancestors
-    and itself; the padding nodes after the tree see the root and themselves."""
-    rows: list[list[int]] = []
-    for i, parent in enumerate(parents):
-        row = rows[parent].copy() if parent >= 0 else [0] * width
-        row[i] = 1
-        rows.append(row)
-    for i in range(len(parents), width):
-        row = [0] * width
-        row[0] = row[i] = 1
-        rows.append(row)
-    return rows
 
 
 @dataclass
@@ -398,8 +374,22 @@ def accept_drawn(tree: DraftTree, drawn: Sequence[float]) -> tuple[list[int], in
         node = accepted
 
 
-def verify_greedy(tree: DraftTree, target_tokens: Sequence[int]) -> tuple[list[int], int]:
-    """Greedy acceptance from the target's choice after each node ([N+1]; a batch takes the argmax of all its
-    rows' logits at once): (accepted node path, root first; the bonus token)."""
-    path = accept_greedy(tree, target_tokens)
-    return path, int(target_tokens[path[-1]])
+def accept_paths(trees: Sequence[DraftTree], values: Sequence[float], sampled: bool, width: int | None = None,
+                 columns: list[list[int]] | None = None) -> list[tuple[list[int], int]]:
+    """Each row's acceptance from the round's read-back: (its accepted node path, root first; the token that follows
+    it: the target's bonus token, or the recovered one). `values` hold, row after row, `width` values each (a
+    batch's greedy verify: the target's token after each of its columns; `columns[b]`: each node's column, None:
+    its own) or, where `width` is None, the row's own: the target's token after each node (greedy) or what
+    `sampling_draws` drew (3N+1 for N drafts)."""
+    out, at = [], 0
+    for b, tree in enumerate(trees):
+        n = width if width is not None else 3 * tree.size - 2 if sampled else tree.size
+        mine = values[at : at + n]
+        at += n
+        if sampled:
+            out.append(accept_drawn(tree, mine))
+            continue
+        chosen = [int(mine[c]) for c in (columns[b] if columns is not None else range(tree.size))]  # [N+1]
+        path = accept_greedy(tree, chosen)
+        out.append((path, chosen[path[-1]]))
+    return out
