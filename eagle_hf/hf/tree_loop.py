@@ -239,9 +239,8 @@ class TreeLoop:
                 trees.graft_copies()
                 return plan, trees
             trees = trees.settle(trees.read())[0]  # (sampling, processing, kept scores: the host's trees)
-        width = self.verify_width(max(t.size for t in trees))  # N: padded to the largest (or a compiled bucket)
-        # (a compiled forward keeps one shape: every node's logits)
-        return plan, PendingTrees.on_host(trees, width, [r.position for r in active], self.device,
+        # (N: padded to the largest, or a compiled bucket; a compiled forward keeps one shape: every node's logits)
+        return plan, PendingTrees.on_host(trees, self.verify_width, [r.position for r in active], self.device,
                                           parents=self.do_sample, real=self.compiled is None)
 
     def verify_and_commit(self, active: list[Row], trees: PendingTrees, marks: dict) -> None:

@@ -366,10 +366,11 @@ class PendingTrees:
     trees: list[DraftTree] | None = None  # the rows' trees where the host holds them (nothing to read)
 
     @classmethod
-    def on_host(cls, trees: list[DraftTree], width: int, positions: list[int], device: torch.device,
+    def on_host(cls, trees: list[DraftTree], pad: Callable[[int], int], positions: list[int], device: torch.device,
                 parents: bool = False, real: bool = False) -> PendingTrees:
         """The host's trees of the round (a round no drafter grew, or trees read before the verify) laid out for
-        the verify, `width` nodes a row (`laid_out`: `parents`, `real` as there)."""
+        the verify, ``pad(n)`` nodes a row for the largest tree's n (`laid_out`: `parents`, `real` as there)."""
+        width = pad(max(t.size for t in trees))
         layout, at = laid_out(trees, width, positions, device, parents, real)
         return cls(list(range(len(trees))), [t.host.tokens[0] for t in trees], layout, at, [None] * len(trees),
                    width, trees=trees)
@@ -713,9 +714,9 @@ def draft_trees(drafter: EagleDrafter, state: DraftState, logits: torch.Tensor, 
     if state.graphs is not None and choose is None:
         return state.programs(drafter).grow(logits, hidden, top_k, levels, min_logp, prune, roots, depths,
                                             state.length, layout)
-    state.launch_staged(drafter)
     host = pack(hidden.device, base=roots, depth=depths, tokens=layout.roots, position=layout.positions,
                 sizes=layout.sizes)
+    state.launch_staged(drafter)
     rows, base, real_len = state.rows, host["base"][:, None], state.length  # [B, 1]
 
     causal = top_k == 1 and not state.ragged.holes  # (a chain over every slot: the plain causal layout, no mask)
