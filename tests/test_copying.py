@@ -139,6 +139,21 @@ def test_the_copy_tree_shares_prefixes_and_grafts_onto_the_drafters_tree():
     assert grafted.scores[4].item() == pytest.approx(-0.1 + math.log(later), abs=1e-6)
 
 
+def test_a_branch_that_repeats_a_token_keeps_every_token():
+    """A copied run of one token ("395 395 395", a repeated line's padding) is a path of as many nodes, in the copy
+    tree and grafted onto a drafter's tree that drafted the token once: none is taken for the node above it."""
+    from eagle_hf.speculation.copying import Branch
+
+    src = _source()
+    src.index.extend([4, 2, 5])
+    src.begin_round([Branch([7, 7, 7], 2)])
+    assert src.tree.host.tokens == [5, 7, 7, 7] and src.tree.host.parents == [-1, 0, 1, 2]
+    drafter = DraftTree.of_lists([5, 7], [-1, 0], [0.0, -0.1])
+    grafted = drafter.graft(src.tree)
+    assert grafted.host.tokens == [5, 7, 7, 7] and grafted.host.parents == [-1, 0, 1, 2]
+    assert grafted.host.sources == [EAGLE, EAGLE | COPY, COPY, COPY]
+
+
 def test_the_drafter_learns_only_its_own_nodes_beside_copy_branches():
     """A greedy round lays copy branches out beside the drafter's nodes (`_beside`): the tree keeps who proposed
     each node, so the schedule learns the drafter's acceptance from its own nodes, not from the copies'."""
