@@ -172,6 +172,8 @@ class CopySource:
             if n:
                 branches.append(Branch(tokens[:n], match))
         wait = Wait.SKIP if matches and not branches else (Wait.RESTART if retrying else None)
+        if not branches:
+            return Proposal(branches, wait)
         return Proposal(branches, wait, self.expected_tokens(branches), self.missed(branches))
 
     def begin_round(self, branches: list[Branch], wait: Wait | None = None) -> None:
@@ -233,8 +235,11 @@ def cut_branches(branches: list[Branch], nodes: int) -> list[Branch]:
     kept, seen = [], set()
     for branch in branches:
         n = 0
-        while n < len(branch.tokens) and (tuple(branch.tokens[: n + 1]) in seen or len(seen) < nodes):
-            seen.add(tuple(branch.tokens[: n + 1]))
+        while n < len(branch.tokens):
+            prefix = tuple(branch.tokens[: n + 1])  # a node of the tree, named by its path
+            if prefix not in seen and len(seen) >= nodes:
+                break
+            seen.add(prefix)
             n += 1
         if n:
             kept.append(Branch(branch.tokens[:n], branch.match))

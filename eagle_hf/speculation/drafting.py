@@ -335,7 +335,8 @@ def with_copies(laid: TreeLayout, positions: torch.Tensor, copies: list[DraftTre
     rows, w = laid.tokens.shape
     arrays = {"tokens": [], "depths": [], "ancestors": []}
     for tree, root in zip(copies, roots):
-        tokens, parents, depths = (tree.host.tokens, tree.host.parents, tree.host.depths) if tree else ([root], [-1], [0])
+        h = tree.host if tree is not None else None
+        tokens, parents, depths = (h.tokens, h.parents, h.depths) if h is not None else ([root], [-1], [0])
         pad = width + 1 - len(tokens)
         arrays["tokens"].append(tokens[1:] + [root] * pad)
         arrays["depths"].append(depths[1:] + [0] * pad)

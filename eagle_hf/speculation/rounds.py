@@ -394,8 +394,9 @@ def plan_row(sp, room: int, planned: int | None = None) -> RowPlan:
 
 def sources_that_pay(controller, proposal: Proposal, depth: int) -> tuple[bool, bool]:
     """(drafter, copies): who drafts this round, of the drafter's tree of `depth` and the copy source's `proposal`
-    (its branches, with what it expects of them): the plan with the most tokens per cost, of the copies alone, the drafter alone and both
-    (tokens and costs in one-token target forwards, from running acceptances and measured costs). The drafter's
+    (its branches, with what it expects of them): the plan with the most tokens per cost, of the copies alone, the
+    drafter alone and both (tokens and costs in one-token target forwards, from running acceptances and measured
+    costs). The drafter's
     drafts add tokens to the copies' tokens where every copy's first token is rejected; it costs its levels, its
     catch-up and the wider verify. Where copies stream the drafter waits; where copies keep missing the drafter
     drafts alone."""
