@@ -479,7 +479,8 @@ class StaticTreeCache(TreeCache):
         key = (rows, bucket, buffers, torch.is_inference_mode_enabled())
         program = self._commits.get(key)
         if program is None:
-            self._commits.clear()  # (the buffers moved: rows left the batch)
+            if any(held[2] != buffers for held in self._commits):  # (the buffers moved: rows left the batch)
+                self._commits.clear()
             program = self._commits[key] = CommitProgram(self.layers, rows, bucket, self.how)
         program(past_len, index, width)
 
