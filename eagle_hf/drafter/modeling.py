@@ -34,7 +34,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x * rsqrt(mean(x^2) + eps) in float32, cast back, then the weight (as EAGLE's and Llama's norm); the
-        # normalisation as one call (eager: one Python call where it was five)
+        # normalisation as one call (eager: one Python call where it was five), the weight's product in it where
+        # nothing is cast (float32 throughout: the same numbers, one call fewer)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
@@ -58,22 +61,28 @@ class Rotary(nn.Module):
             inv_freq, self.scaling = rope_init(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._inv_freq32 = inv_freq.float()
+        # the frequencies twice and the sign of sin's halves, [head_dim] each (`forward`), float32 as inv_freq
+        self.register_buffer("twice", torch.cat((inv_freq, inv_freq)).float(), persistent=False)
+        self.register_buffer("sign", torch.cat((-torch.ones(dim // 2), torch.ones(dim // 2))), persistent=False)
 
     def _apply(self, fn, recurse=True):
         # `.to(dtype)` / `.half()` must not round the frequencies: angles are computed in float32 (as EAGLE, vLLM).
         super()._apply(fn, recurse)
         if not self._inv_freq32.is_meta:
             self.inv_freq = self._inv_freq32.to(self.inv_freq.device)
+            self.twice = torch.cat((self._inv_freq32, self._inv_freq32)).to(self.inv_freq.device)
+            self.sign = self.sign.float()  # (+-1: exact in any dtype)
         return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> cos, sin [B, 1, T, head_dim], the angles' halves repeated, sin's first half
-        negated (`rotate`)."""
-        freqs = positions[:, None, :, None].float() * self.inv_freq.float().to(positions.device)  # [B, 1, T, d/2]
-        cos, sin = freqs.cos(), freqs.sin()
+        negated (`rotate`): the angles computed over both halves at once (the same numbers as each half's, and
+        as their concatenation: two operations fewer a pass)."""
+        freqs = positions[:, None, :, None].float() * self.twice.to(positions.device)  # [B, 1, T, d]
+        cos, sin = freqs.cos(), freqs.sin() * self.sign.to(positions.device)
         if self.scaling != 1.0:
             cos, sin = cos * self.scaling, sin * self.scaling
-        return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
+        return cos.to(dtype), sin.to(dtype)
 
 
 @dataclass

@@ -85,23 +85,23 @@ class RoundRecord:
     def per_source(self) -> dict[str, tuple[int, list[int], list[int]]]:
         """Per source that drafted: (nodes drafted, depths it drafted at, depths of the accepted nodes it
         proposed), depths from 1."""
-        tree, out = self.tree, {}
+        sources, depths, out = self.tree.host.sources, self.depths, {}
         for bit, name in SOURCE_NAMES.items():
-            mine = [n for n in range(1, tree.size) if tree.source(n) & bit]
+            mine = [n for n in range(1, len(sources)) if sources[n] & bit]
             if mine:
-                out[name] = (len(mine), sorted({self.depths[n] for n in mine}),
-                             [i + 1 for i, n in enumerate(self.path[1:]) if tree.source(n) & bit])
+                out[name] = (len(mine), sorted({depths[n] for n in mine}),
+                             [i + 1 for i, n in enumerate(self.path[1:]) if sources[n] & bit])
         return out
 
     @functools.cached_property
     def drafter_outcome(self) -> tuple[int, int]:
         """(the deepest level of the drafter's own nodes, how many of the accepted drafts it proposed in a row
         from the root): what the schedule learns the drafter's acceptance from."""
-        tree = self.tree
-        if tree.all_eagle:
+        if self.tree.all_eagle:
             return self.depth, self.accepted
-        drafted = max((self.depths[n] for n in range(1, tree.size) if tree.source(n) & EAGLE), default=0)
-        mine = next((i for i, n in enumerate(self.path[1:]) if not tree.source(n) & EAGLE), self.accepted)
+        sources, depths = self.tree.host.sources, self.depths
+        drafted = max((depths[n] for n in range(1, len(sources)) if sources[n] & EAGLE), default=0)
+        mine = next((i for i, n in enumerate(self.path[1:]) if not sources[n] & EAGLE), self.accepted)
         return drafted, mine
 
     @property
