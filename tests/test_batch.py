@@ -427,11 +427,14 @@ def test_a_long_catch_up_in_chunks_equals_one_pass(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["tree", "chain"])
-def test_generate_with_chunked_prompt_catch_ups_is_unchanged(monkeypatch, mode):
+@pytest.mark.parametrize("programs", ["off", "on"])
+def test_generate_with_chunked_prompt_catch_ups_is_unchanged(monkeypatch, mode, programs):
     """Prompts longer than `CATCH_UP_CHUNK` (patched to 5 here): a left-padded batch and one row give plain
-    output and draft exactly as with one pass (same accepted counts)."""
+    output and draft exactly as with one pass (same accepted counts), with fixed-shape drafting too (a prompt's
+    last short chunk is not a round's catch-up)."""
     from eagle_hf.speculation import drafting
 
+    monkeypatch.setenv("EAGLE_HF_DRAFTER_GRAPHS", programs)
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     ids, mask = left_padded()
@@ -446,6 +449,23 @@ def test_generate_with_chunked_prompt_catch_ups_is_unchanged(monkeypatch, mode):
             assert torch.equal(out, ref[rows]), (chunk, rows)
             runs.append(eagle_hf.last_stats().accepted)
     assert runs[:2] == runs[2:]
+
+
+def test_a_chunked_prompt_keeps_the_drafters_dtype_with_fixed_shape_drafting(monkeypatch):
+    """A bf16 prompt one token longer than a chunk, with fixed-shape drafting (as on a GPU): the last short chunk
+    runs eagerly like the others, so the row's logits keep one dtype (it once took the programs' float32 buffer
+    and failed to merge)."""
+    from eagle_hf.speculation import drafting
+
+    monkeypatch.setenv("EAGLE_HF_DRAFTER_GRAPHS", "on")
+    chunk = drafting.FIXED_CATCH_UP + 4  # a first chunk too long for the programs, a last one short enough
+    monkeypatch.setattr(drafting, "CATCH_UP_CHUNK", chunk)
+    target = tiny_target("llama").to(torch.bfloat16)
+    drafter = tiny_drafter(target).to(torch.bfloat16)
+    ids = torch.randint(3, 100, (1, chunk + 1), generator=torch.Generator().manual_seed(0))
+    out = target.generate(ids, assistant_model=drafter, max_new_tokens=6, do_sample=False)
+    assert out.shape == (1, chunk + 7)
+    assert eagle_hf.last_stats().cycles > 0
 
 
 def test_the_batch_drafts_with_one_drafter_forward_per_level(monkeypatch):

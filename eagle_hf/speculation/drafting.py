@@ -549,12 +549,17 @@ class DraftState:
         padded to m rows a row at least and written, not launched: the next draft levels run it first, in their
         program (`DraftPrograms.grow`), and only then are the returned buffers written."""
         rows, n = next_tokens.shape
-        device = next_tokens.device
         counts = [n] * rows if counts is None else counts
         if n > CATCH_UP_CHUNK:
             return self._extend_in_chunks(drafter, aux, next_tokens, counts)
         if self.graphs is not None and n <= FIXED_CATCH_UP:
             return self._extend_fixed(drafter, aux, next_tokens, counts, staged)
+        return self._extend_eager(drafter, aux, next_tokens, counts)
+
+    def _extend_eager(self, drafter: EagleDrafter, aux: torch.Tensor, next_tokens: torch.Tensor, counts: list[int]):
+        """`extend` as one eager drafter forward at the rows' own shape (a prompt, or no fixed-shape programs)."""
+        rows, n = next_tokens.shape
+        device = next_tokens.device
         full = all(c == n for c in counts)
         self.launch_staged(drafter)
         self._valid_in = None  # (rows written outside the programs: their validity is copied in at their next launch)
@@ -633,7 +638,8 @@ class DraftState:
             part = [min(max(c - start, 0), end - start) for c in counts]  # each row's rows in this chunk
             if not any(part):
                 break
-            got = self.extend(drafter, aux[:, start:end], next_tokens[:, start:end], part)
+            # (eager: a prompt's last short chunk is no round's catch-up, and its logits keep the drafter's dtype)
+            got = self._extend_eager(drafter, aux[:, start:end], next_tokens[:, start:end], part)
             if logits is None:
                 logits, hidden = got
                 continue
