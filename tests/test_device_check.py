@@ -141,6 +141,35 @@ def test_the_compiled_stage_measures_chains_trees_and_the_curve_on_the_cycle_tar
     assert {(r["k"], r["levels"]) for r in stage["data"]["drafter level alone"]} == {(1, "eager"), (4, "eager")}
 
 
+def test_a_failing_mode_costs_the_compiled_stage_that_mode_only(tmp_path, monkeypatch):
+    """A mode that raises (in its warm-up or in a timed run) is recorded with its error and traceback; the other
+    modes are measured and written, and the warm-ups are listed (a stage killed at its time limit keeps them)."""
+    from benchmarks.device_check import cli, compiled
+
+    dynamic_calls = []
+
+    def cache_of(mode, static):  # the second and later calls on the dynamic cache fail
+        if mode.get("cache") == "dynamic":
+            dynamic_calls.append(1)
+            if len(dynamic_calls) >= 2:
+                raise RuntimeError("boom")
+        return compiled.cache_of.__wrapped__(mode, static)
+
+    cache_of.__wrapped__ = compiled.cache_of
+    monkeypatch.setattr(compiled, "cache_of", cache_of)
+    cli.main(["--device", "cpu", "--small", "--only", "compiled", "--compiled-cells", "32x1", "--compiled-modes",
+              "chain 5; tree, dynamic cache", "--compiled-rates", "0.5", "--budget-s", "compiled=120",
+              "--out", str(tmp_path)])
+    stage = json.loads((tmp_path / "report.json").read_text())["stages"]["compiled"]
+    rows = {(r["mode"], r["withheld_rate"]): r for r in stage["data"]["speed"]}
+    assert stage["status"] == "failed"
+    assert rows[("chain 5", 0.0)]["runs"] > 0 and rows[("chain 5", 0.5)]["runs"] > 0
+    for case in (("tree, dynamic cache", 0.0), ("tree, dynamic cache", 0.5)):  # a timed run's, a warm-up's failure
+        assert rows[case]["runs"] == 0 and rows[case]["error"] == "RuntimeError: boom"
+    assert sum("RuntimeError: boom" in f for f in stage["findings"]) == 2
+    assert len(stage["data"]["warm-up"]) == 4
+
+
 def test_the_cycle_target_continues_its_cycle_by_a_wide_margin():
     import torch
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+import traceback
 
 import torch
 
@@ -85,9 +86,14 @@ def stage_compiled(ctx: Context, budget: Budget) -> StageResult:
             res["status"] = "partial"
             res.find(f"budget: skipped context {ctx_len} x batch {rows}")
             continue
-        table += _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, full, static, budget)
-        res["data"]["speed"] = table
-        ctx.partial(res)
+        done_cells = list(table)
+
+        def publish(cell_rows, earlier=done_cells):  # (after each warm-up and each repeat: a kill keeps them)
+            res["data"]["speed"] = earlier + cell_rows
+            ctx.partial(res)
+
+        table += _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, full, static, budget, publish)
+        publish(table[len(done_cells):])
     done = [r for r in table if r["mode"] != "plain" and r.get("runs")]
     alone = {x["k"]: x["ms"] for x in res["data"].get("drafter level alone", [])}
     for r in done:  # (the eager level alone, k nodes a row as the mode drafts: the programs' is inside theirs)
@@ -150,7 +156,7 @@ def drafter_level_ms(ctx, drafter, context: int, k: int, calls: int = 50) -> flo
     return 1e3 * seconds / calls
 
 
-def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes, static, budget) -> list[dict]:
+def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes, static, budget, publish) -> list[dict]:
     from eagle_hf import programs
     from eagle_hf.hf.models import compiled_graphs
 
@@ -167,17 +173,67 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
     short = max(s.new_tokens // 2, 1)  # a second new-token count: the slope between the two is the steady state
     times, info, carried = {c: [] for c in cases}, {}, {}
     short_times, short_rounds = {c: [] for c in cases}, {}
+    failed = {}  # case -> the error that took it out (the other modes go on)
+
+    def fails(case, error):
+        failed[case] = f"{type(error).__name__}: {error}"
+        info.pop(case, None)
+        res["status"] = "failed"
+        res.find(f"context {ctx_len} x batch {rows}, {case[0]} r={case[1]}: {failed[case]}\n\n```\n"
+                 + "".join(traceback.format_exception(error)[-8:]) + "```")
+
+    def table() -> list[dict]:
+        """The cell's rows from what was timed so far."""
+        med = {k: statistics.median(v) if v else float("nan") for k, v in plain.items()}
+        steady_plain = 1e3 * (med["compiled"] - med["compiled, short"]) / max(s.new_tokens - short, 1)
+        base = dict(context=ctx_len, batch=rows, compiled=bool(static.get("disable_compile") is False))
+        out = [dict(base, mode="plain", withheld_rate=0.0, runs=len(plain["compiled"]), median_s=med["compiled"],
+                    speedup=1.0, tau=1.0, ms_per_round=1e3 * med["compiled"] / s.new_tokens,
+                    steady_ms_per_round=steady_plain,
+                    eager_plain_ms_per_token=1e3 * med["eager"] / s.new_tokens,
+                    compiled_over_eager=med["eager"] / med["compiled"], follows_cycle=follows)]
+        for case in cases:
+            mode, rate = case
+            i, t = info.get(case, {}), times[case]
+            if not t:
+                out.append(dict(base, mode=mode, withheld_rate=rate, runs=0, error=failed.get(case)))
+                continue
+            m = statistics.median(t)
+            extra = i["rounds"] - short_rounds.get(case, i["rounds"])  # the rounds the longer calls ran more
+            steady = 1e3 * (m - statistics.median(short_times[case])) / extra if extra > 0 else None
+            out.append(dict(base, mode=mode, withheld_rate=rate, runs=len(t), median_s=m, speedup=med["compiled"] / m,
+                            tau=i["tau"], rounds=i["rounds"], ms_per_round=1e3 * m / i["rounds"],
+                            steady_ms_per_round=steady,
+                            per_call_ms=None if steady is None else 1e3 * m - steady * i["rounds"],
+                            launches_per_round=i.get("launches"),
+                            drafter_ms_per_round=1e3 * i["drafter"] / i["rounds"],
+                            catch_up_ms_per_round=1e3 * i["catch_up"] / i["rounds"],
+                            verify_ms_per_round=1e3 * i["verify"] / i["rounds"],
+                            plain_ms_per_step=1e3 * med["compiled"] / s.new_tokens, follows_cycle=i["follows"],
+                            warmup_graphs=i["warmup_graphs"], warmup_s=i["warmup_s"], graphs_after_warmup=i["after"],
+                            drafter_captures_after_warmup=i.get("captures", 0),
+                            warmup_recompiles=" | ".join(i["recompiles"][:3]) or None))
+        return out
+
     for case in cases:  # warm-up: every graph a mode needs, compiled now
         mode, rate = case
         start = time.perf_counter()
-        with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), own_acceptance(drafter, carried, case), \
-                draft_levels(modes[mode]) as kwargs:
-            graphs = compiled_graphs()
-            with dynamo_recompiles() as reasons:
-                generate(target, ids, mask, s.new_tokens, drafter, **kwargs, **cache_of(modes[mode], static))
-            info[case] = dict(warmup_graphs=compiled_graphs() - graphs, after=0,
-                              warmup_s=round(time.perf_counter() - start, 1), recompiles=reasons)
+        try:
+            with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), own_acceptance(drafter, carried, case), \
+                    draft_levels(modes[mode]) as kwargs:
+                graphs = compiled_graphs()
+                with dynamo_recompiles() as reasons:
+                    generate(target, ids, mask, s.new_tokens, drafter, **kwargs, **cache_of(modes[mode], static))
+                info[case] = dict(warmup_graphs=compiled_graphs() - graphs, after=0,
+                                  warmup_s=round(time.perf_counter() - start, 1), recompiles=reasons)
+        except Exception as error:  # noqa: BLE001 (recorded with its traceback)
+            fails(case, error)
+        res["data"].setdefault("warm-up", []).append(
+            dict(context=ctx_len, batch=rows, mode=mode, withheld_rate=rate, s=round(time.perf_counter() - start, 1)))
+        ctx.partial(res)
         if not budget.allows(20):
+            res["status"] = "partial"
+            res.find(f"budget: warm-up stopped after {mode} r={rate} (the later modes not run)")
             break
     for _ in range(s.repeats):
         if not budget.allows(10):
@@ -189,58 +245,40 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
         for case in [c for c in cases if c in info]:
             mode, rate = case
             graphs, captures = compiled_graphs(), programs.CAPTURES
-            with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), own_acceptance(drafter, carried, case), \
-                    draft_levels(modes[mode]) as kwargs:
-                out, t = timed(ctx, generate, target, ids, mask, s.new_tokens, drafter, **kwargs,
-                               **cache_of(modes[mode], static))
+            try:
+                with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), \
+                        own_acceptance(drafter, carried, case), draft_levels(modes[mode]) as kwargs:
+                    out, t = timed(ctx, generate, target, ids, mask, s.new_tokens, drafter, **kwargs,
+                                   **cache_of(modes[mode], static))
+                st = last_stats()
+                with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), \
+                        own_acceptance(drafter, carried, case), draft_levels(modes[mode]) as kwargs:
+                    short_t = timed(ctx, generate, target, ids, mask, short, drafter, **kwargs,
+                                    **cache_of(modes[mode], static))[1]
+            except Exception as error:  # noqa: BLE001 (recorded; its earlier runs are dropped with it)
+                fails(case, error)
+                times[case], short_times[case] = [], []
+                continue
             times[case].append(t)
-            st = last_stats()
-            with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), own_acceptance(drafter, carried, case), \
-                    draft_levels(modes[mode]) as kwargs:
-                short_times[case].append(timed(ctx, generate, target, ids, mask, short, drafter, **kwargs,
-                                               **cache_of(modes[mode], static))[1])
+            short_times[case].append(short_t)
             short_rounds[case] = loop_rounds(last_stats()) + 1
             info[case].update(tau=st.mean_acceptance_length, rounds=loop_rounds(st) + 1, drafter=st.drafter_time,
                               catch_up=st.catch_up_time, verify=st.verify_time,
                               follows=bool(torch.equal(out, ref)), after=info[case]["after"] + compiled_graphs() - graphs,
                               captures=info[case].get("captures", 0) + programs.CAPTURES - captures)
+        publish(table())
     for case in [c for c in cases if times[c]]:  # launches a round, from the profiler (CUDA)
         mode, rate = case
+        if not budget.allows(10):
+            res["status"] = "partial"
+            res.find(f"budget: launches not counted from {mode} r={rate} on")
+            break
         with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), own_acceptance(drafter, carried, case), \
                 draft_levels(modes[mode]) as kwargs:
             launches = device_launches(ctx, generate, target, ids, mask, s.new_tokens, drafter, **kwargs,
                                        **cache_of(modes[mode], static))
         info[case]["launches"] = None if launches is None else launches / info[case]["rounds"]
-    med = {k: statistics.median(v) if v else float("nan") for k, v in plain.items()}
-    steady_plain = 1e3 * (med["compiled"] - med["compiled, short"]) / max(s.new_tokens - short, 1)
-    base = dict(context=ctx_len, batch=rows, compiled=bool(static.get("disable_compile") is False))
-    out = [dict(base, mode="plain", withheld_rate=0.0, runs=len(plain["compiled"]), median_s=med["compiled"],
-                speedup=1.0, tau=1.0, ms_per_round=1e3 * med["compiled"] / s.new_tokens,
-                steady_ms_per_round=steady_plain,
-                eager_plain_ms_per_token=1e3 * med["eager"] / s.new_tokens,
-                compiled_over_eager=med["eager"] / med["compiled"], follows_cycle=follows)]
-    for case in cases:
-        mode, rate = case
-        i, t = info.get(case, {}), times[case]
-        if not t:
-            out.append(dict(base, mode=mode, withheld_rate=rate, runs=0))
-            continue
-        m = statistics.median(t)
-        extra = i["rounds"] - short_rounds.get(case, i["rounds"])  # the rounds the longer calls ran more
-        steady = 1e3 * (m - statistics.median(short_times[case])) / extra if extra > 0 else None
-        out.append(dict(base, mode=mode, withheld_rate=rate, runs=len(t), median_s=m, speedup=med["compiled"] / m,
-                        tau=i["tau"], rounds=i["rounds"], ms_per_round=1e3 * m / i["rounds"],
-                        steady_ms_per_round=steady,
-                        per_call_ms=None if steady is None else 1e3 * m - steady * i["rounds"],
-                        launches_per_round=i.get("launches"),
-                        drafter_ms_per_round=1e3 * i["drafter"] / i["rounds"],
-                        catch_up_ms_per_round=1e3 * i["catch_up"] / i["rounds"],
-                        verify_ms_per_round=1e3 * i["verify"] / i["rounds"],
-                        plain_ms_per_step=1e3 * med["compiled"] / s.new_tokens, follows_cycle=i["follows"],
-                        warmup_graphs=i["warmup_graphs"], warmup_s=i["warmup_s"], graphs_after_warmup=i["after"],
-                        drafter_captures_after_warmup=i.get("captures", 0),
-                        warmup_recompiles=" | ".join(i["recompiles"][:3]) or None))
-    return out
+    return table()
 
 
 def device_launches(ctx, fn, *args, **kwargs) -> int | None:
