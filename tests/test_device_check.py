@@ -146,16 +146,15 @@ def test_a_failing_mode_costs_the_compiled_stage_that_mode_only(tmp_path, monkey
     modes are measured and written, and the warm-ups are listed (a stage killed at its time limit keeps them)."""
     from benchmarks.device_check import cli, compiled
 
-    dynamic_calls = []
+    original, dynamic_calls = compiled.cache_of, []
 
     def cache_of(mode, static):  # the second and later calls on the dynamic cache fail
         if mode.get("cache") == "dynamic":
             dynamic_calls.append(1)
             if len(dynamic_calls) >= 2:
                 raise RuntimeError("boom")
-        return compiled.cache_of.__wrapped__(mode, static)
+        return original(mode, static)
 
-    cache_of.__wrapped__ = compiled.cache_of
     monkeypatch.setattr(compiled, "cache_of", cache_of)
     cli.main(["--device", "cpu", "--small", "--only", "compiled", "--compiled-cells", "32x1", "--compiled-modes",
               "chain 5; tree, dynamic cache", "--compiled-rates", "0.5", "--budget-s", "compiled=120",

@@ -86,14 +86,14 @@ def stage_compiled(ctx: Context, budget: Budget) -> StageResult:
             res["status"] = "partial"
             res.find(f"budget: skipped context {ctx_len} x batch {rows}")
             continue
-        done_cells = list(table)
 
-        def publish(cell_rows, earlier=done_cells):  # (after each warm-up and each repeat: a kill keeps them)
-            res["data"]["speed"] = earlier + cell_rows
+        def publish(cell_rows, earlier=tuple(table)):  # (the cell's rows so far, after each repeat: a kill keeps them)
+            res["data"]["speed"] = [*earlier, *cell_rows]
             ctx.partial(res)
 
         table += _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, full, static, budget, publish)
-        publish(table[len(done_cells):])
+        res["data"]["speed"] = table
+        ctx.partial(res)
     done = [r for r in table if r["mode"] != "plain" and r.get("runs")]
     alone = {x["k"]: x["ms"] for x in res["data"].get("drafter level alone", [])}
     for r in done:  # (the eager level alone, k nodes a row as the mode drafts: the programs' is inside theirs)

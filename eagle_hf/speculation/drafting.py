@@ -557,7 +557,7 @@ class DraftState:
         return self._extend_eager(drafter, aux, next_tokens, counts)
 
     def _extend_eager(self, drafter: EagleDrafter, aux: torch.Tensor, next_tokens: torch.Tensor, counts: list[int]):
-        """`extend` as one eager drafter forward at the rows' own shape (a prompt, or no fixed-shape programs)."""
+        """`extend` as one eager drafter forward at the rows' own shape (a long catch-up, or no fixed-shape programs)."""
         rows, n = next_tokens.shape
         device = next_tokens.device
         full = all(c == n for c in counts)
@@ -638,7 +638,7 @@ class DraftState:
             part = [min(max(c - start, 0), end - start) for c in counts]  # each row's rows in this chunk
             if not any(part):
                 break
-            # (eager: a prompt's last short chunk is no round's catch-up, and its logits keep the drafter's dtype)
+            # (eager: a long catch-up's last short chunk is no round's catch-up, and its logits keep the drafter's dtype)
             got = self._extend_eager(drafter, aux[:, start:end], next_tokens[:, start:end], part)
             if logits is None:
                 logits, hidden = got
