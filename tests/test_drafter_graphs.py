@@ -51,6 +51,29 @@ def test_fixed_shape_levels_keep_greedy_output(levels_run, mode, cache):
         assert len(levels_run), "no program ran"
 
 
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("call", ["greedy", "sampling", "processed"])
+def test_bf16_programs_run_a_ragged_batch_as_a_gpu_does(levels_run, mode, call):
+    """The launch a GPU takes (fixed-shape programs) in bf16, a GPU's dtype: a ragged batch drafts through the
+    programs greedily, sampling, and with a logits processor and kept scores, every output in the call's dtype (a
+    program's float32 buffers once leaked into a bf16 call's merge; the float32 oracle tests above cover equality:
+    bf16's ties break either way)."""
+    target = tiny_target("llama").to(torch.bfloat16)
+    drafter = tiny_drafter(target).to(torch.bfloat16)
+    ids, mask = left_padded()
+    extra = {"greedy": dict(do_sample=False), "sampling": dict(do_sample=True, temperature=1.0),
+             "processed": dict(do_sample=False, repetition_penalty=1.3, output_scores=True,
+                               return_dict_in_generate=True)}[call]
+    torch.manual_seed(0)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=12, assistant_model=drafter, **MODES[mode],
+                          **extra)
+    sequences = getattr(out, "sequences", out)
+    assert sequences.shape[0] == ids.shape[0] and sequences.shape[1] > ids.shape[1]
+    if call == "processed":
+        assert all(s.dtype == torch.float32 and s.shape[0] == ids.shape[0] for s in out.scores)
+    assert len(levels_run), "no program ran"
+
+
 def test_fixed_shape_levels_sample_the_same_draws(monkeypatch):
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
