@@ -75,10 +75,15 @@ class Program:
     fullgraph), or "eager". The outputs of a launch are the function's return value, the same tensors every
     launch when captured (read them before the next launch)."""
 
-    def __init__(self, function: Callable, args: tuple, how: str = "eager", name: str = "program"):
+    def __init__(self, function: Callable, args: tuple, how: str = "eager", name: str = "program",
+                 warm_args: Callable[[], tuple] | None = None):
         self.function, self.args, self.how, self.name = function, args, how, name
+        # the arguments the warm-ups before a capture run the function with (None: its own): a function that
+        # moves data in place (run twice, it moves it twice) warms up on arguments that leave the data as it is
+        self.warm_args = warm_args
         self._run: Callable[[], Any] | None = None
         self._graph, self._out = None, None
+        self._device: torch.device | None = None  # (a captured program's: where it records and replays)
 
     def body(self, *first) -> Any:
         return self.function(*first, *self.args)
@@ -125,6 +130,7 @@ class Program:
 
     def _replay(self, *first) -> Any:
         if self._graph is None:
+            self._device = _device_of((first, self.args))
             try:
                 self._capture(*first)
             except RuntimeError as err:
@@ -132,24 +138,50 @@ class Program:
                                str(err).splitlines()[0][:200])
                 self.how = "eager"
                 return self.body(*first)
-        self._graph.replay()
+        with _on(self._device):  # (a graph replays on the current device's stream: the program's own)
+            self._graph.replay()
         return self._out
 
     def _capture(self, *first) -> None:
-        """Two warm-up launches on a side stream, then the capture (a private memory pool: programs replay in
-        any order; other threads' CUDA calls stay legal meanwhile)."""
+        """Two warm-up launches on a side stream (on `warm_args`), then the capture, which runs nothing: the first
+        replay runs the body once (a private memory pool: programs replay in any order; other threads' CUDA calls
+        stay legal meanwhile). All of it on the program's device, whichever device is current."""
         global CAPTURES
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.body(*first)
-        torch.cuda.current_stream().wait_stream(stream)
+        warm = self.args if self.warm_args is None else self.warm_args()
+        with _on(self._device):
+            with _side_stream():
+                for _ in range(2):
+                    self.function(*first, *warm)
+            self._graph, self._out = self._record(*first)
+        CAPTURES += 1
+
+    def _record(self, *first) -> tuple[Any, Any]:
+        """(a CUDA graph of what the body queues, its outputs): recorded, not run."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._out = self.body(*first)
-        self._graph = graph
-        CAPTURES += 1
+            out = self.body(*first)
+        return graph, out
+
+
+def _device_of(args: tuple) -> torch.device:
+    """The device of the first tensor among `args` (a program's tensors share one)."""
+    return next(a.device for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor))
+
+
+def _on(device: torch.device | None):
+    """`device` made current for CUDA's calls that take the current device (streams, graphs)."""
+    return torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _side_stream():
+    """Work queued in the block runs on a side stream, after what is queued now and before what follows (a
+    capture's warm-ups, as torch asks)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield
+    torch.cuda.current_stream().wait_stream(stream)
 
 
 def _options(args: tuple) -> dict:

@@ -9,6 +9,8 @@ unchanged. TF32 is off (tests/numerics.py). Tests marked ``cpu_only`` skip on an
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -209,6 +211,59 @@ def one_thread():
 @pytest.fixture
 def llama_target():
     return tiny_target("llama")
+
+
+def tensors_in(value) -> list[torch.Tensor]:
+    """The tensors in `value`, in order, through tuples, lists, dicts and dataclasses (a program's arguments and
+    outputs)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_in(v)]
+    return []
+
+
+@pytest.fixture
+def graphs_on_the_cpu(monkeypatch):
+    """Every program launched as a CUDA graph is, emulated on the CPU as a GPU runs it: the two warm-ups run (on
+    `warm_args`), the capture runs nothing (the body is run for its outputs' shapes and what it wrote is put
+    back), and each replay runs the body once, its outputs written into the captured ones. Fixed-shape drafting
+    on, as on a GPU. Yields the list of programs captured."""
+    from eagle_hf import programs
+    from eagle_hf.hf import call, tree_loop
+    from eagle_hf.speculation.drafting import GRAPHS_ENV
+
+    captured = []
+
+    class Graph:
+        def __init__(self, program, first, out):
+            self.program, self.first, self.out = program, first, out
+
+        def replay(self):
+            new = self.program.body(*self.first)
+            for kept, value in zip(tensors_in(self.out), tensors_in(new)):
+                if kept is not value:
+                    kept.copy_(value)
+
+    def record(self, *first):
+        written = tensors_in((first, self.args))
+        before = [t.clone() for t in written]
+        out = self.body(*first)
+        for t, b in zip(written, before):
+            t.copy_(b)
+        captured.append(self)
+        return Graph(self, first, out), out
+
+    monkeypatch.setenv(GRAPHS_ENV, "on")
+    monkeypatch.setattr(programs, "_side_stream", contextlib.nullcontext)
+    monkeypatch.setattr(programs.Program, "_record", record)
+    for module in (call, tree_loop):
+        monkeypatch.setattr(module, "how_to_run", lambda device, compiled: "graph")
+    return captured
 
 
 def patch_drafts(fake):

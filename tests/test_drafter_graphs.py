@@ -36,7 +36,12 @@ def levels_run(monkeypatch):
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_fixed_shape_levels_keep_greedy_output(levels_run, mode, cache):
+@pytest.mark.parametrize("launch", ["eager", "cuda graphs"])
+def test_fixed_shape_levels_keep_greedy_output(levels_run, mode, cache, launch, request):
+    """The programs launched eagerly, or as a GPU launches them: CUDA graphs (emulated on the CPU, `conftest`:
+    two warm-ups, a capture that runs nothing, replays)."""
+    if launch == "cuda graphs":
+        request.getfixturevalue("graphs_on_the_cpu")
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     ids, mask = left_padded()

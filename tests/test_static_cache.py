@@ -108,6 +108,40 @@ def test_a_ragged_batch_on_a_static_cache_equals_the_plain_batch(monkeypatch):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("mode", ["tree", "eagle+copy"])
+def test_commits_captured_as_cuda_graphs_move_each_node_once(graphs_on_the_cpu, mode):
+    """On a GPU a static cache's commit is a CUDA graph, captured at its first launch after two warm-ups. Moving
+    nodes in place is not repeatable (run three times, a kept node's keys come from a slot already overwritten):
+    the warm-ups move nothing, and the output is the plain batch's."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids, mask = left_padded()
+    plain = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    ref = target.generate(ids, **plain, **STATIC)
+    with batch_oracle(truths_of(ids, mask, ref)):  # (long, ragged accepted paths: nodes move)
+        out = target.generate(ids, assistant_model=drafter, **plain, **STATIC, **MODES[mode])
+    assert torch.equal(out, ref)
+    assert any(p.name == "cache commit" for p in graphs_on_the_cpu)
+
+
+@pytest.mark.parametrize("new", [14, 15, 21, 22])
+@pytest.mark.parametrize("spare", [0, -1])
+def test_a_commit_stays_inside_a_static_cache_passed_in(new, spare):
+    """A static cache passed in with no room to spare: a commit's fixed shape (a power of two of slots at least the
+    kept nodes) reaches past the cache's end, where it touches nothing (it once read and wrote there: an index
+    error on the CPU, a device assert on a GPU)."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids = torch.randint(1, 96, (1, 10), generator=torch.Generator().manual_seed(0))
+    ref = target.generate(ids, max_new_tokens=new, do_sample=False)
+    cache = StaticCache(config=target.config, max_cache_len=ids.shape[1] + new + spare)
+    with batch_oracle([ref[0].tolist()]):
+        out = target.generate(ids, past_key_values=cache, max_new_tokens=new, do_sample=False,
+                              assistant_model=drafter, draft_mode="tree", tree_depth=6, tree_top_k=2,
+                              tree_total_tokens=8, num_assistant_tokens_schedule="constant")
+    assert torch.equal(out, ref)
+
+
 def test_a_cache_that_cannot_hold_trees_falls_back_to_chain_mode(caplog):
     class Layer(DynamicLayer):  # some other kind of cache layer
         pass

@@ -459,14 +459,15 @@ class StaticTreeCache(TreeCache):
 
     def _keep(self, past_len: int, index: torch.Tensor | None, width: int, written: int | None) -> None:
         """The accepted nodes moved in place and the write position set after them, in every layer at once (one
-        `CommitProgram` launch); layers with an indexer's keys (`eagle_hf.hf.indexed`) one by one. When the first
-        K nodes are kept (a chain, or a tree's greedy path: it comes first), nothing moves: every layer's write
-        position, `written` after the committed ones since the verify, steps back in one operation."""
+        `CommitProgram` launch); layers with an indexer's keys (`eagle_hf.hf.indexed`), or on several devices (a
+        `device_map`), one by one. When the first K nodes are kept (a chain, or a tree's greedy path: it comes
+        first), nothing moves: every layer's write position, `written` after the committed ones since the verify,
+        steps back in one operation."""
         indexed = any(type(layer) in STATIC_INDEXED for layer in self.layers)
         if index is None and written is not None and not indexed:
             torch._foreach_sub_([layer.cumulative_length for layer in self.layers], written - width)
             return
-        if indexed:
+        if indexed or len({layer.keys.device for layer in self.layers}) > 1:  # (a `device_map` over devices)
             expanded = {}
             for layer in self.layers:
                 if index is not None:
@@ -491,17 +492,20 @@ class CommitProgram:
     nodes ``index[b]`` (relative to the committed length `past`) move to the slots after it, and every layer's
     write position (`cumulative_length`) is set after the K kept ones, one launch for all layers. Fixed shapes
     (rows B, W slots, a power of two at least K): `ints` = (past, K, whether nodes move), the kept nodes'
-    places [B, W] (the first K; the rest stay where they are)."""
+    places [B, W] (the first K are read). Moving is not repeatable (run twice, it moves twice): a CUDA graph's
+    warm-ups move nothing."""
 
     def __init__(self, layers: list, rows: int, width: int, how: str):
         device = layers[0].keys.device
         self.ints = torch.zeros(3, dtype=torch.long, device=device)  # past, K, whether nodes move
         self.index = torch.zeros(rows, width, dtype=torch.long, device=device)  # [B, W]
         self.steps = torch.arange(width, device=device)  # [W]
+        still = torch.tensor([1, 1, 0], device=device)  # (the launch's past and K; nothing moves)
         buffers = [t for layer in layers for t in (layer.keys, layer.values)]
         positions = [layer.cumulative_length for layer in layers]
         self.program = Program(commit_kept, (buffers, positions, self.ints, self.index, self.steps), how,
-                               "cache commit")
+                               "cache commit",
+                               warm_args=lambda: (buffers, positions, self.ints * still, self.index, self.steps))
 
     def __call__(self, past: int, index: torch.Tensor | None, kept: int) -> None:
         """index: [B, K] on the device (None: the first K nodes stay where they are)."""
@@ -517,8 +521,11 @@ def commit_kept(buffers: list[torch.Tensor], positions: list[torch.Tensor], ints
     program's inputs."""
     past, kept, moves = ints[0], ints[1], ints[2]
     rows, width = index.shape
-    place = torch.where((steps < kept) & (moves > 0), index, steps)  # [B, W] (the rest: stay)
-    source, target = place + past, steps + past  # [B, W], [W]
+    # [W] the slot each column writes: the K kept ones, then the last kept one's again (the same value twice),
+    # never a slot past the K: those may lie past the cache's end
+    column = torch.minimum(steps, (kept - 1).clamp(min=0))
+    place = torch.where(moves > 0, index.gather(1, column.expand(rows, width)), column)  # [B, W]
+    source, target = place + past, column + past  # [B, W], [W]
     for buffer in buffers:
         h, d = buffer.shape[1], buffer.shape[3]
         moved = buffer.gather(2, source[:, None, :, None].expand(rows, h, width, d))  # [B, H, W, D]
