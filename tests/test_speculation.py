@@ -150,6 +150,10 @@ def test_tree_mode_returns_what_chain_mode_returns():
         assert torch.allclose(a, b, atol=1e-4)
     assert tree.hidden_states[0][0].shape[1] == 7 and tree.hidden_states[5][-1].shape[1] == 1
     assert torch.allclose(tree.hidden_states[5][-1], plain.hidden_states[5][-1], atol=1e-4)
+    # each step's own copy, as plain generate() keeps its logits (not a view of a verify's outputs: a compiled
+    # forward's CUDA graphs write the next ones over those)
+    kept = [*tree.scores, *tree.logits, *(h for step in tree.hidden_states[1:] for h in step)]
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in kept)
 
 
 @pytest.mark.parametrize("key", sorted({CACHE_KEY, "past_key_values"}))

@@ -471,17 +471,19 @@ class TreeLoop:
 
     def keep_outputs(self, row: Row, scores, raw, hidden_states, b: int, nodes: list[int] | None) -> None:
         """What generate() returns per step, only where asked for (every step's [1, V] float logits add up).
-        scores, raw: [n, V] per tree node (nodes: the emitted ones) or [1, V] for the prefill (nodes None)."""
+        scores, raw: [n, V] per tree node (nodes: the emitted ones) or [1, V] for the prefill (nodes None). Kept
+        as copies (as plain generate() keeps its logits): a view would hold the whole verify's outputs, and a
+        compiled forward's CUDA graphs write its next outputs over them."""
         if not (self.keep_scores or self.keep_logits or self.keep_hidden):
             return
         for n in nodes if nodes is not None else range(scores.shape[0]):
             if self.keep_scores:
-                row.emitted.scores.append(scores[n : n + 1])
+                row.emitted.scores.append(scores[n : n + 1].clone())
             if self.keep_logits:
-                row.emitted.logits.append(raw[n : n + 1])
+                row.emitted.logits.append(raw[n : n + 1].clone())
             if self.keep_hidden:
                 row.emitted.hidden_states.append(
-                    tuple(h[b : b + 1] if nodes is None else h[b : b + 1, n : n + 1] for h in hidden_states))
+                    tuple((h[b : b + 1] if nodes is None else h[b : b + 1, n : n + 1]).clone() for h in hidden_states))
 
     def append(self, row: Row, new: list[int], on_device: torch.Tensor | None = None) -> None:
         """The row's new tokens (`on_device`: the same [n], already on the device) into its buffer, in place."""
