@@ -217,6 +217,7 @@ class Timer:
 
     def __init__(self, device="cpu", time_fn: Callable[[], float] = time.perf_counter, event_fn=None):
         device = torch.device(device)
+        self.device = device  # (CUDA marks go in its queue, whichever device is current)
         if event_fn is None and device.type == "cuda":
             event_fn = lambda: torch.cuda.Event(enable_timing=True)
         self.event_fn = event_fn  # None: the wall clock (synchronous devices); injected in tests
@@ -229,7 +230,10 @@ class Timer:
         if not self.events:
             return Mark(None, self.time_fn(), self.epoch)
         event = self.event_fn()
-        event.record()
+        if self.device.type == "cuda":
+            event.record(torch.cuda.current_stream(self.device))
+        else:
+            event.record()
         return Mark(event, 0.0, self.epoch)
 
     def measure(self, marks: list[Mark], callback: Callable[..., None]) -> None:
