@@ -217,9 +217,11 @@ class Timer:
 
     def __init__(self, device="cpu", time_fn: Callable[[], float] = time.perf_counter, event_fn=None):
         device = torch.device(device)
-        self.device = device  # (CUDA marks go in its queue, whichever device is current)
+        self.queue = None  # CUDA's events: the device's current stream, asked at each mark (its queue, whichever
+        # device is current)
         if event_fn is None and device.type == "cuda":
             event_fn = lambda: torch.cuda.Event(enable_timing=True)
+            self.queue = lambda: torch.cuda.current_stream(device)
         self.event_fn = event_fn  # None: the wall clock (synchronous devices); injected in tests
         self.events = event_fn is not None
         self.time_fn = time_fn
@@ -230,10 +232,10 @@ class Timer:
         if not self.events:
             return Mark(None, self.time_fn(), self.epoch)
         event = self.event_fn()
-        if self.device.type == "cuda":
-            event.record(torch.cuda.current_stream(self.device))
-        else:
+        if self.queue is None:
             event.record()
+        else:
+            event.record(self.queue())
         return Mark(event, 0.0, self.epoch)
 
     def measure(self, marks: list[Mark], callback: Callable[..., None]) -> None:
