@@ -596,7 +596,7 @@ def test_the_kept_verify_mask_equals_one_built_from_scratch(monkeypatch):
             assert torch.equal(kept, tree_attention_mask(tree, tc.ragged.valid, tc.length, torch.float32)), step
         past = tc.length
         target(torch.randint(1, 96, (b, width), generator=g).to(dev), **cache_kwarg(cache), use_cache=True,
-               attention_mask=kept if width > 1 else tc.padding_mask(b))
+               attention_mask=kept if width > 1 else tc.padding_mask())
         lengths = [int(torch.randint(1, width + 1, (1,), generator=g)) for _ in range(tc.ragged.rows)]
         k = max(lengths)
         valid = None if all(n == k for n in lengths) else torch.tensor([[i < n for i in range(k)] for n in lengths],

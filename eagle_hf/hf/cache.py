@@ -364,7 +364,7 @@ class TreeCache:
         """How many nodes a verify forward may write now, `width` wanted (None: any number)."""
         return None
 
-    def padding_mask(self, rows: int) -> torch.Tensor | None:
+    def padding_mask(self) -> torch.Tensor | None:
         """A plain step's 2D mask [B, L + 1] (bool, as plain generate() passes padding), or None without holes:
         a view of the rows' validity (`Ragged.with_next`)."""
         return self.ragged.with_next(1) if self.ragged.holes else None

@@ -259,7 +259,7 @@ class TreeLoop:
         """The round's target forward over the rows' nodes: tokens and positions [B, N], each tree's ancestor mask
         [B, N, N] (None: plain steps), `real`: the flat positions of real nodes (None: all), from `past_len`."""
         rows = tokens.shape[0]
-        mask = self.verify_mask(tree, rows, width, positions)
+        mask = self.verify_mask(tree, positions)
         if self.rewinds:
             self.saved = Snapshot(self.cache.cache) if width > 1 else None
             self.fed = tokens, positions
@@ -291,7 +291,7 @@ class TreeLoop:
         self.cache.drop_written(past_len, written)  # the attention layers end at the committed slots
         tokens, positions = (t[:, :kept] for t in self.fed)  # [B, K] the kept nodes: a chain's first K
         chain = torch.ones(kept, kept, dtype=torch.bool, device=tokens.device).tril()  # [K, K]
-        mask = self.verify_mask(chain.expand(len(active), -1, -1), len(active), kept, positions)
+        mask = self.verify_mask(chain.expand(len(active), -1, -1), positions)
         with self.recurrent_steps():
             self.target(input_ids=tokens, attention_mask=mask, position_ids=positions, **self.cache.forward_kwargs(),
                         use_cache=True, logits_to_keep=1, **self.tree_kwargs)
@@ -310,19 +310,19 @@ class TreeLoop:
         free = self.cache.free
         return bucket if free is None or bucket <= free else largest
 
-    def verify_mask(self, tree: torch.Tensor | None, rows: int, width: int, positions: torch.Tensor):
+    def verify_mask(self, tree: torch.Tensor | None, positions: torch.Tensor):
         """The verify forward's attention mask: a 4D float mask over the cache and the trees (drafting rounds),
         the 2D padding mask (plain steps with holes), or None (plain steps without). A target with sliding-window
         layers gets its 4D masks by layer type (`eagle_hf.hf.cache.Window`), plain steps with holes too (their
         windows count tokens, not slots). positions: [B, N] the nodes' (device)."""
         if tree is None and self.windows is not None and self.cache.ragged.holes:
-            tree = torch.ones(rows, 1, 1, dtype=torch.bool, device=positions.device)  # [B, 1, 1] each its root
+            tree = positions.new_ones(positions.shape[0], 1, 1, dtype=torch.bool)  # [B, 1, 1] each its root
         if tree is None:
-            return self.cache.padding_mask(rows)
+            return self.cache.padding_mask()
         mask = self.cache.tree_mask(tree.bool(), self.dtype)  # [B, 1, N, C]: L committed, N nodes, rest hidden
         if self.windows is None:
             return mask
-        length = self.cache.length
+        (rows, width), length = positions.shape, self.cache.length
         keys = positions.new_zeros(rows, mask.shape[-1])  # [B, C] each column's position (the hidden rest: 0)
         keys[:, :length] = key_positions(self.valid, rows, length, positions.device)
         keys[:, length : length + width] = positions
