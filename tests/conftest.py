@@ -231,8 +231,9 @@ def tensors_in(value) -> list[torch.Tensor]:
 def graphs_on_the_cpu(monkeypatch):
     """Every program launched as a CUDA graph is, emulated on the CPU as a GPU runs it: the two warm-ups run (on
     `warm_args`), the capture runs nothing (the body is run for its outputs' shapes and what it wrote is put
-    back), and each replay runs the body once, its outputs written into the captured ones. Fixed-shape drafting
-    on, as on a GPU. Yields the list of programs captured."""
+    back), and each replay runs the body once, its outputs written into the captured ones. A program on a CUDA
+    device (``EAGLE_HF_TEST_DEVICE=cuda``) is captured for real. Fixed-shape drafting on, as on a GPU. Yields the
+    list of programs captured."""
     from eagle_hf import programs
     from eagle_hf.hf import call, tree_loop
     from eagle_hf.speculation.drafting import GRAPHS_ENV
@@ -249,17 +250,22 @@ def graphs_on_the_cpu(monkeypatch):
                 if kept is not value:
                     kept.copy_(value)
 
+    real_record = programs.Program._record
+
     def record(self, *first):
+        captured.append(self)
+        if self._device is not None and self._device.type == "cuda":
+            return real_record(self, *first)
         written = tensors_in((first, self.args))
         before = [t.clone() for t in written]
         out = self.body(*first)
         for t, b in zip(written, before):
             t.copy_(b)
-        captured.append(self)
         return Graph(self, first, out), out
 
     monkeypatch.setenv(GRAPHS_ENV, "on")
-    monkeypatch.setattr(programs, "_side_stream", contextlib.nullcontext)
+    if not torch.cuda.is_available():  # (CUDA's warm-ups keep their side stream)
+        monkeypatch.setattr(programs, "_side_stream", contextlib.nullcontext)
     monkeypatch.setattr(programs.Program, "_record", record)
     for module in (call, tree_loop):
         monkeypatch.setattr(module, "how_to_run", lambda device, compiled: "graph")
