@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import importlib.util
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -82,6 +83,15 @@ if "EAGLE_HF_TEST_DEVICE" in os.environ:  # set (even to cpu): the shim is on, s
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cpu_only: runs on the CPU only (skipped when EAGLE_HF_TEST_DEVICE is another)")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
+    """On a device (``EAGLE_HF_TEST_DEVICE`` set), a failure's message is written as it happens, not only in the
+    summary: a run stopped at its time budget keeps what failed and why."""
+    if report.failed and "EAGLE_HF_TEST_DEVICE" in os.environ:
+        text = report.longreprtext.strip().splitlines()
+        print(f"\nFAILED {report.nodeid} ({report.when}):\n" + "\n".join(text[-12:]), file=sys.stderr, flush=True)
 
 
 def pytest_collection_modifyitems(config, items):

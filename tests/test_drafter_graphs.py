@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_drafter, tiny_target
+from conftest import test_device, tiny_drafter, tiny_target
 from test_batch import MODES, left_padded
 from test_copying import REPEAT
 
@@ -120,7 +120,7 @@ def test_levels_are_fixed_shape_only_where_wanted(monkeypatch):
     drafter = tiny_drafter(tiny_target("llama"))
     monkeypatch.delenv(GRAPHS_ENV, raising=False)
     assert graphs.wanted(drafter, compiled=True)  # (auto: where the target's forward is compiled, and on CUDA)
-    assert not graphs.wanted(drafter, compiled=False)
+    assert graphs.wanted(drafter, compiled=False) == (test_device().type == "cuda")
     monkeypatch.setenv(GRAPHS_ENV, "on")
     assert graphs.wanted(drafter, compiled=False)
     monkeypatch.setenv(GRAPHS_ENV, "off")
@@ -143,7 +143,7 @@ def _drafter_over_prompts(rows: int, seed: int = 3):
     drafter.bind_target_embedding(target.get_input_embeddings())
     with torch.no_grad():
         drafter.lm_head.weight.mul_(30.0)
-        ids = torch.randint(1, 96, (rows, 9), generator=torch.Generator().manual_seed(seed))
+        ids = torch.randint(1, 96, (rows, 9), generator=torch.Generator().manual_seed(seed)).to(test_device())
         out = target(ids, output_hidden_states=True)
     aux = gather_aux(out.hidden_states, check_compatible(target, drafter))[:, :-1]  # [B, 8, A]
     return drafter, aux, ids
