@@ -138,13 +138,13 @@ def reference_trees(
     min_logp = math.log(threshold) if threshold > 0 else -math.inf
     real_len = state.length
     drafting = [b for b, g in enumerate(growth) if g.depth > 0]
-    state.launch_staged(drafter)  # (the host chooses from the catch-up's logits)
+    state.launch_staged()  # (the host chooses from the catch-up's logits)
     chosen = _choose(drafter, top_k, growth, {b: logits[b : b + 1] for b in drafting}, logits[:, None],
                      {b: [[]] for b in drafting})
     for b in drafting:
         growth[b].start(chosen[b], top_k)
     parent_out = hidden  # [B, k, H] the outputs parents were fed back from
-    state.reserve(drafter, (max(depths, default=1) - 1) * top_k, parent_out)
+    state.reserve((max(depths, default=1) - 1) * top_k)
     base = None  # [B, 1] each row's root position, on the device
     for level in range(1, max(depths, default=0)):
         for g in growth:  # expand only what may grow

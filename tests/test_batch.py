@@ -159,8 +159,8 @@ def test_holes_are_compacted_without_changing_the_output(monkeypatch, drafting):
     monkeypatch.setattr(ragged, "HOLE_FRACTION", 0.0)
     drafter_compactions = []
     compact = DraftState.compact
-    monkeypatch.setattr(DraftState, "compact", lambda self, d: (drafter_compactions.append(
-        self.ragged.worth_compacting()), compact(self, d))[1])
+    monkeypatch.setattr(DraftState, "compact", lambda self: (drafter_compactions.append(
+        self.ragged.worth_compacting()), compact(self))[1])
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     ids, mask = left_padded(lengths=(6, 6, 6), seed=5)
@@ -188,8 +188,8 @@ def test_the_drafting_programs_grow_over_holes_and_compactions(monkeypatch):
     monkeypatch.setattr(ragged, "HOLE_FRACTION", 0.0)
     launched, compactions = [], []
     compact = drafting.DraftState.compact
-    monkeypatch.setattr(drafting.DraftState, "compact", lambda self, d: (compactions.append(
-        self.ragged.worth_compacting()), compact(self, d))[1])
+    monkeypatch.setattr(drafting.DraftState, "compact", lambda self: (compactions.append(
+        self.ragged.worth_compacting()), compact(self))[1])
     grow = drafting.DraftPrograms.grow
     monkeypatch.setattr(drafting.DraftPrograms, "grow", lambda self, *a: (launched.append(
         drafting.DraftPrograms), grow(self, *a))[1])
@@ -373,8 +373,8 @@ def test_batched_drafting_grows_each_rows_tree_as_drafted_alone(top_k):
     with torch.no_grad():
         drafter.lm_head.weight.mul_(30.0)  # peaky: confident drafts, so trees reach their depth
     rounds = [_taps(target, drafter, [9, 4, 6], seed=1), _taps(target, drafter, [1, 3, 2], seed=2)]
-    alone = [DraftState() for _ in range(3)]
-    batch = DraftState(positions=[0, 0, 0])
+    alone = [DraftState.for_drafter(drafter) for _ in range(3)]
+    batch = DraftState.for_drafter(drafter, 3)
     for taps in rounds:
         roots = [int(t[0, -1]) for _, t in taps]
         logits, hidden = batch.extend(drafter, *_padded(taps))
@@ -410,7 +410,7 @@ def test_a_long_catch_up_in_chunks_equals_one_pass(monkeypatch):
                                                                              original(self, hidden, *a, **k))[1])
     for chunk in (4, drafting.CATCH_UP_CHUNK):
         monkeypatch.setattr(drafting, "CATCH_UP_CHUNK", chunk)
-        state, trees = DraftState(positions=[0, 0, 0]), []
+        state, trees = DraftState.for_drafter(drafter, 3), []
         for taps in rounds:
             logits, hidden = state.extend(drafter, *_padded(taps))
             roots = [int(t[0, -1]) for _, t in taps]
@@ -621,7 +621,7 @@ def test_the_drafters_kept_level_mask_equals_one_built_from_scratch(monkeypatch)
     target = tiny_target("llama")
     drafter = tiny_drafter(target, seed=3)
     drafter.bind_target_embedding(target.get_input_embeddings())
-    state = DraftState(positions=[0, 0, 0])
+    state = DraftState.for_drafter(drafter, 3)
     g = torch.Generator().manual_seed(0)
     compacted = False
     for step, counts in enumerate([[1, 4, 6], [6, 1, 1], [1, 1, 6], [3, 1, 1], [1, 2, 3], [1, 1, 4]]):

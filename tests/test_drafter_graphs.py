@@ -178,7 +178,7 @@ def _device_trees_match_the_host_s(launch, top_k, threshold, prune, depths):
     trees = {}
     for where in ("device", "host"):
         graphs = LevelGraphs.for_drafter(drafter) if launch.startswith("program") else None
-        state = DraftState(positions=[0, 0, 0], graphs=graphs)
+        state = DraftState.for_drafter(drafter, 3, graphs)
         with torch.no_grad():
             logits, hidden = state.extend(drafter, aux, ids[:, 1:], counts)
             if where == "device":
@@ -243,7 +243,7 @@ def test_rows_leaving_keep_the_programs_storage_for_the_next_call():
     graphs = LevelGraphs.for_drafter(drafter)
     seen = []
     for _ in range(2):
-        state = DraftState(positions=[0, 0, 0], graphs=graphs)
+        state = DraftState.for_drafter(drafter, 3, graphs)
         with torch.no_grad():
             state.extend(drafter, aux, ids[:, 1:])
             before = state.kv.keys.clone()  # [3, kv_heads, 8, d]

@@ -89,23 +89,24 @@ def test_the_kept_mask_equals_one_built_from_scratch(dtype):
 
 
 class _Drafter(SimpleNamespace):
-    """What `DraftState.reserve` reads of a drafter."""
+    """What `DraftState.for_drafter` reads of a drafter."""
 
     config = SimpleNamespace(num_key_value_heads=HEADS, head_dim=DIM)
+    fc = SimpleNamespace(weight=torch.zeros(1))
 
 
 class _DrafterCache:
     """The drafter's cache, written as its forwards write (`DraftState.writer`)."""
 
     def __init__(self, rows: int):
-        self.state = DraftState(positions=[0] * rows)
+        self.state = DraftState.for_drafter(_Drafter(), rows)
 
     def append(self, new: torch.Tensor, counts: list[int], valid: torch.Tensor | None):
         s = self.state
-        s.reserve(_Drafter(), new.shape[2], new)
+        s.reserve(new.shape[2])
         s.writer(s.length).extended(KV(new, -new))
         s.ragged.append(counts, new.shape[2], valid, new.device)
-        s.compact(_Drafter())
+        s.compact()
 
     def select(self, rows: list[int]):
         self.state.select(rows)

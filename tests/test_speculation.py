@@ -82,7 +82,7 @@ def _drafter_state(seed=3, peaky=30.0):
 
     out = target(ids, output_hidden_states=True)
     aux = gather_aux(out.hidden_states, check_compatible(target, drafter))[:, :-1]  # [1, 8, A]
-    state = DraftState()
+    state = DraftState.for_drafter(drafter)
     logits, hidden = state.extend(drafter, aux, ids[:, 1:])
     return drafter, state, int(ids[0, -1]), logits, hidden
 

@@ -464,7 +464,7 @@ def test_pruned_tree_is_the_full_tree_above_the_threshold():
     aux = gather_aux(out.hidden_states, check_compatible(target, drafter))[:, :-1]  # [1, 8, A]
     trees = {}
     for threshold in (0.0, 0.05):
-        state = DraftState()
+        state = DraftState.for_drafter(drafter)
         logits, hidden = state.extend(drafter, aux, ids[:, 1:])
         trees[threshold] = draft_tree(drafter, state, int(ids[0, -1]), logits, hidden, 4, 3, 1000, threshold)
     full, pruned = trees[0.0], trees[0.05]

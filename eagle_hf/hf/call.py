@@ -367,7 +367,9 @@ def speculators_for(target, rows: int = 1, stop_tokens=(), compiled: bool = Fals
     graphs = (LevelGraphs.for_drafter(call.drafter)
               if call.drafter is not None and call.settings.uses_eagle and graphs_wanted(call.drafter, compiled) else None)
     how = how_to_run(call.drafter.fc.weight.device, compiled) if graphs is not None else "eager"
-    state = DraftState(positions=[0] * rows, graphs=graphs, how=how)  # the drafter's cache: one for the batch
+    # the drafter's cache: one for the batch
+    state = (DraftState.for_drafter(call.drafter, rows, graphs, how) if call.drafter is not None
+             else DraftState(positions=[0] * rows))
     timer = Timer(input_device(target))  # one for the batch: the loop's read-backs resolve its marks
     call.timers.append(timer)
     return call, [Speculator(call.drafter, call.settings, s, call.controller, call.listeners, timer=timer,

@@ -454,7 +454,7 @@ class DraftState:
     (> 0 at first when the target's cache already held a prefix the drafter never saw)."""
 
     positions: list[int] = field(default_factory=lambda: [0])
-    slots: SlotBuffers | None = None  # keys and values [B, kv_heads, capacity, d]
+    slots: SlotBuffers | None = None  # keys and values [B, kv_heads, capacity, d] (None: no drafter, `for_drafter`)
     ragged: Ragged | None = None
     steps: int = 0  # drafter forwards over draft levels so far (catch-ups not counted): what a round's levels cost
     # [B, 1, R, C] bool, the draft levels' attention mask kept between levels and rounds: columns below `length`
@@ -471,6 +471,19 @@ class DraftState:
     def __post_init__(self):
         if self.ragged is None:
             self.ragged = Ragged([0] * len(self.positions), 0)
+
+    @classmethod
+    def for_drafter(cls, drafter: EagleDrafter, rows: int = 1, graphs: LevelGraphs | None = None,
+                    how: str = "eager") -> DraftState:
+        """An empty cache for `drafter`'s rows of a batch: its keys and values ``[B, kv_heads, 0, d]`` in the
+        drafter's dtype and on its device (the first rows allocate their storage, from `graphs` where the levels
+        run at fixed shapes)."""
+        state = cls(positions=[0] * rows, graphs=graphs, how=how)
+        cfg = drafter.config
+        empty = drafter.fc.weight.new_empty(rows, cfg.num_key_value_heads, 0, cfg.head_dim)  # [B, kv_heads, 0, d]
+        allocate = new_buffers if graphs is None else _graphs_storage(graphs, weakref.ref(state))
+        state.slots = SlotBuffers((empty, empty), allocate=allocate)
+        return state
 
     @property
     def rows(self) -> int:
@@ -505,27 +518,21 @@ class DraftState:
         """A single row's next position (a batch's rows: `positions`)."""
         return self.positions[0]
 
-    def reserve(self, drafter: EagleDrafter, extra: int, like: torch.Tensor) -> None:
-        """Room for `extra` slots after the real rows (`SlotBuffers.reserve`: amortised O(1) per slot); `like`:
-        the drafter's activations (their dtype and device)."""
-        if self.slots is None:
-            cfg = drafter.config
-            empty = like.new_empty(self.rows, cfg.num_key_value_heads, 0, cfg.head_dim)  # [B, kv_heads, 0, d]
-            allocate = new_buffers if self.graphs is None else _graphs_storage(self.graphs, weakref.ref(self))
-            self.slots = SlotBuffers.holding((empty, empty), extra, allocate=allocate)
-        else:
-            if self.length + extra > self.slots.capacity:
-                self.launch_staged(drafter)  # (its rows belong in the storage the new one copies)
-            self.slots.reserve(self.length, extra)
+    def reserve(self, extra: int) -> None:
+        """Room for `extra` slots after the real rows (`SlotBuffers.reserve`: amortised O(1) per slot)."""
+        if self.length + extra > self.slots.capacity:
+            self.launch_staged()  # (its rows belong in the storage the new one copies)
+        self.slots.reserve(self.length, extra)
 
-    def staged(self, drafter: EagleDrafter) -> bool:
-        """Whether a catch-up waits to run with the next levels (`extend`'s `staged`)."""
-        return self.graphs is not None and self.keys is not None and self.programs(drafter).staged is not None
+    def staged(self) -> bool:
+        """Whether a catch-up waits to run with the next levels (`extend`'s `staged`: it waits in the programs
+        that ran last, `programs`)."""
+        return self._valid_in is not None and self._valid_in.staged is not None
 
-    def launch_staged(self, drafter: EagleDrafter) -> None:
+    def launch_staged(self) -> None:
         """Run a catch-up staged for the next levels (`extend`'s `staged`) now, on its own."""
-        if self.graphs is not None and self.keys is not None:
-            self.programs(drafter).launch_staged()
+        if self._valid_in is not None:
+            self._valid_in.launch_staged()
 
     def level_forward(self, drafter: EagleDrafter, feed: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
                       at: int, mask: torch.Tensor | None) -> DraftStep:
@@ -561,7 +568,7 @@ class DraftState:
         rows, n = next_tokens.shape
         device = next_tokens.device
         full = all(c == n for c in counts)
-        self.launch_staged(drafter)
+        self.launch_staged()
         self._valid_in = None  # (rows written outside the programs: their validity is copied in at their next launch)
         host = pack(device, positions=[[p + i for i in range(n)] for p in self.positions],
                     last=[max(c, 1) - 1 for c in counts],
@@ -579,14 +586,14 @@ class DraftState:
                 past = self.valid if self.ragged.holes else own.new_ones(rows, self.length)  # [B, L]
                 mask = torch.cat([past[:, None, :].expand(rows, n, self.length), own], 2)[:, None]
         fused = drafter.fuse(aux)  # [B, n, H]
-        self.reserve(drafter, n, fused)
+        self.reserve(n)
         out = drafter.step(fused, next_tokens, host["positions"], past=self.writer(self.length), mask=mask,
                            compute_logits=False)
         self._arrive(counts, n, new_valid)
         last = host["last"][:, None, None]  # [B, 1, 1] each row's last new row
         normed = out.normed.gather(1, last.expand(rows, 1, out.normed.shape[-1]))  # [B, 1, H]
         hidden = out.hidden.gather(1, last.expand(rows, 1, out.hidden.shape[-1]))  # [B, 1, H]
-        self.compact(drafter)
+        self.compact()
         return drafter.lm_head(normed[:, 0]), hidden
 
     def _extend_fixed(self, drafter: EagleDrafter, aux: torch.Tensor, next_tokens: torch.Tensor, counts: list[int],
@@ -597,11 +604,11 @@ class DraftState:
         overwritten by the next pass, which never reads them)."""
         n = next_tokens.shape[1]
         bucket = 1 << (max(n, staged or 1) - 1).bit_length()
-        self.reserve(drafter, bucket, drafter.fc.weight)
+        self.reserve(bucket)
         logits, hidden, new_valid = self.programs(drafter).catch_up(aux, next_tokens, self.positions, counts,
                                                                     self.length, bucket, stage=staged is not None)
         self._arrive(counts, n, new_valid)
-        self.compact(drafter)
+        self.compact()
         return logits, hidden  # [B, Vd], [B, 1, H]
 
     def _arrive(self, counts: list[int], n: int, new_valid: torch.Tensor | None) -> None:
@@ -671,11 +678,11 @@ class DraftState:
             self.ragged.counts = [self.ragged.counts[b] for b in rows]
         self.positions = [self.positions[b] for b in rows]
 
-    def compact(self, drafter: EagleDrafter) -> None:
+    def compact(self) -> None:
         """Drop the holes once they are worth it (`eagle_hf.speculation.ragged`)."""
         if not self.ragged.worth_compacting():
             return
-        self.launch_staged(drafter)  # (its rows belong in the slots the compaction moves)
+        self.launch_staged()  # (its rows belong in the slots the compaction moves)
         self._valid_in = None
         index = self.ragged.compact()  # [B, W]
         self._mask.drop()
@@ -715,7 +722,7 @@ def draft_trees(drafter: EagleDrafter, state: DraftState, logits: torch.Tensor, 
     the `TreeLayout` and the verify positions [B, W]."""
     min_logp = math.log(threshold) if threshold > 0 else -math.inf
     levels = max(depths, default=0)
-    state.reserve(drafter, max(levels - 1, 0) * top_k, hidden)
+    state.reserve(max(levels - 1, 0) * top_k)
     state.steps += max(levels - 1, 0)
     roots = [p - 1 for p in state.positions]  # each row's root position
     if state.graphs is not None and choose is None:
@@ -723,7 +730,7 @@ def draft_trees(drafter: EagleDrafter, state: DraftState, logits: torch.Tensor, 
                                             state.length, layout)
     host = pack(hidden.device, base=roots, depth=depths, tokens=layout.roots, position=layout.positions,
                 sizes=layout.sizes)
-    state.launch_staged(drafter)
+    state.launch_staged()
     rows, base, real_len = state.rows, host["base"][:, None], state.length  # [B, 1]
 
     causal = top_k == 1 and not state.ragged.holes  # (a chain over every slot: the plain causal layout, no mask)

@@ -92,7 +92,7 @@ class Speculator:
         # marks on the device's queue, measured after the round's read-back (no synchronisation); shared by a batch
         self.timer = timer or Timer(drafter.fc.weight.device if drafter is not None else "cpu")
         # the drafter's cache, shared by a batch's rows (one row: its own), and this row in it
-        self.state = state or DraftState()
+        self.state = state or (DraftState.for_drafter(drafter) if drafter is not None else DraftState())
         self.cache_row = CacheRow(slot=0 if row is None else row)
         self.copy = CopySource(settings.copy_ngram, settings.copy_length, settings.copy_branch_count,
                                functools.partial(marginal_cost, controller), settings.probe_every,
@@ -249,7 +249,7 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
     # round's rows (depth + 1), so that its rounds share one
     staged = max(depths) + 1 if state.graphs is not None and choose is None else None
     logits, hidden = _catch_up(speculators, staged)  # [B, Vd], [B, 1, H]
-    if marks is not None and not (staged and state.staged(first.drafter)):  # (a staged catch-up's time is the
+    if marks is not None and not (staged and state.staged()):  # (a staged catch-up's time is the
         # levels')
         marks["caught_up"] = timer.mark()
     largest = max(total_tokens[i] for i in drafting)

@@ -451,7 +451,7 @@ def replay_rounds(drafter: EagleDrafter, tokens: torch.Tensor, aux: torch.Tensor
     w = drafter.fc.weight
     aux = aux.to(w.device, w.dtype)
     tokens = tokens.to(w.device)
-    state, p, rows_done, rounds = DraftState(), prompt_len, 0, 0  # p: index of the newest verified token
+    state, p, rows_done, rounds = DraftState.for_drafter(drafter), prompt_len, 0, 0  # p: index of the newest verified token
     residuals: list[torch.Tensor] = []
     hook = drafter.midlayer.register_forward_hook(lambda mod, args, out: residuals.append(out[0][:, -1]))
     try:
