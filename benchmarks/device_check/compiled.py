@@ -136,12 +136,12 @@ def drafter_level_ms(ctx, drafter, context: int, k: int, calls: int = 50) -> flo
 
     device, dtype = ctx.device, drafter.fc.weight.dtype
     g = torch.Generator(device="cpu").manual_seed(k)
-    state = DraftState()
+    state = DraftState.for_drafter(drafter)
     aux = torch.randn(1, context, drafter.fc.in_features, generator=g).to(device, dtype)  # [1, n, A*H_t]
     tokens = torch.randint(1, drafter.config.vocab_size, (1, context), generator=g).to(device)
     with torch.no_grad():
         _, hidden = state.extend(drafter, aux, tokens)  # hidden: [1, 1, H]
-        state.reserve(drafter, k, hidden)
+        state.reserve(k)
         feed, ids = hidden.expand(1, k, hidden.shape[-1]).contiguous(), tokens[:, :k]  # [1, k, H], [1, k]
         positions = torch.full((1, k), context, device=device)
         mask = None if k == 1 else state.level_mask(torch.eye(k, dtype=torch.bool, device=device)[None], k, 0)
