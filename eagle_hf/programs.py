@@ -22,7 +22,9 @@ tokens, positions, tree masks, accepted paths) into one buffer copied once (on C
 
 from __future__ import annotations
 
+import array
 import contextlib
+import itertools
 import logging
 import math
 import types
@@ -315,8 +317,8 @@ def pack(device: torch.device, **arrays) -> dict[str, torch.Tensor]:
     """Integer (or bool) host arrays (nested lists or host tensors) in one copy: name -> int64 device tensor of
     the array's shape. On the CPU, where nothing is copied, each array is its own tensor (no joining, no views)."""
     if device.type == "cpu":  # (`to_device` copies nothing here: it names the arrays as the device's)
-        return {name: to_device(a.to(torch.long, copy=True) if isinstance(a, torch.Tensor)
-                                else torch.tensor(a, dtype=torch.long), device) for name, a in arrays.items()}
+        return {name: to_device(a.to(torch.long, copy=True) if isinstance(a, torch.Tensor) else host_longs(a), device)
+                for name, a in arrays.items()}
     flat, shapes = [], {}
     for name, a in arrays.items():  # lists of up to two levels: flattened here (a plain round's are one element)
         if isinstance(a, torch.Tensor) or (a and isinstance(a[0], list) and a[0] and isinstance(a[0][0], list)):
@@ -328,7 +330,24 @@ def pack(device: torch.device, **arrays) -> dict[str, torch.Tensor]:
         else:
             shapes[name] = (len(a),)
             flat.extend(a)
-    return _views(to_device(torch.tensor(flat, dtype=torch.long), device), shapes)
+    return _views(to_device(host_longs(flat), device), shapes)
+
+
+def host_longs(a: list) -> torch.Tensor:
+    """An int64 host tensor of a list of ints or bools, or of equal rows of them: through a flat `array`, which
+    costs a fraction of torch.tensor's element by element conversion (a tree's ancestor rows: about 10 µs
+    against 30 µs on a 2-core CPU). Anything else (deeper, ragged, empty, not integral) as torch.tensor has it."""
+    rows = len(a) if a and isinstance(a[0], list) else None
+    width = len(a[0]) if rows is not None else len(a)
+    if not width or (rows is not None and (isinstance(a[0][0], list) or
+                                           any(not isinstance(r, list) or len(r) != width for r in a))):
+        return torch.tensor(a, dtype=torch.long)
+    try:
+        flat = array.array("q", a if rows is None else itertools.chain.from_iterable(a))
+    except TypeError:  # (floats: torch.tensor truncates them)
+        return torch.tensor(a, dtype=torch.long)
+    out = torch.frombuffer(flat, dtype=torch.long)  # (it holds the array)
+    return out if rows is None else out.view(rows, width)
 
 
 def _pack_tensors(device: torch.device, arrays: dict) -> dict[str, torch.Tensor]:

@@ -34,7 +34,7 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer,
 )
 
-from ..programs import Program, to_device
+from ..programs import Program, host_longs, to_device
 from ..speculation.ragged import KeptMask, Ragged, SlotBuffers
 from .attention import kernel_name, kernel_unsupported_reason
 from .indexed import (
@@ -54,6 +54,10 @@ logger = logging.getLogger(__name__)
 #: room for the widest after its last committed token, a dynamic one at least as much after a reallocation
 #: (`eagle_hf.speculation.ragged.MIN_ROOM`)
 VERIFY_BUCKETS = (1, 4, 8, 16, 32, 64)
+#: the fewest slots a static cache's commit program moves (a power of two; the kept nodes padded): one program
+#: serves every round that keeps up to this many. generate() makes a new static cache each call, so each call
+#: makes its commit programs again (on CUDA: captures them): one, rather than one per power of two up to 8
+COMMIT_WIDTH = 8
 
 
 #: transformers' cache layers that keep a window (sliding and chunked layers alike)
@@ -475,7 +479,7 @@ class StaticTreeCache(TreeCache):
                 layer.cumulative_length.fill_(past_len + width)
                 end_index_keys(layer, past_len + width)
             return
-        rows, bucket = self.layers[0].keys.shape[0], 1 << (width - 1).bit_length()
+        rows, bucket = self.layers[0].keys.shape[0], max(COMMIT_WIDTH, 1 << (width - 1).bit_length())
         buffers = tuple(t.data_ptr() for layer in self.layers for t in (layer.keys, layer.values))
         key = (rows, bucket, buffers, torch.is_inference_mode_enabled())
         program = self._commits.get(key)
@@ -511,7 +515,7 @@ class CommitProgram:
         """index: [B, K] on the device (None: the first K nodes stay where they are)."""
         if index is not None:
             self.index[:, : index.shape[1]].copy_(index)
-        self.ints.copy_(to_device(torch.tensor([past, kept, int(index is not None)]), self.ints.device))
+        self.ints.copy_(to_device(host_longs([past, kept, int(index is not None)]), self.ints.device))
         self.program()
 
 

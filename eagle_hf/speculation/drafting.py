@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..drafter.modeling import KV, DraftStep, EagleDrafter, KVWriter
-from ..programs import Program, pack, to_device
+from ..programs import Program, host_longs, pack, to_device
 from .ragged import KeptMask, Ragged, SlotBuffers, new_buffers
 from .tree import COPY, EAGLE, DraftTree
 
@@ -958,7 +958,7 @@ class CatchUp:
         rows, m = tokens.shape
         self.aux[:, :m].copy_(aux)
         self.tokens[:, :m].copy_(tokens)
-        self.ints.copy_(to_device(torch.tensor([*positions, at, *counts]), self.ints.device))
+        self.ints.copy_(to_device(host_longs([*positions, at, *counts]), self.ints.device))
         if all(c == m for c in counts):
             return None
         return self.steps[None, :m] < self.ints[rows + 1 :, None]  # [B, m] (on the device, after the copy)
@@ -1012,7 +1012,7 @@ class Levels:
                  after: CatchUp | None = None):
         """A launch (`after`: a catch-up written to run first, in the same program)."""
         values = [*roots, *depths, at] + [v for part in layout for v in part]
-        self.ints.copy_(to_device(torch.tensor(values), self.ints.device))
+        self.ints.copy_(to_device(host_longs(values), self.ints.device))
         program = self.program
         if after is not None:
             program = self.after.get(after.n)
