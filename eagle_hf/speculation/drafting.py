@@ -454,7 +454,7 @@ class DraftState:
     (> 0 at first when the target's cache already held a prefix the drafter never saw)."""
 
     positions: list[int] = field(default_factory=lambda: [0])
-    slots: SlotBuffers | None = None  # keys and values [B, kv_heads, capacity, d] (None: no drafter, `for_drafter`)
+    slots: SlotBuffers | None = None  # keys and values [B, kv_heads, capacity, d] (None: no drafter; `for_drafter`)
     ragged: Ragged | None = None
     steps: int = 0  # drafter forwards over draft levels so far (catch-ups not counted): what a round's levels cost
     # [B, 1, R, C] bool, the draft levels' attention mask kept between levels and rounds: columns below `length`
@@ -496,7 +496,8 @@ class DraftState:
 
     @property
     def keys(self) -> torch.Tensor | None:
-        """The keys' whole storage ``[B, kv_heads, capacity, d]`` (None before the first rows)."""
+        """The keys' whole storage ``[B, kv_heads, capacity, d]`` (capacity 0 before the first rows; None: a cache
+        without a drafter)."""
         return None if self.slots is None else self.slots.buffers[0]
 
     @property
