@@ -144,6 +144,7 @@ def check_stats(stats, prompt_len: int, out: torch.Tensor) -> None:
     # draft (one token to go) yields one more without being a cycle
     assert stats.new_tokens - (1 + stats.accepted + stats.cycles) in (0, 1) or stats.new_tokens == 0
     assert 0.0 <= stats.drafter_time <= stats.total_time
+    assert stats.timed_drafter_rounds <= stats.timed_rounds <= stats.steps  # (rounds that compiled: not timed)
 
 
 # --------------------------------------------------------------------------------------- greedy exactness
@@ -408,6 +409,8 @@ def test_stats_fields_consistent():
     random_stats = eagle_hf.last_stats()
     check_stats(random_stats, plen, out)
     assert random_stats.cycles > 0 and random_stats.drafted > 0
+    # nothing compiles or captures on the CPU's eager path: every round's times reach the schedule
+    assert random_stats.timed_rounds == random_stats.steps and random_stats.timed_drafter_rounds > 0
     with oracle(expected, {plen + 3}):
         out = target.generate(ids, assistant_model=drafter, max_new_tokens=max_new, num_assistant_tokens=3)
     stats = eagle_hf.last_stats()

@@ -37,6 +37,8 @@ class SpecDecodeStats:
     # seconds in the target's forwards after the prefill (verify and plain steps); these times leave out the rounds
     # that compiled a shape of the target's forward or captured a drafter graph
     verify_time: float = 0.0
+    timed_rounds: int = 0  # the rounds these three times cover (a round that compiled or captured is not timed)
+    timed_drafter_rounds: int = 0  # of which rounds this row's drafter drafted in
     per_row: list[SpecDecodeStats] = field(default_factory=list)  # a batch's rows (these stats are their merge)
     total_time: float = 0.0  # wall time of the whole generate() call
 
@@ -53,6 +55,8 @@ class SpecDecodeStats:
     def record_timing(self, timing, target_share: float = 1.0, drafter_share: float = 1.0) -> None:
         """One round's timings (a `eagle_hf.speculation.rounds.RoundTiming`): this row's share of the target's
         forward and of the drafter's time (0: it did not draft)."""
+        self.timed_rounds += 1
+        self.timed_drafter_rounds += drafter_share > 0
         self.verify_time += (timing.verify or 0.0) * target_share
         self.catch_up_time += (timing.catch_up or 0.0) * drafter_share
         self.drafter_time += ((timing.catch_up or 0.0) + (timing.draft or 0.0)) * drafter_share
