@@ -113,7 +113,7 @@ def stage_compiled(ctx: Context, budget: Budget) -> StageResult:
     res.find("speedup = compiled plain's median / the mode's median, same cell; eager_plain_ms_per_token: plain "
              "generate() with the default cache, same prompt; drafter_ms_per_round: the drafter's clock (catch-up, "
              "levels, choices), of which catch_up_ms_per_round its catch-up; drafting_rounds: the rounds that "
-             "verified drafts; timed_rounds: the rounds whose times reached the schedule (those two clocks cover "
+             "verified drafts (copy branches' too), drafter_rounds: those the drafter drafted in; timed_rounds: the rounds whose times reached the schedule (those two clocks cover "
              "them; a round that compiled or captured is not timed), timed_drafter_rounds: of which the drafter "
              "drafted in; verify_ms_per_round: the target's forwards after the prefill (both from the loop's "
              "device clock); drafter_ms_per_level: the level alone, "
@@ -206,7 +206,8 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
             steady = 1e3 * (m - statistics.median(short_times[case])) / extra if extra > 0 else None
             out.append(dict(base, mode=mode, withheld_rate=rate, runs=len(t), median_s=m, speedup=med["compiled"] / m,
                             tau=i["tau"], rounds=i["rounds"], drafting_rounds=i["drafting"],
-                            timed_rounds=i["timed"], timed_drafter_rounds=i["timed_drafter"],
+                            drafter_rounds=i["drafter_rounds"], timed_rounds=i["timed"],
+                            timed_drafter_rounds=i["timed_drafter"],
                             ms_per_round=1e3 * m / i["rounds"],
                             steady_ms_per_round=steady,
                             per_call_ms=None if steady is None else 1e3 * m - steady * i["rounds"],
@@ -269,6 +270,7 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
             short_rounds[case] = loop_rounds(last_stats()) + 1
             info[case].update(tau=st.mean_acceptance_length, rounds=loop_rounds(st) + 1, drafting=st.cycles,
                               drafter=st.drafter_time, timed=st.timed_rounds, timed_drafter=st.timed_drafter_rounds,
+                              drafter_rounds=(st.drafted_per_position_by_source.get("eagle") or [0])[0],
                               catch_up=st.catch_up_time, verify=st.verify_time,
                               follows=bool(torch.equal(out, ref)), after=info[case]["after"] + compiled_graphs() - graphs,
                               captures=info[case].get("captures", 0) + programs.CAPTURES - captures)
