@@ -115,7 +115,9 @@ def stage_compiled(ctx: Context, budget: Budget) -> StageResult:
              "levels, choices), of which catch_up_ms_per_round its catch-up; drafting_rounds: the rounds that "
              "verified drafts (copy branches' too), drafter_rounds: those the drafter drafted in; timed_rounds: the rounds whose times reached the schedule (those two clocks cover "
              "them; a round that compiled or captured is not timed), timed_drafter_rounds: of which the drafter "
-             "drafted in; verify_ms_per_round: the target's forwards after the prefill (both from the loop's "
+             "drafted in; schedule_at_end: what the adaptive schedule believed after the call (its best depth k and gain, "
+             "E(1) the tokens a depth-1 round yields, its verify of 2 tokens, a drafter step, and its catch-up (r), "
+             "cycle (c) and loop (l) overheads, in one-token forwards; the forward's ms); verify_ms_per_round: the target's forwards after the prefill (both from the loop's "
              "device clock); drafter_ms_per_level: the level alone, "
              "k nodes as the mode drafts, eager or at fixed shapes as it runs; withheld_rate: the share of "
              "continuation tokens the oracle withholds; warmup_recompiles: torch.compile's reasons to recompile in "
@@ -207,7 +209,7 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
             out.append(dict(base, mode=mode, withheld_rate=rate, runs=len(t), median_s=m, speedup=med["compiled"] / m,
                             tau=i["tau"], rounds=i["rounds"], drafting_rounds=i["drafting"],
                             drafter_rounds=i["drafter_rounds"], timed_rounds=i["timed"],
-                            timed_drafter_rounds=i["timed_drafter"],
+                            timed_drafter_rounds=i["timed_drafter"], schedule_at_end=i.get("belief"),
                             ms_per_round=1e3 * m / i["rounds"],
                             steady_ms_per_round=steady,
                             per_call_ms=None if steady is None else 1e3 * m - steady * i["rounds"],
@@ -253,10 +255,12 @@ def _compiled_cell(ctx, res, target, drafter, succ, ctx_len, rows, cases, modes,
             graphs, captures = compiled_graphs(), programs.CAPTURES
             try:
                 with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), \
-                        own_acceptance(drafter, carried, case), draft_levels(modes[mode]) as kwargs:
+                        own_acceptance(drafter, carried, case), draft_levels(modes[mode]) as kwargs, \
+                        schedules() as made:
                     out, t = timed(ctx, generate, target, ids, mask, s.new_tokens, drafter, **kwargs,
                                    **cache_of(modes[mode], static))
                 st = last_stats()
+                info[case]["belief"] = belief(made[-1]) if made else None
                 with oracle_drafter(drafter, succ, rate, seed=rows, rows=rows), \
                         own_acceptance(drafter, carried, case), draft_levels(modes[mode]) as kwargs:
                     short_t = timed(ctx, generate, target, ids, mask, short, drafter, **kwargs,
@@ -330,6 +334,33 @@ def dynamo_recompiles():
     finally:
         logger.removeHandler(handler)
         torch._logging.set_logs()
+
+
+@contextlib.contextmanager
+def schedules():
+    """The adaptive schedules (`DraftLengthController`) made while the block runs, in order."""
+    from eagle_hf.speculation.schedule import DraftLengthController
+
+    made, init = [], DraftLengthController.__init__
+
+    def keep(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    DraftLengthController.__init__ = keep
+    try:
+        yield made
+    finally:
+        DraftLengthController.__init__ = init
+
+
+def belief(controller) -> str:
+    """What a schedule believes (`schedule_at_end`), in one-token forwards of the target."""
+    c = controller.costs
+    k, gain = controller.best()
+    return (f"k {k} gain {gain:.3f}; E(1) {controller.acceptance.expected_tokens(1):.2f}; verify(2) "
+            f"{c.verify_cost(2):.3f}, step {c.draft_step:.3f}, r {c.round_overhead:.3f}, c {c.cycle_overhead:.3f}, "
+            f"l {c.loop_overhead:.3f}; forward {1e3 * c.cost.base_seconds:.2f} ms")
 
 
 @contextlib.contextmanager
