@@ -638,3 +638,19 @@ def test_the_drafters_kept_level_mask_equals_one_built_from_scratch(monkeypatch)
         if step == 3:
             state.select([0, 2])
     assert compacted
+
+
+def test_a_row_done_at_its_first_token_leaves_the_drafter_s_empty_cache(graphs_on_the_cpu):
+    """A row whose first token ends it leaves the batch before the drafter has read any row: the drafter's cache,
+    still empty, keeps the other rows. Its storage comes from the fixed-shape levels', which rounds an empty
+    cache's room up (a random soak of greedy equality found it crashing where plain generate() runs)."""
+    target = tiny_target("llama", layers=2)
+    drafter = tiny_drafter(target)
+    for seed in range(50):  # two prompts whose first new tokens differ, the second row's in no later step of the first
+        ids = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(seed))
+        first = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)[:, 6:]
+        if first[0, 0] != first[1, 0] and int(first[1, 0]) not in first[0].tolist():
+            break
+    run = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, eos_token_id=int(first[1, 0]))
+    expected = target.generate(ids, **run)
+    assert torch.equal(target.generate(ids, assistant_model=drafter, **run), expected)

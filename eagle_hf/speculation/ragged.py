@@ -189,11 +189,12 @@ class SlotBuffers:
 
     def select(self, index: torch.Tensor) -> None:
         """Keep the batch rows `index` (a device index tensor), room included, in buffers from `allocate` (the
-        drafter's programs' storage is kept by shape: a later call whose batch shrinks alike reuses it)."""
+        drafter's programs' storage is kept by shape: a later call whose batch shrinks alike reuses it; it may hand
+        out more room, as to `_regrow`: an empty cache's is rounded up)."""
         shapes = tuple((index.shape[0], *b.shape[1:]) for b in self.buffers)
-        kept = self.allocate(shapes, self.buffers[0])  # [B', H, capacity, D] each
-        for new, old in zip(kept, self.buffers):
-            new.copy_(old.index_select(0, index.to(old.device)))  # (not out=: a cache written with grad copies too)
+        kept = self.allocate(shapes, self.buffers[0])  # [B', H, capacity', D] each (capacity' >= capacity)
+        for new, old in zip(kept, self.buffers):  # (not out=: a cache written with grad copies too)
+            new.narrow(2, 0, old.shape[2]).copy_(old.index_select(0, index.to(old.device)))
         self.buffers = tuple(kept)
 
     def compact(self, index: torch.Tensor) -> None:
