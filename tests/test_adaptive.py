@@ -849,3 +849,25 @@ def test_a_draft_program_s_time_is_split_over_its_drafter_forwards():
     assert (t.catch_up, t.draft, t.verify, t.seconds) == (1.0, 4.0, 2.5, 9.5)
     t = RoundTiming.from_marks(dict(marks, caught_up=3.0), levels=4)
     assert (t.catch_up, t.draft) == (2.0, 3.0)
+
+
+def test_a_retry_prices_the_drafter_s_catch_up_until_a_regular_round_does():
+    """A drafter that rests between its retries times no regular round: every round it drafts in catches up on
+    the rounds it sat out. A retry's catch-up of a few rows (at most `RETRY_ROWS`) prices the drafter's catch-up
+    until a regular round's is timed; without it each retry is priced at no catch-up at all (on a GPU's flat verify
+    a never-right drafter's modelled gain then sits just under 1 and its retries come every round or two). The
+    prompt's catch-up, or a long rest's, prices nothing, and a regular round's has the last word."""
+    from eagle_hf.speculation.schedule import RETRY_ROWS
+
+    c = DraftLengthController(CostModel(verify=[1.0] * 9, draft_step=0.01, base_seconds=0.01), max_draft=4)
+    retry = dict(drafting_rows=1, width=2, depth=1, drafter_prefill=True)
+    c.observe(RoundTiming(catch_up=0.004, caught_up=RETRY_ROWS + 1, **retry))  # (the prompt, or a long rest)
+    assert c.costs.round_overhead == 0.0
+    before = c.best()[1]
+    c.observe(RoundTiming(catch_up=0.002, caught_up=3, **retry))
+    assert c.costs.round_overhead == pytest.approx(0.2) and c.best()[1] < before
+    c.observe(RoundTiming(catch_up=0.005, caught_up=2, **retry))  # (one estimate is enough until a regular round)
+    assert c.costs.round_overhead == pytest.approx(0.2)
+    for _ in range(2):
+        c.observe(RoundTiming(catch_up=0.001, drafting_rows=1, width=2, depth=1, caught_up=1))
+    assert c.costs.round_overhead == pytest.approx(0.1)  # (the median of the regular rounds and the retry's)

@@ -349,6 +349,13 @@ class RoundCosts:
         if self.cost.base_seconds > 0:
             self.round_overhead = self._robust("round_overhead", overhead_seconds / self.cost.base_seconds)
 
+    def observe_retry(self, overhead_seconds: float) -> None:
+        """A retry's drafter catch-up on a few rows of rounds it sat out (each drafting row's share): the estimate
+        until a regular round's is timed. A drafter that rests between its retries times no regular round, and
+        without it would price every retry at no catch-up at all."""
+        if "round_overhead" not in self._recent:
+            self.observe_drafter(overhead_seconds)
+
     def observe_cycle(self, seconds: float, width: int, steps: int) -> None:
         """A whole drafting round of the tree loop: every row verified `width` tokens after `steps` drafter
         levels. What the parts modelled above do not explain becomes `cycle_overhead`."""

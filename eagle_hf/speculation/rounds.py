@@ -130,7 +130,7 @@ class RoundTiming:
     levels took `levels` forwards after its catch-up (fewer than the depth where a tree was pruned), the deepest
     row's tree of `depth` (0: copy branches alone, or a plain round); `copies`: copy branches were verified;
     `tokens`: what each live row emitted on average; `drafter_prefill`: the drafter's catch-up read rows of rounds it did
-    not draft in (the prompt, plain rounds: not a regular round's cost); `batch`: the call decodes several rows; `kind`: the kind of drafting round a
+    not draft in (the prompt, plain rounds: not a regular round's cost); `caught_up`: the most rows a drafting row's catch-up read; `batch`: the call decodes several rows; `kind`: the kind of drafting round a
     batch planned (`DraftLengthController.kind`), whatever its rows then drafted."""
 
     seconds: float | None = None  # the whole round
@@ -145,6 +145,7 @@ class RoundTiming:
     copies: bool = False
     tokens: float = 1.0
     drafter_prefill: bool = False
+    caught_up: int = 0  # the most rows a drafting row's catch-up read (0: not known)
     batch: bool = False
     kind: tuple[int, bool] | None = None
 
@@ -180,7 +181,7 @@ def round_facts(speculators, width: int, batch: bool = False, kind: tuple[int, b
                 levels=max((sp.this_round.drafter_levels for sp in drafting), default=0),
                 depth=max((sp.eagle_depth for sp in drafting), default=0),
                 copies=any(sp.copying for sp in speculators), drafter_prefill=any(sp.drafter_prefill for sp in drafting),
-                batch=batch, kind=kind)
+                caught_up=max((sp.cache_row.caught_up for sp in drafting), default=0), batch=batch, kind=kind)
 
 
 def report_round(timing: RoundTiming, speculators, drafting, learner=None) -> None:

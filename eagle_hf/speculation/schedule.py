@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["COPY", "EAGLE", "EAGLE_COPY", "MEASURED_ROUNDS", "CopyAction", "DraftLengthController", "Plan",
            "choose_tree_size"]
 
+#: the most rows a retry's catch-up reads and still costs about what a regular round's does (one drafter forward
+#: over a few rows; a fixed-shape catch-up pads them to a power of two): its time prices the drafter's catch-up
+#: until a regular round is timed (`RoundCosts.observe_retry`). More rows: the prompt, a long rest
+RETRY_ROWS = 16
 #: observations per depth a call's estimate is worth when the next call of the process starts from it: a new text
 #: moves it within a round or two, as a fresh prior would be moved
 CARRY_WEIGHT = 1
@@ -553,6 +557,8 @@ class DraftLengthController:
         c.cost.observe(t)
         if t.catch_up is not None and t.drafting_rows and not t.drafter_prefill:
             c.observe_drafter(t.catch_up / t.drafting_rows)
+        elif t.catch_up is not None and t.drafting_rows and 0 < t.caught_up <= RETRY_ROWS:  # (a retry, not the prompt)
+            c.observe_retry(t.catch_up / t.drafting_rows)
         if t.seconds is None:
             return
         kind = t.kind or (t.depth, t.copies)

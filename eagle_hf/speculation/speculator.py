@@ -46,12 +46,14 @@ class CacheRow:
     """A row in the drafter's cache (`DraftState`, shared by a batch's rows): its `slot` there; the real rows
     committed that the drafter has not read yet (`pending`: target taps ``[1, n, A*H_t]`` and the token after each
     ``[1, n]``); whether one was committed yet (`started`: the first says where the row's positions start); whether
-    the last round was a drafting one (`after_cycle`: this round's catch-up is then a regular round's cost)."""
+    the last round was a drafting one (`after_cycle`: this round's catch-up is then a regular round's cost); the
+    rows this round's catch-up read (`caught_up`)."""
 
     slot: int = 0
     pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     started: bool = False
     after_cycle: bool = False
+    caught_up: int = 0
 
 
 @dataclass
@@ -280,6 +282,8 @@ def _catch_up(speculators: Sequence[Speculator], staged: int | None = None) -> t
     w = speculators[0].drafter.fc.weight
     pending = [sp.cache_row.pending for sp in speculators]
     counts = [sum(t.shape[1] for _, t in queued) for queued in pending]
+    for sp, n in zip(speculators, counts):
+        sp.cache_row.caught_up = n
     width = max(counts)
     if all(len(queued) == 1 for queued in pending) and min(counts) == width:
         pieces = [queued.pop() for queued in pending]
