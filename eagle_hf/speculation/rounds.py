@@ -129,8 +129,9 @@ class RoundTiming:
     `rows` verified `width` tokens each (1: a plain round); `drafting_rows` shared the drafter, whose draft
     levels took `levels` forwards after its catch-up (fewer than the depth where a tree was pruned), the deepest
     row's tree of `depth` (0: copy branches alone, or a plain round); `copies`: copy branches were verified;
-    `tokens`: what each live row emitted on average; `drafter_prefill`: the drafter's catch-up read rows of rounds it did
-    not draft in (the prompt, plain rounds: not a regular round's cost); `caught_up`: the most rows a drafting row's catch-up read; `batch`: the call decodes several rows; `kind`: the kind of drafting round a
+    `tokens`: what each live row emitted on average; `drafter_prefill`: the drafter's catch-up read rows of rounds
+    it did not draft in (the prompt, plain rounds: not a regular round's cost); `caught_up`: the most rows a
+    drafting row's catch-up read; `batch`: the call decodes several rows; `kind`: the kind of drafting round a
     batch planned (`DraftLengthController.kind`), whatever its rows then drafted."""
 
     seconds: float | None = None  # the whole round

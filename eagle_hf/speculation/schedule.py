@@ -555,10 +555,11 @@ class DraftLengthController:
         costs)."""
         t, c = timing, self.costs
         c.cost.observe(t)
-        if t.catch_up is not None and t.drafting_rows and not t.drafter_prefill:
-            c.observe_drafter(t.catch_up / t.drafting_rows)
-        elif t.catch_up is not None and t.drafting_rows and 0 < t.caught_up <= RETRY_ROWS:  # (a retry, not the prompt)
-            c.observe_retry(t.catch_up / t.drafting_rows)
+        if t.catch_up is not None and t.drafting_rows:
+            if not t.drafter_prefill:
+                c.observe_drafter(t.catch_up / t.drafting_rows)
+            elif 0 < t.caught_up <= RETRY_ROWS:  # (a retry after a short rest, not the prompt)
+                c.observe_retry(t.catch_up / t.drafting_rows)
         if t.seconds is None:
             return
         kind = t.kind or (t.depth, t.copies)
