@@ -458,14 +458,14 @@ class TreeLoop:
         """The tokens of `new` plain decoding emits before it stops (EOS, max_length, the stopping criteria on
         every prefix); marks the row done when it stops."""
         for i, tok in enumerate(new):
-            if tok in self.eos or row.length + i + 1 >= self.max_length or self.stops(row.seq, new[: i + 1]):
+            ends = tok in self.eos or row.length + i + 1 >= self.max_length
+            if ends or (self.criteria and self.stops(row.seq, new[: i + 1])):  # (the row's view only where read)
                 row.done = True
                 return new[: i + 1]
         return new
 
     def stops(self, seq: torch.Tensor, new: list[int]) -> bool:
-        if not self.criteria:
-            return False
+        """Whether a stopping criterion other than EOS and the length stops the row `seq` [1, T] after `new`."""
         ids = torch.cat([seq, torch.tensor([new], device=seq.device, dtype=seq.dtype)], 1)
         return any(bool(torch.as_tensor(c(ids, None)).all()) for c in self.criteria)
 
