@@ -103,9 +103,9 @@ def test_only_the_round_plan_decides_and_only_the_round_record_reports():
     """The round's seams: the schedule's choice and the copy source's proposal are asked for by the round plan
     alone, which cuts the copy branches to a static cache's room before anything runs; a round's outcome is one `RoundRecord`, made by the speculator's `end_round`, which both loops call;
     a round's timings reach the schedule through `report_round` alone."""
-    assert _calls("choose", on="controller") == {"speculation/rounds.py"}
-    assert _calls("propose") == {"speculation/rounds.py"}
-    assert set(_callers("cut_branches")) == {"speculation/rounds.plan_round"}  # copy branches cut to a static cache's room
+    assert _calls("choose", on="controller") == {"speculation/speculator.py"}
+    assert _calls("propose") == {"speculation/speculator.py"}
+    assert set(_callers("cut_branches")) == {"speculation/speculator.plan_round"}  # copy branches cut to a static cache's room
     assert _constructed("RoundRecord") == {"speculation/speculator.py"}
     assert _calls("end_round") == {"hf/tree_loop.py", "hf/candidate.py"}
     assert _calls("observe") <= {"speculation/rounds.py", "speculation/schedule.py"}

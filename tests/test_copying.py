@@ -12,8 +12,8 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 import eagle_hf
 from eagle_hf.speculation.copying import MAX_OCCURRENCES, CopyIndex, CopySource, Wait
-from eagle_hf.speculation.rounds import plan_round
 from eagle_hf.speculation.settings import DraftSettings, DraftSettingsError
+from eagle_hf.speculation.speculator import plan_round
 from eagle_hf.speculation.stats import merge_stats
 from eagle_hf.speculation.tree import COPY, EAGLE, DraftTree
 

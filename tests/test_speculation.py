@@ -19,9 +19,9 @@ from eagle_hf import DraftSettings, EagleCompatibilityError
 from eagle_hf.hf.version import CACHE_KEY, output_cache
 from eagle_hf.speculation.costs import CostModel
 from eagle_hf.speculation.drafting import DraftState, draft_tree
-from eagle_hf.speculation.rounds import RoundTiming, Timer, plan_round
+from eagle_hf.speculation.rounds import RoundTiming, Timer
 from eagle_hf.speculation.schedule import DraftLengthController
-from eagle_hf.speculation.speculator import Speculator
+from eagle_hf.speculation.speculator import Speculator, plan_round
 from eagle_hf.speculation.stats import SpecDecodeStats
 from eagle_hf.speculation.tree import DraftTree
 
@@ -369,5 +369,5 @@ def test_a_rounds_timings_enter_through_one_door():
             if pattern in text:
                 found.setdefault(pattern, set()).add(path.relative_to(pkg).as_posix())
     assert found["record_timing(timing"] == found[".observe(timing"] == {"speculation/rounds.py"}
-    assert found["report_round("] == found["round_facts("] == {"speculation/rounds.py", "hf/tree_loop.py",
-                                                               "hf/candidate.py"}
+    assert found["report_round("] == {"speculation/rounds.py", "hf/tree_loop.py", "hf/candidate.py"}
+    assert found["round_facts("] == {"speculation/speculator.py", "hf/tree_loop.py", "hf/candidate.py"}

@@ -19,7 +19,7 @@ from eagle_hf.hf.cache import VERIFY_BUCKETS, StaticTreeCache, cache_unsupported
 from eagle_hf.hf.costs import cost_model
 from eagle_hf.hf.routing import STATIC_CACHE_ROOM
 from eagle_hf.hf.version import cache_kwarg, output_cache
-from eagle_hf.speculation import copying, ragged, rounds
+from eagle_hf.speculation import copying, ragged, speculator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STATIC = dict(cache_implementation="static")
@@ -34,7 +34,7 @@ def test_default_mode_runs_on_a_static_cache(caplog, monkeypatch):
             cuts.append(nodes)
         return kept
 
-    monkeypatch.setattr(rounds, "cut_branches", cut_branches)
+    monkeypatch.setattr(speculator, "cut_branches", cut_branches)
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     ref = target.generate(REPEAT, max_new_tokens=40, do_sample=False)

@@ -8,8 +8,8 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ..drafter.capture import gather_aux, hidden_state_request
 from ..programs import to_device
 from ..speculation.drafting import Choice
-from ..speculation.rounds import Round, RoundTiming, plan_round, report_round, round_facts
-from ..speculation.speculator import Speculator
+from ..speculation.rounds import Round, RoundTiming, report_round
+from ..speculation.speculator import Speculator, plan_round, round_facts
 from ..speculation.tree import draw, process_logits
 
 

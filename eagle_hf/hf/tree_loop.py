@@ -28,8 +28,8 @@ from ..drafter.capture import gather_aux, hidden_state_request
 from ..programs import how_to_run, pack, to_device
 from ..speculation.drafting import PendingTrees
 from ..speculation.ragged import Ragged
-from ..speculation.rounds import RoundPlan, RoundTiming, plan_round, report_round, round_facts
-from ..speculation.speculator import Speculator, draft_round
+from ..speculation.rounds import RoundTiming, report_round
+from ..speculation.speculator import RoundPlan, Speculator, draft_round, plan_round, round_facts
 from ..speculation.tree import DraftTree, accept_paths, draw, process_logits, sampling_draws
 from .attention import TREE_PREFIX, routed_kernel, split_keys_from
 from .cache import VERIFY_BUCKETS, key_positions, layer_windows, tree_cache, window_masks

@@ -466,7 +466,7 @@ class DraftLengthController:
 
     def copy_branches(self, depth: int | None = None) -> CopyAction:
         """What copy branches do this round: a `CopyAction`. A
-        single row's (`depth` None) draft: its own plan choice follows (`rounds.plan_row`). A batch's
+        single row's (`depth` None) draft: its own plan choice follows (`speculator.plan_row`). A batch's
         (`depth`: its drafter's this round) rest with every source (`rest`) and where its drafter drafts alone;
         they draft with its drafter and where they draft alone (`plan`); in a round where its drafter rests
         while nothing pays, they draft while their timed rounds alone beat plain ones (before any was timed too),
@@ -538,7 +538,7 @@ class DraftLengthController:
 
     def drafts_with_copies(self) -> None:
         """The drafter drafts this round with copy branches, though a round of its own would not pay (its
-        marginal cost with them does: `rounds.plan_row`): its estimates are refreshed as a retry's are."""
+        marginal cost with them does: `speculator.plan_row`): its estimates are refreshed as a retry's are."""
         self.backoff.restart()
 
     def _rest(self) -> int:

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .copying import CopySource
+from .copying import Branch, CopySource, Proposal, Wait, cut_branches
 from .drafting import Chooser, DraftState, PendingTrees, TreeRequest, draft_trees
-from .rounds import Round, RoundRecord, RowPlan, Timer
-from .schedule import DraftLengthController
+from .rounds import Round, RoundRecord, Timer
+from .schedule import CopyAction, DraftLengthController
 from .settings import MAX_DEPTH, DraftSettings
 from .stats import SpecDecodeStats
-from .tree import DraftTree
+from .tree import DraftTree, most_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Speculator:
     `Round` (prefill, a draft-and-verify cycle, a plain step the schedule chose or one without room for drafts, a
     finished batch row kept as a padding row: its root alone, never drafting again). Only this class writes its round
     and its row in the drafter's cache (`cache_row`, a `CacheRow`); it executes its part of the round's plan
-    (`begin_round`, from `eagle_hf.speculation.rounds.plan_round`); the loops say what happened (`prefill`,
+    (`begin_round`, from `plan_round`); the loops say what happened (`prefill`,
     `keep_as_padding`, `move_to`) and read the round's kind and drafter depth (`round`, `eagle_depth`)."""
 
     def __init__(
@@ -119,7 +119,7 @@ class Speculator:
             self.copy.index.extend(tokens)
 
     def begin_round(self, plan: RowPlan) -> None:
-        """Execute this row's part of the round's plan (`eagle_hf.speculation.rounds.plan_round`): the round's
+        """Execute this row's part of the round's plan (`plan_round`): the round's
         kind, and the copy branches the copy source grafts and learns from this round."""
         r = self.this_round
         r.kind, r.eagle_depth, r.drafter_levels = plan.kind, 0, 0  # (the drafter's, once it drafts: `draft_round`)
@@ -211,6 +211,140 @@ class Speculator:
             self.depth = min(self.depth + 2, MAX_DEPTH) if mine == drafted else max(1, self.depth - 1)
 
 
+# ------------------------------------------------------------------ the round's plan
+@dataclass
+class RowPlan:
+    """One row's part of a round's plan: its `kind` (a drafting round, a plain step the schedule chose, one without
+    room for drafts, a padding row); the drafter's `depth` (0: it rests); the tree's `size` (total tokens, cut to
+    what the depth can fill and to the row's room); the copy `branches` grafted at the root, and what the copy source's proposal does to its wait
+    (`copy_wait`: it sat the round out, or retries); whether the drafter's round counts as a retry of it
+    (`refresh_drafter`)."""
+
+    kind: Round
+    depth: int = 0
+    size: int = 1
+    branches: list[Branch] = field(default_factory=list)
+    copy_wait: Wait | None = None  # what the copy source's proposal does to its wait (`CopySource.begin_round`)
+    refresh_drafter: bool = False  # the drafter joins copies though a round of its own would not pay: its
+    # estimates are refreshed as a retry's are (`DraftLengthController.drafts_with_copies`)
+
+
+@dataclass
+class RoundPlan:
+    """A round's plan for its rows (in the batch's row order). `kind`: a batch's drafting round as its timed rounds
+    key it, (the drafter's depth, whether copy branches join) (`DraftLengthController.kind`; None: a single row's
+    round, or none planned)."""
+
+    rows: list[RowPlan]
+    kind: tuple[int, bool] | None = None
+
+    @property
+    def depths(self) -> list[int]:
+        return [r.depth for r in self.rows]
+
+    @property
+    def sizes(self) -> list[int]:
+        return [r.size for r in self.rows]
+
+
+def plan_round(speculators: Sequence, rooms: Sequence[int | None], total_tokens: int | None = None,
+               fits: int | None = None, batch: bool = False) -> RoundPlan:
+    """This round's plan for the rows (`Speculator`s, verified together), which then execute it. `rooms`: each
+    row's drafts that still fit before its length limit (None: a padding row, its root alone); `total_tokens`: the
+    tree budget (default: the settings'); `fits`: the slots a tree may take (a static cache's free slots, or short of
+    Llama 4's query-scale step; None: no limit); `batch`: the call decodes several rows, whose shared schedule
+    chooses once for all of them, even once they finish down to one (it then decides as one row:
+    `DraftLengthController.batched`)."""
+    controller = speculators[0].controller
+    total_tokens = speculators[0].settings.total_tokens if total_tokens is None else total_tokens
+    if controller is not None:
+        controller.costs.rows = len(speculators)
+    planned = controller.choose() if controller is not None and batch else None
+    rows = []
+    for sp, room in zip(speculators, rooms):
+        row = RowPlan(Round.PADDING) if room is None else plan_row(sp, room, planned)
+        if room is not None:  # (the verify reads the row's whole size: no more than its depth can fill)
+            row.size = min(most_nodes(row.depth, sp.settings.branching, total_tokens), room + 1,
+                           room + 1 if fits is None else fits)
+        rows.append(row)
+    if fits is not None:  # copy branches are not sized by the tree budget: they take the slots the trees leave
+        largest = max((row.size for row in rows if row.kind == Round.DRAFT and row.depth > 0), default=1)
+        for row in rows:
+            row.branches = cut_branches(row.branches, fits - largest)
+            if row.kind == Round.DRAFT and not (row.depth or row.branches):
+                row.kind = Round.FINAL  # (no room for a copy)
+    for sp, row in zip(speculators, rows):
+        sp.begin_round(row)
+    return RoundPlan(rows, None if planned is None else controller.kind)
+
+
+def plan_row(sp, room: int, planned: int | None = None) -> RowPlan:
+    """One row's part of the round: the drafter's depth and the copy branches; a plain step where neither drafts.
+    `room`: drafts that still fit before the length limit; `planned`: the depth a batch's schedule chose for its
+    rows this round."""
+    settings, controller, copy = sp.settings, sp.controller, sp.copy
+    wanted = sp.depth  # the fixed (or heuristic) schedule's depth
+    if not settings.uses_eagle:
+        wanted = 0
+    elif planned is not None:
+        wanted = planned
+    elif controller is not None:
+        wanted = controller.choose()
+    depth = max(min(wanted, room), 0)
+    branches, wait, refresh = [], None, False
+    copies = CopyAction.DRAFT if controller is None else controller.copy_branches(
+        None if planned is None else depth)  # (a batch's plan: `DraftLengthController.copy_branches`)
+    if copy is not None and copies != CopyAction.REST:
+        paying = copies == CopyAction.DRAFT
+        # a batch where drafting does not pay retries its rows' copies together, in the controller's retry
+        # rounds: one row's retry widens every row's round
+        retry = None if paying or planned is None else planned > 0
+        # sized by their own acceptance, as copy drafting alone sizes them
+        proposal = copy.propose(room, retry_only=not paying, retry=retry)
+        branches, wait = proposal.branches, proposal.wait
+        # the controller rests the drafter where a round of its own would not pay; where copies draft anyway
+        # it costs only its marginal cost with them (its levels, its catch-up, a few more verified tokens)
+        with_copies_only = bool(depth == 0 and branches and planned is None and controller is not None
+                                and settings.uses_eagle)
+        if with_copies_only:
+            depth = min(controller.best()[0], room)
+        if depth > 0 and branches and retry is None:  # (a batch's retry round retries the drafter too)
+            drafter, copying = sources_that_pay(controller, proposal, depth)
+            if with_copies_only:  # it joins the copies or rests (alone it does not pay)
+                depth = depth if drafter and copying else 0
+                refresh = depth > 0
+            else:
+                depth = depth if drafter else 0
+                if not copying and wait != Wait.RESTART:
+                    branches = []  # (they rest; a retry drafts, to refresh their estimates)
+    kind = Round.DRAFT if depth > 0 or branches else (Round.FALLBACK if wanted <= 0 else Round.FINAL)
+    return RowPlan(kind, depth, branches=list(branches), copy_wait=wait, refresh_drafter=refresh)
+
+
+def sources_that_pay(controller, proposal: Proposal, depth: int) -> tuple[bool, bool]:
+    """(drafter, copies): who drafts this round, of the drafter's tree of `depth` and the copy source's `proposal`
+    (its branches, with what it expects of them): the plan with the most tokens per cost, of the copies alone, the
+    drafter alone and both (tokens and costs in one-token target forwards, from running acceptances and measured
+    costs). The drafter's
+    drafts add tokens to the copies' tokens where every copy's first token is rejected; it costs its levels, its
+    catch-up and the wider verify. Where copies stream the drafter waits; where copies keep missing the drafter
+    drafts alone."""
+    if controller is None:
+        return True, True
+    c, acceptance = controller.costs, controller.acceptance
+    nodes = 1 + sum(len(b.tokens) for b in proposal.branches)  # the copy round's verified tokens, root included
+    eagle = c.verified(depth) - 1  # the drafter's nodes
+    round_cost = c.cycle_overhead + c.loop_overhead  # what every drafting round pays
+    drafter_cost = depth * c.draft_step + c.round_overhead
+    copies = 1.0 + proposal.expected, c.verify_cost(nodes) + round_cost
+    drafter = acceptance.expected_tokens(depth), c.verify_cost(1 + eagle) + drafter_cost + round_cost
+    both = (copies[0] + proposal.missed * (drafter[0] - 1.0),
+            c.verify_cost(nodes + eagle) + drafter_cost + round_cost)
+    plans = {(False, True): copies, (True, False): drafter, (True, True): both}
+    return max(plans, key=lambda p: plans[p][0] / plans[p][1])
+
+
+# ------------------------------------------------------------------ drafting it
 def marginal_cost(controller: DraftLengthController | None, verified: int) -> float:
     """Extra cost of verifying one more token on top of `verified`, in tokens a plain step yields for the same
     cost. In a batch a longer tree pads every row's to its size: the whole batch pays for it. (A function of the
@@ -236,7 +370,7 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
     `marks`: the round's named marks on the timer (`eagle_hf.speculation.rounds.RoundTiming`); `positions`: each
     row's root position in the target's cache (the verify's); `pad`: the verify's width for trees of n nodes
     (default n); `choose`: the drafter's children's choice (a sampling chain's, one row). The copy branches are
-    the plan's (`eagle_hf.speculation.rounds.plan_round`: cut to a static cache's room there)."""
+    the plan's (`plan_round`: cut to a static cache's room there)."""
     first = speculators[0]
     state, timer, s = first.state, first.timer, first.settings
     drafting = [i for i, sp in enumerate(speculators) if sp.this_round.kind == Round.DRAFT and depths[i] > 0]
@@ -307,3 +441,15 @@ def _keywords(listener) -> set[str]:
         return set(inspect.signature(listener).parameters) & {"sources", "row"}
     except (TypeError, ValueError):
         return set()
+
+
+def round_facts(speculators, width: int, batch: bool = False, kind: tuple[int, bool] | None = None) -> dict:
+    """What a round did, for its `RoundTiming` (`from_marks`'s facts; `tokens` follows after the verify): the
+    rows (`Speculator`s, each after its draft step) verifying `width` tokens each, the drafter's rows and levels,
+    copies; `batch`: the call decodes several rows; `kind`: the kind of drafting round a batch planned."""
+    drafting = [sp for sp in speculators if sp.eagle_depth > 0]
+    return dict(rows=len(speculators), width=width, drafting_rows=len(drafting),
+                levels=max((sp.this_round.drafter_levels for sp in drafting), default=0),
+                depth=max((sp.eagle_depth for sp in drafting), default=0),
+                copies=any(sp.copying for sp in speculators), drafter_prefill=any(sp.drafter_prefill for sp in drafting),
+                caught_up=max((sp.cache_row.caught_up for sp in drafting), default=0), batch=batch, kind=kind)
