@@ -129,7 +129,6 @@ class TreeLoop:
         settings = speculators[0].settings
         self.uses_eagle = settings.uses_eagle  # copy drafting alone needs no target features
         self.request = True if self.keep_hidden else (hidden_state_request(self.aux_ids) if self.uses_eagle else None)
-        self.total_tokens = int(settings.total_tokens)
         self.controller = speculators[0].controller  # shared by the rows: it plans for the whole batch
         # the target's costs: the timed forwards teach it, a shrinking batch asks it (`cheapest_size`)
         self.cost = (self.controller.costs.cost if self.controller is not None
@@ -231,7 +230,7 @@ class TreeLoop:
             fits = scaled if fits is None else min(fits, scaled)
         rooms = [None if row.done else self.max_length - row.length - 1 for row in active]  # (done: a padding row)
         speculators = [r.sp for r in active]
-        plan = plan_round(speculators, rooms, self.total_tokens, fits, batch=batch)
+        plan = plan_round(speculators, rooms, fits, batch=batch)
         trees = draft_round(speculators, [r.token for r in active], plan.depths, plan.sizes, marks=marks,
                             positions=[r.position for r in active], pad=self.verify_width)
         if isinstance(trees, PendingTrees):

@@ -37,7 +37,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from .tree import most_nodes
+from .settings import most_nodes
 
 logger = logging.getLogger(__name__)
 

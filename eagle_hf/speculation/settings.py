@@ -21,6 +21,7 @@ transformers already has a name for the same thing:
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -58,6 +59,12 @@ OWN_KEYWORDS = ("draft_mode", "tree_depth", "tree_top_k", "tree_total_tokens", "
 
 #: `draft_settings` keys written by eagle_hf 0.1 drafters -> today's field
 LEGACY_KEYS = {"num_draft_tokens": "depth", "max_draft_tokens": "depth"}
+
+
+def most_nodes(depth: int, top_k: int, total_tokens: int) -> int:
+    """The most nodes a tree of `depth` levels holds, the root included: top_k candidates at depth 1, top_k**2 at
+    each further depth (the children of the top_k nodes kept there), at most `total_tokens`."""
+    return min(total_tokens, 1 + top_k + (depth - 1) * top_k * top_k) if depth > 0 else 1
 
 
 class DraftSettingsError(EagleCompatibilityError):
@@ -117,6 +124,12 @@ class DraftSettings:
     def branching(self) -> int:
         """Children per expanded node: ``top_k`` in tree mode, 1 for a chain."""
         return self.top_k if self.mode == "tree" else 1
+
+    @functools.cached_property
+    def tree_sizes(self) -> list[int]:
+        """By depth (0 to `MAX_DEPTH`), the most nodes a round's tree holds under these settings, the root
+        included: what the verify reads of a row drafting that deep (`most_nodes`)."""
+        return [most_nodes(depth, self.branching, self.total_tokens) for depth in range(MAX_DEPTH + 1)]
 
     @property
     def copy_branch_count(self) -> int:

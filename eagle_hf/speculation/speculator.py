@@ -27,7 +27,7 @@ from .rounds import Round, RoundRecord, Timer
 from .schedule import CopyAction, DraftLengthController
 from .settings import MAX_DEPTH, DraftSettings
 from .stats import SpecDecodeStats
-from .tree import DraftTree, most_nodes
+from .tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -247,16 +247,15 @@ class RoundPlan:
         return [r.size for r in self.rows]
 
 
-def plan_round(speculators: Sequence, rooms: Sequence[int | None], total_tokens: int | None = None,
-               fits: int | None = None, batch: bool = False) -> RoundPlan:
+def plan_round(speculators: Sequence, rooms: Sequence[int | None], fits: int | None = None,
+               batch: bool = False) -> RoundPlan:
     """This round's plan for the rows (`Speculator`s, verified together), which then execute it. `rooms`: each
-    row's drafts that still fit before its length limit (None: a padding row, its root alone); `total_tokens`: the
-    tree budget (default: the settings'); `fits`: the slots a tree may take (a static cache's free slots, or short of
-    Llama 4's query-scale step; None: no limit); `batch`: the call decodes several rows, whose shared schedule
-    chooses once for all of them, even once they finish down to one (it then decides as one row:
-    `DraftLengthController.batched`)."""
+    row's drafts that still fit before its length limit (None: a padding row, its root alone); `fits`: the slots a
+    tree may take (a static cache's free slots, or short of Llama 4's query-scale step; None: no limit); `batch`: the
+    call decodes several rows, whose shared schedule chooses once for all of them, even once they finish down to one
+    (it then decides as one row: `DraftLengthController.batched`). Each row's tree is sized by its settings' tree
+    budget (`DraftSettings.tree_sizes`)."""
     controller = speculators[0].controller
-    total_tokens = speculators[0].settings.total_tokens if total_tokens is None else total_tokens
     if controller is not None:
         controller.costs.rows = len(speculators)
     planned = controller.choose() if controller is not None and batch else None
@@ -264,8 +263,7 @@ def plan_round(speculators: Sequence, rooms: Sequence[int | None], total_tokens:
     for sp, room in zip(speculators, rooms):
         row = RowPlan(Round.PADDING) if room is None else plan_row(sp, room, planned)
         if room is not None:  # (the verify reads the row's whole size: no more than its depth can fill)
-            row.size = min(most_nodes(row.depth, sp.settings.branching, total_tokens), room + 1,
-                           room + 1 if fits is None else fits)
+            row.size = min(sp.settings.tree_sizes[row.depth], room + 1, room + 1 if fits is None else fits)
         rows.append(row)
     if fits is not None:  # copy branches are not sized by the tree budget: they take the slots the trees leave
         largest = max((row.size for row in rows if row.kind == Round.DRAFT and row.depth > 0), default=1)

@@ -26,12 +26,6 @@ EAGLE, COPY = 1, 2
 SOURCE_NAMES = {EAGLE: "eagle", COPY: "copy"}
 
 
-def most_nodes(depth: int, top_k: int, total_tokens: int) -> int:
-    """The most nodes a tree of `depth` levels holds, the root included: top_k candidates at depth 1, top_k**2 at
-    each further depth (the children of the top_k nodes kept there), at most `total_tokens`."""
-    return min(total_tokens, 1 + top_k + (depth - 1) * top_k * top_k) if depth > 0 else 1
-
-
 class DraftTree:
     """A round's draft tree. It lives on the host (`host`: Python lists, what acceptance walks); its tensors
     (`tokens`, `parents`, `scores`, `sources`) are made from the lists when first asked for (trees the loop
