@@ -128,7 +128,8 @@ class DraftSettings:
     @functools.cached_property
     def tree_sizes(self) -> list[int]:
         """By depth (0 to `MAX_DEPTH`), the most nodes a round's tree holds under these settings, the root
-        included: what the verify reads of a row drafting that deep (`most_nodes`)."""
+        included: what the verify reads of a row drafting that deep (`most_nodes`). Kept once read: read it of
+        final settings (a call's are final once routed, which replaces rather than edits them)."""
         return [most_nodes(depth, self.branching, self.total_tokens) for depth in range(MAX_DEPTH + 1)]
 
     @property
