@@ -73,8 +73,8 @@ class Speculator:
     `Round` (prefill, a draft-and-verify cycle, a plain step the schedule chose or one without room for drafts, a
     finished batch row kept as a padding row: its root alone, never drafting again). Only this class writes its round
     and its row in the drafter's cache (`cache_row`, a `CacheRow`); it executes its part of the round's plan
-    (`begin_round`, from `plan_round`); the loops say what happened (`prefill`,
-    `keep_as_padding`, `move_to`) and read the round's kind and drafter depth (`round`, `eagle_depth`)."""
+    (`begin_round`, from `plan_round`); the loops say what happened (`prefill`, `keep_as_padding`, `move_to`) and
+    read the round's kind and drafter depth (`round`, `eagle_depth`)."""
 
     def __init__(
         self,
@@ -119,8 +119,8 @@ class Speculator:
             self.copy.index.extend(tokens)
 
     def begin_round(self, plan: RowPlan) -> None:
-        """Execute this row's part of the round's plan (`plan_round`): the round's
-        kind, and the copy branches the copy source grafts and learns from this round."""
+        """Execute this row's part of the round's plan (`plan_round`): the round's kind, and the copy branches the
+        copy source grafts and learns from this round."""
         r = self.this_round
         r.kind, r.eagle_depth, r.drafter_levels = plan.kind, 0, 0  # (the drafter's, once it drafts: `draft_round`)
         if self.copy is not None:
@@ -216,9 +216,9 @@ class Speculator:
 class RowPlan:
     """One row's part of a round's plan: its `kind` (a drafting round, a plain step the schedule chose, one without
     room for drafts, a padding row); the drafter's `depth` (0: it rests); the tree's `size` (total tokens, cut to
-    what the depth can fill and to the row's room); the copy `branches` grafted at the root, and what the copy source's proposal does to its wait
-    (`copy_wait`: it sat the round out, or retries); whether the drafter's round counts as a retry of it
-    (`refresh_drafter`)."""
+    what the depth can fill and to the row's room); the copy `branches` grafted at the root, and what the copy
+    source's proposal does to its wait (`copy_wait`: it sat the round out, or retries); whether the drafter's round
+    counts as a retry of it (`refresh_drafter`)."""
 
     kind: Round
     depth: int = 0
