@@ -149,9 +149,15 @@ class EagleAttention(nn.Module):
         full = past.extended(new) if past is not None else new
         if mask is None and full.length > t:  # past fully visible, causal among the new rows
             mask = causal_mask(t, full.length - t, u.device)
-        out = F.scaled_dot_product_attention(
-            q, full.keys, full.values, attn_mask=mask, is_causal=mask is None and t > 1, enable_gqa=True
-        )  # [B, h, T, d]
+        if mask is not None and u.device.type == "cpu" and torch.compiler.is_compiling():
+            # (a compiled CPU program: inductor fuses the softmax form into its kernels, where its SDPA is a call to
+            # a flash-attention kernel that costs a level's few query rows more)
+            probs = attention_probs(q, full.keys, mask, t).view(b, self.kv_heads, -1, full.length)  # [B, kvh, g*T, S]
+            out = (probs @ full.values.float()).view(b, self.heads, t, self.head_dim).to(q.dtype)  # [B, h, T, d]
+        else:
+            out = F.scaled_dot_product_attention(
+                q, full.keys, full.values, attn_mask=mask, is_causal=mask is None and t > 1, enable_gqa=True
+            )  # [B, h, T, d]
         if self.probs_record is not None:  # opt-in diagnostics: computed beside SDPA, the output is unchanged
             self.probs_record.append(attention_probs(q, full.keys, mask, t).detach())
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), new
@@ -162,8 +168,9 @@ def attention_probs(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | No
 
     q: [B, h, T, d]; keys: [B, kvh, S, d] (rotated); mask: bool [B|1, 1, T, S] (True = attend) or None (causal
     when T > 1, which then equals S)."""
-    k = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1).float()  # [B, h, S, d], GQA as enable_gqa
-    scores = q.float() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [B, h, T, S]
+    b, h, _, d = q.shape
+    grouped = q.float().reshape(b, keys.shape[1], -1, d)  # [B, kvh, g*T, d]: each key head's query heads (enable_gqa)
+    scores = (grouped @ keys.float().transpose(-1, -2)).view(b, h, t, -1) / math.sqrt(d)  # [B, h, T, S]
     if mask is None and t > 1:
         mask = causal_mask(t, keys.shape[2] - t, q.device)
     if mask is not None:

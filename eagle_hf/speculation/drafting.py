@@ -47,6 +47,10 @@ from .tree import COPY, EAGLE, DraftTree
 KEPT_MASK_ROWS = 64
 #: a round's catch-up of at most this many rows a row runs at fixed shapes where the levels do (`DraftState.graphs`)
 FIXED_CATCH_UP = 16
+#: a staged catch-up of at most this many rows a row (the drafts of the round before mostly rejected) is not padded
+#: to a regular round's rows: a CPU program's catch-up over 8 rows costs it an eighth more than over 2
+#: (docs/results/round_regime.md, "The drafting program's launch")
+FEW_CATCH_UP = 2
 #: a prompt's catch-up reads at most this many rows per drafter forward: its activations (the drafter's MLP has
 #: the target's width) over 8k rows added ~0.7 GiB to the peak of a Llama-3.1-8B-shaped call (H200 device check)
 CATCH_UP_CHUNK = 1024
@@ -600,11 +604,14 @@ class DraftState:
     def _extend_fixed(self, drafter: EagleDrafter, aux: torch.Tensor, next_tokens: torch.Tensor, counts: list[int],
                       staged: int | None = None):
         """`extend` for a round's catch-up at fixed shapes (`graphs`): row b reads its first ``counts[b]`` of the n
-        rows, in one program (`DraftPrograms.catch_up`: n padded to the next power of two, `staged` rows at least;
-        a row's rows past its count are holes the programs' validity hides, the padding rows past n are
-        overwritten by the next pass, which never reads them)."""
+        rows, in one program (`DraftPrograms.catch_up`: n padded to the next power of two, `staged` rows at least
+        unless n is `FEW_CATCH_UP` or fewer; a row's rows past its count are holes the programs' validity hides,
+        the padding rows past n are overwritten by the next pass, which never reads them)."""
         n = next_tokens.shape[1]
-        bucket = 1 << (max(n, staged or 1) - 1).bit_length()
+        least = staged or 1
+        if n <= FEW_CATCH_UP:  # (after a round whose drafts were rejected: a program of its own, cheaper)
+            least = min(least, FEW_CATCH_UP)
+        bucket = 1 << (max(n, least) - 1).bit_length()
         self.reserve(bucket)
         logits, hidden, new_valid = self.programs(drafter).catch_up(aux, next_tokens, self.positions, counts,
                                                                     self.length, bucket, stage=staged is not None)
