@@ -313,6 +313,22 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+class Ints:
+    """A program's integer inputs, a [n] int64 buffer on the device that the host writes before each launch: on the
+    CPU in place, through a view of its memory (no tensor made, no operation: a few of them a round cost a CPU
+    round more than the launch's own host work); elsewhere in one copy that does not block the host (`to_device`)."""
+
+    def __init__(self, n: int, device: torch.device):
+        self.tensor = torch.zeros(n, dtype=torch.long, device=device)
+        self._memory = self.tensor.numpy() if self.tensor.device.type == "cpu" else None
+
+    def write(self, values: list[int]) -> None:
+        if self._memory is not None:
+            self._memory[:] = values
+        else:
+            self.tensor.copy_(to_device(host_longs(values), self.tensor.device))
+
+
 def pack(device: torch.device, **arrays) -> dict[str, torch.Tensor]:
     """Integer (or bool) host arrays (nested lists or host tensors) in one copy: name -> int64 device tensor of
     the array's shape. On the CPU, where nothing is copied, each array is its own tensor (no joining, no views)."""

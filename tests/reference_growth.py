@@ -288,5 +288,6 @@ def device_trees(drafter: EagleDrafter, state: DraftState, roots: list[int], log
     from eagle_hf.speculation.drafting import TreeRequest, draft_trees, host_trees
 
     request = TreeRequest(max(total_tokens), roots, [0] * len(roots), total_tokens)
-    laid, _ = draft_trees(drafter, state, logits, hidden, depths, top_k, request, threshold, prune)
+    with torch.no_grad():
+        laid, _ = draft_trees(drafter, state, logits, hidden, depths, top_k, request, threshold, prune)
     return [DraftTree.of_lists(*t) for t in host_trees(laid.host.flatten().tolist(), roots)]

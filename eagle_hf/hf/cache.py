@@ -34,7 +34,7 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer,
 )
 
-from ..programs import Program, host_longs, to_device
+from ..programs import Ints, Program
 from ..speculation.ragged import KeptMask, Ragged, SlotBuffers
 from .attention import kernel_name, kernel_unsupported_reason
 from .indexed import (
@@ -501,21 +501,21 @@ class CommitProgram:
 
     def __init__(self, layers: list, rows: int, width: int, how: str):
         device = layers[0].keys.device
-        self.ints = torch.zeros(3, dtype=torch.long, device=device)  # past, K, whether nodes move
+        self.ints = Ints(3, device)  # past, K, whether nodes move
         self.index = torch.zeros(rows, width, dtype=torch.long, device=device)  # [B, W]
         self.steps = torch.arange(width, device=device)  # [W]
         still = torch.tensor([1, 1, 0], device=device)  # (the launch's past and K; nothing moves)
         buffers = [t for layer in layers for t in (layer.keys, layer.values)]
         positions = [layer.cumulative_length for layer in layers]
-        self.program = Program(commit_kept, (buffers, positions, self.ints, self.index, self.steps), how,
+        self.program = Program(commit_kept, (buffers, positions, self.ints.tensor, self.index, self.steps), how,
                                "cache commit",
-                               warm_args=lambda: (buffers, positions, self.ints * still, self.index, self.steps))
+                               warm_args=lambda: (buffers, positions, self.ints.tensor * still, self.index, self.steps))
 
     def __call__(self, past: int, index: torch.Tensor | None, kept: int) -> None:
         """index: [B, K] on the device (None: the first K nodes stay where they are)."""
         if index is not None:
             self.index[:, : index.shape[1]].copy_(index)
-        self.ints.copy_(to_device(host_longs([past, kept, int(index is not None)]), self.ints.device))
+        self.ints.write([past, kept, int(index is not None)])
         self.program()
 
 

@@ -10,7 +10,7 @@ from ..programs import to_device
 from ..speculation.drafting import Choice
 from ..speculation.rounds import Round, RoundTiming, report_round
 from ..speculation.speculator import Speculator, plan_round, round_facts
-from ..speculation.tree import draw, process_logits
+from ..speculation.tree import draw, greedy, process_logits
 
 
 class EagleCandidateGenerator(CandidateGenerator):
@@ -60,7 +60,7 @@ class EagleCandidateGenerator(CandidateGenerator):
         logits = self.drafter.target_logits(draft_logits.float())  # [1, V]
         logits = process_logits(self.logits_processor, prefix, drafted, logits)  # drafted: [1, d]
         logp = torch.log_softmax(logits, dim=-1)  # [1, V]
-        token = draw(logp.exp()) if self.do_sample else logp.argmax(-1)  # [1]
+        token = draw(logp.exp()) if self.do_sample else greedy(logp)  # [1]
         return token, (logits if self.do_sample else None), logp.gather(1, token[:, None])[:, 0].clamp(min=-69.0)
 
     def _chooser(self, prefix: torch.Tensor, drawn: list[torch.Tensor]):

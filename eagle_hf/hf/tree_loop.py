@@ -30,7 +30,7 @@ from ..speculation.drafting import PendingTrees
 from ..speculation.ragged import Ragged
 from ..speculation.rounds import RoundTiming, report_round
 from ..speculation.speculator import RoundPlan, Speculator, draft_round, plan_round, round_facts
-from ..speculation.tree import DraftTree, accept_paths, draw, process_logits, sampling_draws
+from ..speculation.tree import DraftTree, accept_paths, draw, greedy, process_logits, sampling_draws
 from .attention import TREE_PREFIX, routed_kernel, split_keys_from
 from .cache import VERIFY_BUCKETS, key_positions, layer_windows, tree_cache, window_masks
 from .call import active_call, finish_rows, speculators_for
@@ -204,7 +204,7 @@ class TreeLoop:
         self.cache.ragged = Ragged(counts, ids.shape[1], mask.clone() if padded else None)
         # the processors see the batch as at plain generate()'s first step: [B, T] ids, [B, V] scores
         scores = self.logits_processor(ids, raw) if len(self.logits_processor) else raw  # [B, V]
-        tokens = (draw(torch.softmax(scores, -1)) if self.do_sample else scores.argmax(-1)).tolist()  # [B]
+        tokens = (draw(torch.softmax(scores, -1)) if self.do_sample else greedy(scores)).tolist()  # [B]
         for b, (row, token) in enumerate(zip(rows, tokens)):
             if aux is not None:
                 real = [i for i, m in enumerate(host_mask[b][cached:]) if m]  # the row's uncached real tokens
@@ -334,9 +334,8 @@ class TreeLoop:
         layout, width, known = pending.layout, pending.width, pending.trees
         front = [] if known is not None else [layout.host.flatten()]  # the drafter's trees, where still unread
         chosen, raws, scores, draws = None, [], [], []
-        if self.greedy_batch:  # the target's token after each node, for every row at once (float32 first: a
-            # bf16 argmax is several times slower on CPU)
-            chosen = logits.float().argmax(-1)  # [B, W]
+        if self.greedy_batch:  # the target's token after each node, for every row at once
+            chosen = greedy(logits)  # [B, W]
             draws = [chosen.flatten() if known is not None else chosen.flatten().double()]
         else:
             for b, (row, tree) in enumerate(zip(active, known)):
@@ -347,7 +346,7 @@ class TreeLoop:
                 n = tree.size
                 draws.append(sampling_draws(torch.softmax(node_scores, -1), layout.parents[b, 1:n],
                                             layout.tokens[b, 1:n]) if self.do_sample
-                             else node_scores.argmax(-1).double())
+                             else greedy(node_scores).double())
         parts = front + draws
         values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()  # the round's one read-back
         at = len(values) - sum(d.numel() for d in draws)

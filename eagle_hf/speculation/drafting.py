@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..drafter.modeling import KV, DraftStep, EagleDrafter, KVWriter
-from ..programs import Program, host_longs, pack, to_device
+from ..programs import Ints, Program, pack, to_device
 from .ragged import KeptMask, Ragged, SlotBuffers, new_buffers
 from .tree import COPY, EAGLE, DraftTree
 
@@ -709,7 +709,6 @@ def _graphs_storage(graphs: LevelGraphs, owner: weakref.ref) -> Callable:
     return allocate
 
 
-@torch.no_grad()
 def draft_trees(drafter: EagleDrafter, state: DraftState, logits: torch.Tensor, hidden: torch.Tensor,
                 depths: list[int], top_k: int, layout: TreeRequest, threshold: float = 0.0, prune: bool = True,
                 choose: Chooser | None = None) -> tuple[TreeLayout, torch.Tensor]:
@@ -727,7 +726,7 @@ def draft_trees(drafter: EagleDrafter, state: DraftState, logits: torch.Tensor, 
     How it runs is a launch: one program over the cache's whole storage (`DraftPrograms.grow`, with the staged
     catch-up first, a batch's holes hidden by the programs' validity buffer) where the levels run at fixed shapes;
     otherwise eagerly at the round's shapes, each level under the kept mask (which hides a batch's holes). Returns
-    the `TreeLayout` and the verify positions [B, W]."""
+    the `TreeLayout` and the verify positions [B, W]. (Under `torch.no_grad`, as the decoding loops run.)"""
     min_logp = math.log(threshold) if threshold > 0 else -math.inf
     levels = max(depths, default=0)
     state.reserve(max(levels - 1, 0) * top_k)
@@ -754,6 +753,7 @@ def draft_trees(drafter: EagleDrafter, state: DraftState, logits: torch.Tensor, 
     return laid, host["position"][:, None] + laid.depths
 
 
+@torch.no_grad()
 def draft_tree(drafter: EagleDrafter, state: DraftState, root_token: int, logits: torch.Tensor, hidden: torch.Tensor,
                depth: int, top_k: int, total_tokens: int, threshold: float = 0.0, prune: bool = True) -> DraftTree:
     """`draft_trees` for a single row, read on the host (logits: [1, Vd], hidden: [1, 1, H])."""
@@ -954,10 +954,11 @@ class CatchUp:
         self.n = n
         self.aux = keys.new_zeros(rows, n, drafter.fc.weight.shape[1], dtype=drafter.fc.weight.dtype)
         self.tokens = keys.new_zeros(rows, n, dtype=torch.long)  # [B, n]
-        self.ints = keys.new_zeros(2 * rows + 1, dtype=torch.long)  # positions [B], at, counts [B]
+        self.ints = Ints(2 * rows + 1, keys.device)  # positions [B], at, counts [B]
         self.steps = keys.new_ones(n, dtype=torch.long).cumsum(0) - 1  # [n] 0 .. n-1
         self.program = Program(catch_up_rows, (shared.keys, shared.values, shared.valid, self.aux, self.tokens,
-                                               self.ints, self.steps, shared.columns, shared.logits, shared.hidden),
+                                               self.ints.tensor, self.steps, shared.columns, shared.logits,
+                                               shared.hidden),
                                shared.how, "drafter's catch-up")
 
     def write(self, aux: torch.Tensor, tokens: torch.Tensor, positions: list[int], counts: list[int],
@@ -966,10 +967,10 @@ class CatchUp:
         rows, m = tokens.shape
         self.aux[:, :m].copy_(aux)
         self.tokens[:, :m].copy_(tokens)
-        self.ints.copy_(to_device(host_longs([*positions, at, *counts]), self.ints.device))
+        self.ints.write([*positions, at, *counts])
         if all(c == m for c in counts):
             return None
-        return self.steps[None, :m] < self.ints[rows + 1 :, None]  # [B, m] (on the device, after the copy)
+        return self.steps[None, :m] < self.ints.tensor[rows + 1 :, None]  # [B, m] (on the device, after the write)
 
 
 def catch_up_rows(drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
@@ -1009,10 +1010,11 @@ class Levels:
         rows = keys.shape[0]
         self._drafter = shared._drafter  # (a weak reference: the programs and their owner form no cycle)
         # root positions [B], depths [B], at, root tokens [B], verify positions [B], sizes [B]
-        self.ints = keys.new_zeros(5 * rows + 1, dtype=torch.long)
+        self.ints = Ints(5 * rows + 1, keys.device)
         steps = keys.new_ones(levels * k, dtype=torch.long).cumsum(0) - 1  # [levels * k] 0 ..
         self.program = Program(grow_trees, (shared.keys, shared.values, shared.valid, shared.logits, shared.hidden,
-                                            self.ints, steps, shared.columns, k, levels, min_logp, prune, width),
+                                            self.ints.tensor, steps, shared.columns, k, levels, min_logp, prune,
+                                            width),
                                shared.how, "drafter's levels")
         self.after: dict[int, Program] = {}  # catch-up rows n -> the catch-up and these levels, one program
 
@@ -1020,7 +1022,7 @@ class Levels:
                  after: CatchUp | None = None):
         """A launch (`after`: a catch-up written to run first, in the same program)."""
         values = [*roots, *depths, at] + [v for part in layout for v in part]
-        self.ints.copy_(to_device(host_longs(values), self.ints.device))
+        self.ints.write(values)
         program = self.program
         if after is not None:
             program = self.after.get(after.n)
