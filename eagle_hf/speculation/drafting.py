@@ -630,7 +630,10 @@ class DraftState:
         """The draft programs over the cache's current storage (kept with the drafter's levels: a later call of
         the same shape reuses them), their validity buffer holding this cache's (copied in after rows were
         written outside them: a prompt, a compaction, rows leaving; O(length) where those were)."""
-        key = ("programs", self.keys.data_ptr(), tuple(self.keys.shape), self.how, torch.is_inference_mode_enabled())
+        last, inference = self._valid_in, torch.is_inference_mode_enabled()
+        if last is not None and last.keys is self.keys and last.how == self.how and last.inference == inference:
+            return last  # (the last launch's: the same storage, its validity this cache's)
+        key = ("programs", self.keys.data_ptr(), tuple(self.keys.shape), self.how, inference)
         programs = self.graphs.kept(key, lambda: DraftPrograms(drafter, self.keys, self.values, self.how))
         if self._valid_in is not programs:
             seen = programs.valid[:, : self.length]  # [B, length]
@@ -883,6 +886,7 @@ class DraftPrograms:
     def __init__(self, drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, how: str):
         rows, capacity = keys.shape[0], keys.shape[2]
         self._drafter, self.keys, self.values, self.how = weakref.ref(drafter), keys, values, how
+        self.inference = torch.is_inference_mode_enabled()  # (its buffers are inference tensors, or not)
         self.logits = keys.new_zeros(rows, drafter.lm_head.weight.shape[0], dtype=torch.float32)  # [B, Vd]
         self.hidden = keys.new_zeros(rows, 1, drafter.config.hidden_size, dtype=drafter.fc.weight.dtype)
         self.columns = keys.new_ones(capacity, dtype=torch.long).cumsum(0) - 1  # [C] 0 .. C-1
