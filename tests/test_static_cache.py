@@ -124,6 +124,30 @@ def test_commits_captured_as_cuda_graphs_move_each_node_once(graphs_on_the_cpu, 
     assert any(p.name == "cache commit" for p in graphs_on_the_cpu)
 
 
+def test_commit_programs_serve_the_next_call_without_holding_its_buffers(monkeypatch):
+    """transformers makes a static cache a call, with new buffers of the same shapes: the commit programs of one call
+    (eager or compiled: their launches take the buffers) serve the next call's cache, and between calls hold none
+    of the call's buffers."""
+    monkeypatch.setattr(tree_cache, "_KEPT_COMMITS", type(tree_cache._KEPT_COMMITS)())
+    made = []
+    init = tree_cache.CommitProgram.__init__
+    monkeypatch.setattr(tree_cache.CommitProgram, "__init__", lambda self, *a: (made.append(self), init(self, *a))[1])
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids, mask = left_padded()
+    plain = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    ref = target.generate(ids, **plain, **STATIC)
+    for call in range(2):
+        with batch_oracle(truths_of(ids, mask, ref)):  # (long, ragged accepted paths: nodes move)
+            out = target.generate(ids, assistant_model=drafter, **plain, **STATIC, **MODES["tree"])
+        assert torch.equal(out, ref)
+        kept = list(tree_cache._KEPT_COMMITS.values())
+        assert kept and not any(program.bound for program in kept)
+        if call == 0:
+            first = list(made)
+    assert made == first  # (the second call made none)
+
+
 @pytest.mark.parametrize("new", [14, 15, 21, 22])
 @pytest.mark.parametrize("spare", [0, -1])
 def test_a_commit_stays_inside_a_static_cache_passed_in(new, spare):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
@@ -422,7 +423,7 @@ class StaticTreeCache(TreeCache):
         # prefix; transformers keeps the position as a tensor)
         self._dirty = 0  # the kept mask's tree-block columns end here at most (cleared before the next block)
         self.how = "eager"  # how its commits run (`eagle_hf.programs.how_to_run`; the loop sets it)
-        self._commits: dict[tuple, CommitProgram] = {}
+        self._commits: dict[int, CommitProgram] = {}  # by width (over the layers' buffers now: rows leaving empty it)
 
     @property
     def capacity(self) -> int:
@@ -479,16 +480,55 @@ class StaticTreeCache(TreeCache):
                 layer.cumulative_length.fill_(past_len + width)
                 end_index_keys(layer, past_len + width)
             return
-        rows, bucket = self.layers[0].keys.shape[0], max(COMMIT_WIDTH, 1 << (width - 1).bit_length())
-        buffers = tuple(t.data_ptr() for layer in self.layers for t in (layer.keys, layer.values))
-        key = (rows, bucket, buffers, torch.is_inference_mode_enabled())
-        program = self._commits.get(key)
+        bucket = max(COMMIT_WIDTH, 1 << (width - 1).bit_length())
+        program = self._commits.get(bucket)
         if program is None:
-            if any(held[2] != buffers for held in self._commits):  # (the buffers moved: rows left the batch)
-                self._commits.clear()
-            program = self._commits[key] = CommitProgram(self.layers, rows, bucket, self.how)
+            program = self._commits[bucket] = self._commit_program(bucket)
         program(past_len, index, width)
 
+    def _commit_program(self, width: int) -> CommitProgram:
+        """The commit program of `width` slots over these layers: one an earlier call left over layers of the same
+        shapes, bound to these (transformers makes a static cache a call), where its launches take the buffers
+        (compiled or eager; a CUDA graph holds its own: made anew), else a new one."""
+        rows = self.layers[0].keys.shape[0]
+        if self.how == "graph":
+            return CommitProgram(self.layers, rows, width, self.how)
+        key = (width, self.how, torch.is_inference_mode_enabled(),
+               tuple((tuple(t.shape), t.dtype, t.device, t.stride()) for layer in self.layers
+                     for t in (layer.keys, layer.values, layer.cumulative_length)))
+        program = _KEPT_COMMITS.get(key)
+        if program is not None and program.bound:  # (another call is using it: a thread of its own)
+            program = None
+        if program is None:
+            program = CommitProgram(self.layers, rows, width, self.how)
+        else:
+            program.bind(self.layers)
+        _KEPT_COMMITS[key] = program
+        _KEPT_COMMITS.move_to_end(key)
+        while len(_KEPT_COMMITS) > MAX_KEPT_COMMITS:
+            _KEPT_COMMITS.popitem(last=False)
+        return program
+
+    def select_rows(self, rows: list[int], index: torch.Tensor) -> None:
+        super().select_rows(rows, index)
+        self._unbind()  # (the layers' buffers are new)
+
+    def release(self) -> None:
+        super().release()
+        self._unbind()
+
+    def _unbind(self) -> None:
+        """Its commit programs go: a program kept for a later call keeps none of these buffers alive."""
+        if self.how != "graph":
+            for program in self._commits.values():
+                program.bind([])
+        self._commits = {}
+
+
+#: commit programs kept between calls (bound to no buffers while no call uses them), by width, how they run and
+#: their layers' shapes; the least recently used go first
+_KEPT_COMMITS: OrderedDict[tuple, CommitProgram] = OrderedDict()
+MAX_KEPT_COMMITS = 8
 
 
 class CommitProgram:
@@ -510,6 +550,17 @@ class CommitProgram:
         self.program = Program(commit_kept, (buffers, positions, self.ints.tensor, self.index, self.steps), how,
                                "cache commit",
                                warm_args=lambda: (buffers, positions, self.ints.tensor * still, self.index, self.steps))
+
+    @property
+    def bound(self) -> bool:
+        """Whether a call's buffers are bound to it."""
+        return bool(self.program.args[0])
+
+    def bind(self, layers: list) -> None:
+        """Its launches over another cache's layers of the same shapes (never a captured graph's: it holds its
+        buffers); none (`layers` empty) between calls."""
+        buffers = [t for layer in layers for t in (layer.keys, layer.values)]
+        self.program.args = (buffers, [layer.cumulative_length for layer in layers], *self.program.args[2:])
 
     def __call__(self, past: int, index: torch.Tensor | None, kept: int) -> None:
         """index: [B, K] on the device (None: the first K nodes stay where they are)."""
