@@ -220,6 +220,20 @@ class KeptMask:
     def __init__(self):
         self.mask: torch.Tensor | None = None
 
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """[B, 1, R, C] (None: none yet)."""
+        return self._mask
+
+    @mask.setter
+    def mask(self, mask: torch.Tensor | None) -> None:
+        self._mask = mask
+        self._rows = None if mask is None else mask[:, 0]  # [B, R, C]: the view the writes address, made once
+        self._hidden = None if mask is None else False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
+        # (an additive mask's two values as tensors: `torch.where` writes into a view only from tensors)
+        self._values = None if mask is None or mask.dtype == torch.bool else (mask.new_zeros(()),
+                                                                              mask.new_full((), self._hidden))
+
     def view(self, tail: torch.Tensor, length: int, valid: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """[B, 1, q, length + t], a view: the `length` slots as `valid` [B, length] says (None: all read), then
         `tail` [B, q, t] (nonzero: attend) for the q rows of a forward that writes t slots after them."""
@@ -239,17 +253,18 @@ class KeptMask:
         attend = True if dtype == torch.bool else 0
         m = self.mask = torch.full((rows, 1, queries, columns), attend, dtype=dtype, device=device)
         if valid is not None:
-            self._put(m[:, 0, :, :length], valid[:, None, :])
+            self._put(self._rows[:, :, :length], valid[:, None, :])
         return m
 
     def write(self, at: int, tail: torch.Tensor) -> None:
         """`tail` [B, q, t] (nonzero: attend) into the first q query rows at columns ``at .. at+t-1``."""
         q, t = tail.shape[1:]
-        self._put(self.mask[:, 0, :q, at : at + t], tail)
+        region = self._rows.narrow(2, at, t)  # [B, R, t]
+        self._put(region if q == region.shape[1] else region[:, :q], tail)
 
     def hide(self, start: int, end: int) -> None:
         """Columns ``start .. end-1`` hidden from every query row."""
-        self.mask[:, 0, :, start:end] = False if self.mask.dtype == torch.bool else torch.finfo(self.mask.dtype).min
+        self._rows.narrow(2, start, end - start).fill_(self._hidden)
 
     def arrive(self, at: int, n: int, valid: torch.Tensor | None) -> None:
         """Slots ``at .. at+n-1`` join the cache (`valid` [B, n] which are read; None: all): their columns, for
@@ -258,7 +273,7 @@ class KeptMask:
         if m is None or at + n > m.shape[3]:
             self.mask = None
             return
-        columns = m[:, 0, :, at : at + n]  # [B, R, n]
+        columns = self._rows.narrow(2, at, n)  # [B, R, n]
         if valid is None:
             columns.fill_(True if m.dtype == torch.bool else 0)
         else:
@@ -273,11 +288,10 @@ class KeptMask:
         """Forget it (after a compaction: rebuilt at the next `view`, amortised like the compaction)."""
         self.mask = None
 
-    @staticmethod
-    def _put(region: torch.Tensor, attend: torch.Tensor) -> None:
-        """`region` of a kept mask set from `attend` (broadcast to it; nonzero: attend)."""
+    def _put(self, region: torch.Tensor, attend: torch.Tensor) -> None:
+        """`region` of the kept mask set from `attend` (broadcast to it; nonzero: attend), in one operation."""
         if region.dtype == torch.bool:
             region.copy_(attend)
         else:
-            region.zero_()
-            region.masked_fill_(attend.logical_not(), torch.finfo(region.dtype).min)
+            attend = attend if attend.dtype == torch.bool else attend.bool()
+            torch.where(attend if attend.shape == region.shape else attend.expand_as(region), *self._values, out=region)
