@@ -227,7 +227,8 @@ def host_ms(target, drafter, mode: str, cache: str, rows: int, new_tokens: int, 
 
 def host_ops(target, drafter, mode: str, cache: str, rows: int, new_tokens: int) -> float:
     """The torch operations a warm call dispatches outside its target's forwards, per round (deterministic: what
-    the host time a round is mostly made of on a CPU; a compiled program's body counts as one call)."""
+    the host time a round is mostly made of on a CPU; a compiled program's body counts as the calls it makes through
+    torch's dispatcher: under inductor's C++ wrapper, its extern kernels)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     kwargs = run_kwargs(mode, cache, drafter, new_tokens)
