@@ -48,7 +48,7 @@ KEPT_MASK_ROWS = 64
 #: a round's catch-up of at most this many rows a row runs at fixed shapes where the levels do (`DraftState.graphs`)
 FIXED_CATCH_UP = 16
 #: a staged catch-up of at most this many rows a row (the drafts of the round before mostly rejected) is not padded
-#: to a regular round's rows: a CPU program's catch-up over 8 rows costs it an eighth more than over 2
+#: to a regular round's rows: a CPU program with a catch-up over 8 rows costs about a seventh more than over 2
 #: (docs/results/round_regime.md, "The drafting program's launch")
 FEW_CATCH_UP = 2
 #: a prompt's catch-up reads at most this many rows per drafter forward: its activations (the drafter's MLP has
@@ -729,7 +729,7 @@ def draft_trees(drafter: EagleDrafter, state: DraftState, logits: torch.Tensor, 
     How it runs is a launch: one program over the cache's whole storage (`DraftPrograms.grow`, with the staged
     catch-up first, a batch's holes hidden by the programs' validity buffer) where the levels run at fixed shapes;
     otherwise eagerly at the round's shapes, each level under the kept mask (which hides a batch's holes). Returns
-    the `TreeLayout` and the verify positions [B, W]. (Under `torch.no_grad`, as the decoding loops run.)"""
+    the `TreeLayout` and the verify positions [B, W]. Call it under `torch.no_grad` (the decoding loops do)."""
     min_logp = math.log(threshold) if threshold > 0 else -math.inf
     levels = max(depths, default=0)
     state.reserve(max(levels - 1, 0) * top_k)
