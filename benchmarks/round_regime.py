@@ -135,10 +135,12 @@ def rounds_of_last_call() -> int:
 
 
 #: the host steps `--split` times apart, each where the measured version has it (the first of its places that it
-#: has): the round's drafting step, the copy branches grafted into the verify's layout, and the tree loop's
-#: acceptance (the round's read), commit (the caches and the drafter's rows) and verify mask
+#: has): the round's drafting step, the copy branches' host part (laid out in the drafting launch: their rows;
+#: grafted after it: the whole layout), and the tree loop's acceptance (the round's read), commit (the caches and
+#: the drafter's rows) and verify mask
 STEPS = {"drafting": [("eagle_hf.hf.tree_loop", "draft_round")],
-         "copy branches": [("eagle_hf.speculation.drafting", "PendingTrees.graft_copies"),
+         "copy branches": [("eagle_hf.speculation.drafting", "TreeRequest.copy_rows"),
+                           ("eagle_hf.speculation.drafting", "PendingTrees.graft_copies"),
                            ("eagle_hf.speculation.speculator", "PendingTrees.graft_copies")],
          "accept": [("eagle_hf.hf.tree_loop", "TreeLoop.accept")],
          "commit": [("eagle_hf.hf.tree_loop", "TreeLoop.commit")],

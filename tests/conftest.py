@@ -285,16 +285,24 @@ def graphs_on_the_cpu(monkeypatch):
 def patch_drafts(fake):
     """Patch the drafter's tree growth with ``fake(position, root_token, depth, total_tokens) -> DraftTree`` per
     drafting row; `position` is the root's (the drafter has read the real rows before it). The trees are laid out
-    as the device lays out the drafter's (`laid_out`): the round runs on as it does for grown trees."""
+    as the device lays out the drafter's (`laid_out`), with the request's copy branches after them
+    (`with_copies`): the round runs on as it does for grown trees."""
     from unittest import mock
 
+    from eagle_hf.speculation import drafting
     from eagle_hf.speculation import speculator as speculation
     from eagle_hf.speculation.tree import DraftTree
 
     def draft_trees(drafter, state, logits, hidden, depths, top_k, layout, *args, **kwargs):
         trees = [fake(state.positions[b], root, depth, total) if depth else DraftTree.root(root)
                  for b, (root, depth, total) in enumerate(zip(layout.roots, depths, layout.sizes))]
-        return laid_out(trees, layout.width, layout.positions, logits.device)
+        laid, positions = laid_out(trees, layout.width, layout.positions, logits.device)
+        if not layout.copy_width:
+            return laid, positions
+        tokens, bits = (torch.tensor(a, device=logits.device).view(len(trees), layout.copy_width, -1)
+                        for a in layout.copy_rows())
+        laid = drafting.with_copies(laid, tokens[..., 0], bits)
+        return laid, positions[:, :1] + laid.depths
 
     return mock.patch.object(speculation, "draft_trees", draft_trees)
 

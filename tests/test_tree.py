@@ -9,7 +9,7 @@ from reference_acceptance import accept_sampling, verify
 
 import eagle_hf
 from eagle_hf.hf.version import cache_kwarg, output_cache
-from eagle_hf.speculation.drafting import laid_out, with_copies
+from eagle_hf.speculation.drafting import TreeRequest, laid_out, with_copies
 from eagle_hf.speculation.tree import DraftTree, accept_greedy, accept_paths
 
 #      0 (root)
@@ -56,13 +56,23 @@ def test_batched_tree_mask_hides_holes_and_padding_nodes():
     assert mask[1, 0, 1:, 3].all()  # ... and the root
 
 
+def _with_copies(laid, positions, copies, roots, width):
+    """`with_copies` over the host's copy rows (`TreeRequest.copy_rows`), as a round lays them out: the layout
+    and its verify positions."""
+    request = TreeRequest(laid.tokens.shape[1], roots, [0] * len(roots), [1] * len(roots), copies, width)
+    tokens, bits = request.copy_rows()
+    rows = len(roots)
+    layout = with_copies(laid, torch.tensor(tokens).view(rows, width), torch.tensor(bits).view(rows, width, -1))
+    return layout, positions[:, :1] + layout.depths
+
+
 def test_copy_branches_are_laid_out_after_the_drafters_nodes():
     """A drafter's chain (root 7, then 1 and 2) and the copy branches [3, 4] and [5] beside it, in 4 columns (one a
     padding node): each copy node sees the root, its own ancestors and itself, never a drafter node."""
     chain = DraftTree.of_lists([7, 1, 2], [-1, 0, 1], [0.0, -0.1, -0.2])
     copies = DraftTree.of_lists([7, 3, 4, 5], [-1, 0, 1, 0], [0.0, -0.1, -0.2, -0.3])
     laid, positions = laid_out([chain], 3, [10], "cpu")
-    layout, positions = with_copies(laid, positions, [copies], [7], 4)
+    layout, positions = _with_copies(laid, positions, [copies], [7], 4)
     assert layout.tokens.tolist() == [[7, 1, 2, 3, 4, 5, 7]]
     assert layout.depths.tolist() == [[0, 1, 2, 1, 2, 1, 0]]
     assert positions.tolist() == [[10, 11, 12, 11, 12, 11, 10]]
@@ -75,9 +85,28 @@ def test_copy_branches_are_laid_out_after_the_drafters_nodes():
         [1, 0, 0, 0, 0, 1, 0],
         [1, 0, 0, 0, 0, 0, 1],
     ]]
-    layout, _ = with_copies(laid, laid_out([chain], 3, [10], "cpu")[1], [None], [7], 2)  # a row without copies
+    layout, _ = _with_copies(laid, positions, [None], [7], 2)  # a row without copies
     assert layout.tokens.tolist() == [[7, 1, 2, 7, 7]] and layout.depths.tolist() == [[0, 1, 2, 0, 0]]
     assert layout.ancestors[0, 3:].int().tolist() == [[1, 0, 0, 1, 0], [1, 0, 0, 0, 1]]  # padding: root, itself
+
+
+def test_copy_branches_of_more_than_one_words_bits_are_laid_out_as_the_host_lays_out_a_tree():
+    """Copy trees of 70 and 5 nodes (a row's ancestor bits take two 63-bit words) beside two rows' chains: each
+    copy node's ancestors and depth are those of the copy tree laid out alone (`laid_out`, the host's layout)."""
+    gen = torch.Generator().manual_seed(0)
+    parents = [-1, 0] + [int(torch.randint(0, j, (1,), generator=gen)) for j in range(2, 71)]
+    big = DraftTree.of_lists(list(range(100, 171)), parents, [0.0] * 71)
+    small = DraftTree.of_lists([8, 1, 2, 3, 4, 5], [-1, 0, 1, 0, 3, 4], [0.0] * 6)
+    chains = [DraftTree.of_lists([100, 1, 2], [-1, 0, 1], [0.0] * 3), DraftTree.of_lists([8, 1], [-1, 0], [0.0] * 2)]
+    laid, positions = laid_out(chains, 3, [10, 20], "cpu")
+    layout, positions = _with_copies(laid, positions, [big, small], [100, 8], 72)
+    for b, copy in enumerate([big, small]):
+        alone = laid_out([copy], 73, [0], "cpu")[0]  # root, the copy nodes, padding nodes
+        assert layout.tokens[b, 3:].tolist() == alone.tokens[0, 1:].tolist()
+        assert layout.depths[b, 3:].tolist() == alone.depths[0, 1:].tolist()
+        assert torch.equal(layout.ancestors[b, 3:, 3:], alone.ancestors[0, 1:, 1:])
+        assert layout.ancestors[b, 3:, 0].all() and not layout.ancestors[b, 3:, 1:3].any()
+        assert positions[b, 3:].tolist() == [[10, 20][b] + d for d in alone.depths[0, 1:].tolist()]
 
 
 def test_greedy_acceptance_takes_the_longest_matching_path():

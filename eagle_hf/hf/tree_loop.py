@@ -232,10 +232,9 @@ class TreeLoop:
         speculators = [r.sp for r in active]
         plan = plan_round(speculators, rooms, fits, batch=batch)
         trees = draft_round(speculators, [r.token for r in active], plan.depths, plan.sizes, marks=marks,
-                            positions=[r.position for r in active], pad=self.verify_width)
+                            positions=[r.position for r in active], pad=self.verify_width, beside=self.greedy_batch)
         if isinstance(trees, PendingTrees):
             if self.greedy_batch:  # the verify reads the layout as it is; the host reads it with the verify's result
-                trees.graft_copies()
                 return plan, trees
             trees = trees.settle(trees.read())[0]  # (sampling, processing, kept scores: the host's trees)
         # (N: padded to the largest, or a compiled bucket; a compiled forward keeps one shape: every node's logits)

@@ -12,8 +12,9 @@ The module reads top to bottom as a round drafts:
   cumulative log-probability, float64, a stable sort) and the ancestors each node sees, all on the device;
 * **the layout** (`tree_layout`): each row's tree as the verify forward reads it (`TreeLayout`: tokens, depths,
   ancestor mask), the best nodes closed under ancestors, the greedy chain first, with a float64 part the host
-  reads once, with the target's choices, after the verify; trees the host holds (`laid_out`) and copy branches
-  (`with_copies`) are laid out the same way;
+  reads once, with the target's choices, after the verify; the copy branches the host knew before the round
+  after them (`with_copies`, from their tokens and ancestor bits: `TreeRequest.copy_rows`), in the same launch;
+  trees the host holds (`laid_out`) are laid out the same way;
 * **the drafter's cache** (`DraftState`): its real rows, their catch-up (`DraftState.extend`), ragged rows of a
   batch (`eagle_hf.speculation.ragged`);
 * **the launch** (`draft_trees`): eagerly at the round's shapes (the CPU's default, and a sampling chain's chooser,
@@ -169,12 +170,44 @@ class TreeLayout:
 class TreeRequest:
     """What a round asks of the trees' layout: W nodes a row (the verify's width for the drafter's trees), and per
     row of the drafter's cache, in its slot order: the root token, the root's verify position, its most nodes
-    (the root included; 1: the row does not draft)."""
+    (the root included; 1: the row does not draft); and where the verify reads copy branches beside the drafter's
+    trees, each row's copy tree (the host knows it before the round; None: none), laid out in `copy_width` (C)
+    nodes after the W (`with_copies`)."""
 
     width: int
     roots: list[int]
     positions: list[int]
     sizes: list[int]
+    copies: list[DraftTree | None] | None = None
+    copy_width: int = 0
+
+    def copy_rows(self) -> tuple[list[int], list[int]]:
+        """The copy branches as the layout takes them (`with_copies`), flat over the rows: each copy node's token
+        (a padding node's: its row's root), then each node's ancestors among the copy nodes, itself included, as
+        `copy_words` 63-bit words a node (bit j: copy node j + 1; a padding node's: none). Host lists; nothing
+        when there are no copy branches to lay out."""
+        c = self.copy_width
+        if not c:
+            return [], []
+        tokens, bits, words = [], [], copy_words(c)
+        for tree, root in zip(self.copies, self.roots):
+            h = tree.host if tree is not None else None
+            n = len(h.tokens) - 1 if h is not None else 0
+            seen = [0] * (n + 1)  # node -> its ancestors' bits (the root's: none)
+            for j in range(1, n + 1):
+                seen[j] = seen[h.parents[j]] | 1 << (j - 1)
+            tokens += (h.tokens[1:] if h is not None else []) + [root] * (c - n)
+            if words == 1:
+                bits += seen[1:] + [0] * (c - n)
+            else:
+                mask = (1 << 63) - 1
+                bits += [b >> (63 * w) & mask for b in seen[1:] + [0] * (c - n) for w in range(words)]
+        return tokens, bits
+
+
+def copy_words(width: int) -> int:
+    """63-bit words a copy node's ancestor bits take in a layout of `width` copy nodes."""
+    return -(-width // 63)
 
 
 def tree_layout(kept: list[tuple], roots: torch.Tensor, k: int, width: int, min_logp: float,
@@ -328,38 +361,36 @@ def ancestor_rows(parents: list[int], width: int) -> list[list[int]]:
     return rows
 
 
-def with_copies(laid: TreeLayout, positions: torch.Tensor, copies: list[DraftTree | None], roots: list[int],
-                width: int) -> tuple[TreeLayout, torch.Tensor]:
-    """The layout with each row's copy branches after its drafter's W nodes: `copies`, each row's copy tree as
-    the host holds it (it knew it before the round; None: none), laid out in `width` (C) nodes after the
-    drafter's (padding nodes as `laid_out`'s: the row's root token, `roots`), in one host-to-device copy; a copy
-    node sees the root, its ancestors and itself. positions [B, W]: the drafter's verify positions. Returns the
-    layout of W + C nodes and its positions [B, W + C] (the host part stays the drafter's: the host holds the
-    copies)."""
+def with_copies(laid: TreeLayout, tokens: torch.Tensor, bits: torch.Tensor) -> TreeLayout:
+    """The layout `laid` (W nodes a row) with each row's copy branches after its nodes: C copy nodes a row, their
+    tokens [B, C] and ancestor bits [B, C, words] (`TreeRequest.copy_rows`: bit j of a node, copy node j + 1 is
+    itself or an ancestor of it). A copy node sees the root, its ancestors and itself, never a drafter node; its
+    depth is its ancestors' count; a padding node (no bits) sees the root and itself, at the root's depth. The
+    host part stays the drafter's (the host holds the copies). The same on the host, the device and in a
+    program: a few fused operations, no loop."""
     rows, w = laid.tokens.shape
-    arrays = {"tokens": [], "depths": [], "ancestors": []}
-    for tree, root in zip(copies, roots):
-        h = tree.host if tree is not None else None
-        tokens, parents, depths = (h.tokens, h.parents, h.depths) if h is not None else ([root], [-1], [0])
-        pad = width + 1 - len(tokens)
-        arrays["tokens"].append(tokens[1:] + [root] * pad)
-        arrays["depths"].append(depths[1:] + [0] * pad)
-        arrays["ancestors"] += [row[:1] + [0] * (w - 1) + row[1:] for row in ancestor_rows(parents, width + 1)[1:]]
-    host = pack(laid.tokens.device, **arrays)
-    seen = torch.cat([torch.nn.functional.pad(laid.ancestors, (0, width)),
-                      host["ancestors"].view(rows, width, w + width).bool()], 1)  # [B, W + C, W + C]
-    depths = host["depths"]  # [B, C]
-    return (TreeLayout(torch.cat([laid.tokens, host["tokens"]], 1), torch.cat([laid.depths, depths], 1), seen,
-                       laid.host), torch.cat([positions, positions[:, :1] + depths], 1))
+    c = tokens.shape[1]
+    column = torch.arange(c, device=tokens.device)  # [C]
+    words = bits.gather(2, (column // 63).expand(rows, c, c))  # [B, C, C] the word holding copy node j's bit
+    own = (words >> (column % 63)) & 1  # [B, C, C] node i sees copy node j (its ancestors and itself)
+    depths = own.sum(2)  # [B, C]
+    seen = own.bool() | torch.eye(c, dtype=torch.bool, device=tokens.device)  # (a padding node: itself)
+    root = seen.new_ones(rows, c, 1)  # [B, C, 1] every copy node sees the root ...
+    drafted = seen.new_zeros(rows, c, w - 1)  # ... and no drafter node
+    ancestors = torch.cat([torch.nn.functional.pad(laid.ancestors, (0, c)), torch.cat([root, drafted, seen], 2)],
+                          1)  # [B, W + C, W + C]
+    return TreeLayout(torch.cat([laid.tokens, tokens], 1), torch.cat([laid.depths, depths], 1), ancestors,
+                      laid.host, real=laid.real)
 
 
 @dataclass
 class PendingTrees:
     """A round's trees laid out for the verify on the device (`eagle_hf.speculation.drafting.TreeLayout`, W
-    nodes a row of the drafter's, then with `graft_copies` each row's copy branches, with the verify positions),
-    read by the host with the verify's result (`settle`), or before the verify where the verify needs them on the
-    host (sampling). `copies`: each row's copy branches as a tree of its own (None: none). Trees the host holds
-    already (`on_host`) are laid out the same way: the verify reads one kind of layout."""
+    nodes a row of the drafter's, then each row's copy branches where the round laid them beside (`with_copies`),
+    with the verify positions), read by the host with the verify's result (`settle`), or before the verify where
+    the verify needs them on the host (sampling). `copies`: each row's copy branches as a tree of its own (None:
+    none). Trees the host holds already (`on_host`) are laid out the same way: the verify reads one kind of
+    layout."""
 
     slots: list[int]  # each row's slot in the drafter's cache (the layout's rows are in slot order)
     roots: list[int]
@@ -367,7 +398,6 @@ class PendingTrees:
     positions: torch.Tensor  # [B, W (+ C)]
     copies: list[DraftTree | None]
     drafter_width: int  # W
-    copy_width: int = 0  # C: the copy branches' nodes a row, padded
     trees: list[DraftTree] | None = None  # the rows' trees where the host holds them (nothing to read)
 
     @classmethod
@@ -388,19 +418,10 @@ class PendingTrees:
         """The layout's host part (the round's read where the trees are needed before the verify)."""
         return self.layout.host.flatten().tolist()
 
-    def graft_copies(self) -> None:
-        """Each row's copy branches into the layout, after the drafter's nodes (`with_copies`: laid out as the
-        host's trees are, in one host-to-device copy)."""
-        if not self.copy_width:
-            return
-        order = sorted(range(len(self.slots)), key=self.slots.__getitem__)
-        self.layout, self.positions = with_copies(self.layout, self.positions, [self.copies[i] for i in order],
-                                                  [self.roots[i] for i in order], self.copy_width)
-
     def settle(self, values: list[float], grafted: bool = False) -> tuple[list[DraftTree], list[list[int]] | None]:
         """The rows' trees from the layout's host part read as `values`, each with its copy branches, and each
         tree node's column in the layout (None: the trees' nodes are its first columns). `grafted`: the copies
-        are in the layout (`graft_copies`: a drafter node a copy branch proposed too stays two nodes there, both
+        are in the layout (`with_copies`: a drafter node a copy branch proposed too stays two nodes there, both
         marked as proposed by both); else they are grafted on the host (shared prefixes are one node). Trees the
         host holds come as they are."""
         if self.trees is not None:
@@ -728,8 +749,9 @@ def draft_trees(drafter: EagleDrafter, state: DraftState, logits: torch.Tensor, 
 
     How it runs is a launch: one program over the cache's whole storage (`DraftPrograms.grow`, with the staged
     catch-up first, a batch's holes hidden by the programs' validity buffer) where the levels run at fixed shapes;
-    otherwise eagerly at the round's shapes, each level under the kept mask (which hides a batch's holes). Returns
-    the `TreeLayout` and the verify positions [B, W]. Call it under `torch.no_grad` (the decoding loops do)."""
+    otherwise eagerly at the round's shapes, each level under the kept mask (which hides a batch's holes). The
+    request's copy branches are laid out after the trees' W nodes either way (`with_copies`). Returns the
+    `TreeLayout` and the verify positions [B, W (+ C)]. Call it under `torch.no_grad` (the decoding loops do)."""
     min_logp = math.log(threshold) if threshold > 0 else -math.inf
     levels = max(depths, default=0)
     state.reserve(max(levels - 1, 0) * top_k)
@@ -738,8 +760,9 @@ def draft_trees(drafter: EagleDrafter, state: DraftState, logits: torch.Tensor, 
     if state.graphs is not None and choose is None:
         return state.programs(drafter).grow(logits, hidden, top_k, levels, min_logp, prune, roots, depths,
                                             state.length, layout)
+    copy_tokens, copy_bits = layout.copy_rows()
     host = pack(hidden.device, base=roots, depth=depths, tokens=layout.roots, position=layout.positions,
-                sizes=layout.sizes)
+                sizes=layout.sizes, **({"copy_tokens": copy_tokens, "copy_bits": copy_bits} if copy_tokens else {}))
     state.launch_staged()
     rows, base, real_len = state.rows, host["base"][:, None], state.length  # [B, 1]
 
@@ -753,6 +776,9 @@ def draft_trees(drafter: EagleDrafter, state: DraftState, logits: torch.Tensor, 
     kept = grow_levels(drafter, forward, logits, hidden, top_k, levels, depth, min_logp, prune, choose)
     laid = tree_layout(kept, host["tokens"], top_k, layout.width, min_logp if prune else -math.inf,
                        torch.where(depth > 0, host["sizes"][:, None], 1))
+    if copy_tokens:
+        c = layout.copy_width
+        laid = with_copies(laid, host["copy_tokens"].view(rows, c), host["copy_bits"].view(rows, c, -1))
     return laid, host["position"][:, None] + laid.depths
 
 
@@ -930,9 +956,9 @@ class DraftPrograms:
     def grow(self, logits: torch.Tensor, hidden: torch.Tensor, k: int, levels: int, min_logp: float, prune: bool,
              roots: list[int], depths: list[int], at: int, layout: TreeRequest):
         """The round's levels (`Levels`) from logits [B, Vd] and hidden [B, 1, H] (the catch-up's, or copied in),
-        row b's root at position ``roots[b]``, its tree rows from slot `at`: the trees' `TreeLayout` and the verify
-        positions [B, W]."""
-        key = (k, levels, min_logp, prune, layout.width)
+        row b's root at position ``roots[b]``, its tree rows from slot `at`: the trees' `TreeLayout`, with the
+        request's copy branches after them, and the verify positions [B, W (+ C)]."""
+        key = (k, levels, min_logp, prune, layout.width, layout.copy_width)
         program = self.levels.get(key)
         if program is None:
             program = self.levels[key] = Levels(self, *key)
@@ -941,7 +967,8 @@ class DraftPrograms:
             for given, shared in ((logits, self.logits), (hidden, self.hidden)):
                 if given is not shared:
                     shared.copy_(given)
-        return program(roots, depths, at, layout.roots, layout.positions, layout.sizes, after=staged)
+        return program(roots, depths, at, layout.roots, layout.positions, layout.sizes, *layout.copy_rows(),
+                       after=staged)
 
 
 class CatchUp:
@@ -1007,25 +1034,27 @@ class Levels:
     hidden states, with `ints` = (each row's root position [B], its depth [B], the first tree slot `at`): the k
     nodes of level l are written at slots ``at + (l-1)k ..``; each reads its row's real slots before `at` (the
     validity buffer) and its ancestors among the tree rows (`grow_trees`). Output: the trees' layout, W nodes a
-    row."""
+    row, then C copy nodes a row (`copies`; their tokens and ancestor bits follow in `ints`: `with_copies`)."""
 
-    def __init__(self, shared: DraftPrograms, k: int, levels: int, min_logp: float, prune: bool, width: int):
+    def __init__(self, shared: DraftPrograms, k: int, levels: int, min_logp: float, prune: bool, width: int,
+                 copies: int = 0):
         keys = shared.keys
         rows = keys.shape[0]
         self._drafter = shared._drafter  # (a weak reference: the programs and their owner form no cycle)
-        # root positions [B], depths [B], at, root tokens [B], verify positions [B], sizes [B]
-        self.ints = Ints(5 * rows + 1, keys.device)
+        # root positions [B], depths [B], at, root tokens [B], verify positions [B], sizes [B], then the copy
+        # nodes' tokens [B, C] and ancestor bits [B, C, words]
+        self.ints = Ints(5 * rows + 1 + rows * copies * (1 + copy_words(copies)), keys.device)
         steps = keys.new_ones(levels * k, dtype=torch.long).cumsum(0) - 1  # [levels * k] 0 ..
         self.program = Program(grow_trees, (shared.keys, shared.values, shared.valid, shared.logits, shared.hidden,
                                             self.ints.tensor, steps, shared.columns, k, levels, min_logp, prune,
-                                            width),
+                                            width, copies),
                                shared.how, "drafter's levels")
         self.after: dict[int, Program] = {}  # catch-up rows n -> the catch-up and these levels, one program
 
     def __call__(self, roots: list[int], depths: list[int], at: int, *layout: list[int],
                  after: CatchUp | None = None):
         """A launch (`after`: a catch-up written to run first, in the same program)."""
-        values = [*roots, *depths, at] + [v for part in layout for v in part]
+        values = [*roots, *depths, at] + [v for part in layout for v in part]  # (the copy rows' lists last)
         self.ints.write(values)
         program = self.program
         if after is not None:
@@ -1038,9 +1067,11 @@ class Levels:
 
 def grow_trees(drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
                logits: torch.Tensor, hidden: torch.Tensor, ints: torch.Tensor, steps: torch.Tensor,
-               columns: torch.Tensor, k: int, levels: int, min_logp: float, prune: bool, width: int):
+               columns: torch.Tensor, k: int, levels: int, min_logp: float, prune: bool, width: int,
+               copies: int = 0):
     """`Levels`' body: `grow_levels` over the drafter's cache storage (validity [B, C]) from the shared logits and
-    hidden states; the trees' `TreeLayout` (W nodes a row) and the verify positions [B, W]."""
+    hidden states; the trees' `TreeLayout` (W nodes a row, then `copies` copy nodes: `with_copies`) and the verify
+    positions [B, W (+ copies)]."""
     rows = logits.shape[0]
     base, depth, at = ints[:rows, None], ints[rows : 2 * rows, None], ints[2 * rows]
     past = (valid & (columns < at)[None, :])[:, None, :]  # [B, 1, C] each row's real rows
@@ -1058,4 +1089,8 @@ def grow_trees(drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, 
     # (a chain's draft below the threshold is kept, only not expanded: every eligible candidate is a node)
     layout = tree_layout(kept, tokens, k, width, min_logp if prune else -math.inf,
                          torch.where(depth > 0, sizes[:, None], 1))
-    return layout, position[:, None] + layout.depths  # [B, W] the verify positions
+    if copies:
+        start = 5 * rows + 1
+        copy_bits = ints[start + rows * copies :].view(rows, copies, -1)  # [B, C, words]
+        layout = with_copies(layout, ints[start : start + rows * copies].view(rows, copies), copy_bits)
+    return layout, position[:, None] + layout.depths  # [B, W (+ C)] the verify positions

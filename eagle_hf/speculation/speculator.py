@@ -357,7 +357,7 @@ def marginal_cost(controller: DraftLengthController | None, verified: int) -> fl
 
 def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: list[int], total_tokens: list[int],
                 marks: dict | None = None, positions: list[int] | None = None, pad: Callable[[int], int] | None = None,
-                choose: Chooser | None = None) -> list[DraftTree] | PendingTrees:
+                choose: Chooser | None = None, beside: bool = False) -> list[DraftTree] | PendingTrees:
     """Step "draft" of one round for the rows of a batch that share a drafter cache, in its row order (a single
     row: `Speculator.draft`). Every row with committed rows catches them up in one drafter forward; the rows with
     a depth grow their trees together and lay them out for the verify, on the device (`draft_trees`): the round's
@@ -367,8 +367,10 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
 
     `marks`: the round's named marks on the timer (`eagle_hf.speculation.rounds.RoundTiming`); `positions`: each
     row's root position in the target's cache (the verify's); `pad`: the verify's width for trees of n nodes
-    (default n); `choose`: the drafter's children's choice (a sampling chain's, one row). The copy branches are
-    the plan's (`plan_round`: cut to a static cache's room there)."""
+    (default n); `choose`: the drafter's children's choice (a sampling chain's, one row); `beside`: the verify
+    reads the layout as it is, so the copy branches are laid out in it, after the drafter's nodes (else the host
+    grafts them onto the trees it reads: `PendingTrees.settle`). The copy branches are the plan's (`plan_round`:
+    cut to a static cache's room there)."""
     first = speculators[0]
     state, timer, s = first.state, first.timer, first.settings
     drafting = [i for i, sp in enumerate(speculators) if sp.this_round.kind == Round.DRAFT and depths[i] > 0]
@@ -387,7 +389,8 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
         # levels')
         marks["caught_up"] = timer.mark()
     largest = max(total_tokens[i] for i in drafting)
-    extra = max((c.size - 1 for c in copies if c is not None), default=0)  # the copy nodes a row adds
+    # the copy nodes a row adds, where the layout holds them
+    extra = max((c.size - 1 for c in copies if c is not None), default=0) if beside else 0
     order = sorted(range(len(speculators)), key=lambda i: speculators[i].cache_row.slot)  # the cache's row order
     positions = positions or [0] * len(speculators)
     pad = pad or int
@@ -395,7 +398,7 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
     if extra:  # (the copy branches after them, padded so that the verify's whole width is padded too)
         extra = pad(width + extra) - width
     request = TreeRequest(width, [roots[i] for i in order], [positions[i] for i in order],
-                          [total_tokens[i] if i in drafting else 1 for i in order])
+                          [total_tokens[i] if i in drafting else 1 for i in order], [copies[i] for i in order], extra)
     steps = state.steps
     grown = draft_trees(first.drafter, state, logits, hidden, [depths[i] if i in drafting else 0 for i in order],
                         s.branching, request, s.confidence_threshold, prune=s.branching > 1, choose=choose)
@@ -403,7 +406,7 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
         marks["drafted"] = timer.mark()
     for i in drafting:
         speculators[i].this_round.drafter_levels = state.steps - steps
-    return PendingTrees([sp.cache_row.slot for sp in speculators], roots, *grown, copies, width, extra)
+    return PendingTrees([sp.cache_row.slot for sp in speculators], roots, *grown, copies, width)
 
 
 def _catch_up(speculators: Sequence[Speculator], staged: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
