@@ -46,8 +46,14 @@ from .tree import COPY, EAGLE, DraftTree
 
 #: catch-ups of at most this many rows per row use the kept attention mask (a prompt's build their own)
 KEPT_MASK_ROWS = 64
-#: a round's catch-up of at most this many rows a row runs at fixed shapes where the levels do (`DraftState.graphs`)
-FIXED_CATCH_UP = 16
+#: a catch-up of at most this many rows a row runs at fixed shapes where the levels do (`DraftState.graphs`): a
+#: round's, and a short prompt's (eagerly, a 48-token prompt's took a 2-core CPU about 1 ms, as long as five
+#: compiled rounds' drafting)
+FIXED_CATCH_UP = 64
+#: a catch-up of at most this many rows a row is staged to run first in the next levels' program; a longer one (a
+#: prompt's, a long accepted copy's) runs in a program of its own, so that the levels' programs are made for a
+#: round's few sizes of catch-up only
+STAGED_CATCH_UP = 16
 #: a staged catch-up of at most this many rows a row (the drafts of the round before mostly rejected) is not padded
 #: to a regular round's rows: a CPU program with a catch-up over 8 rows costs about a seventh more than over 2
 #: (docs/results/round_regime.md, "The drafting program's launch")
@@ -624,11 +630,14 @@ class DraftState:
 
     def _extend_fixed(self, drafter: EagleDrafter, aux: torch.Tensor, next_tokens: torch.Tensor, counts: list[int],
                       staged: int | None = None):
-        """`extend` for a round's catch-up at fixed shapes (`graphs`): row b reads its first ``counts[b]`` of the n
-        rows, in one program (`DraftPrograms.catch_up`: n padded to the next power of two, `staged` rows at least
-        unless n is `FEW_CATCH_UP` or fewer; a row's rows past its count are holes the programs' validity hides,
-        the padding rows past n are overwritten by the next pass, which never reads them)."""
+        """`extend` for a catch-up at fixed shapes (`graphs`): row b reads its first ``counts[b]`` of the n rows,
+        in one program (`DraftPrograms.catch_up`: n padded to the next power of two, `staged` rows at least unless
+        n is `FEW_CATCH_UP` or fewer; a row's rows past its count are holes the programs' validity hides, the
+        padding rows past n are overwritten by the next pass, which never reads them). Staged only up to
+        `STAGED_CATCH_UP` rows; a longer one launches now."""
         n = next_tokens.shape[1]
+        if n > STAGED_CATCH_UP:
+            staged = None
         least = staged or 1
         if n <= FEW_CATCH_UP:  # (after a round whose drafts were rejected: a program of its own, cheaper)
             least = min(least, FEW_CATCH_UP)
