@@ -446,7 +446,8 @@ class StaticTreeCache(TreeCache):
 
     def tree_mask(self, tree: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[B, 1, N, capacity]: the kept mask's first N query rows (see `TreeCache.tree_mask`); the columns after
-        the tree block stay hidden (the previous block's are cleared first)."""
+        the tree block stay hidden (those of the previous block past this one are cleared first; this block's
+        columns are written for the N rows read, and hidden again for every row once they fall past a block)."""
         rows, width, length = tree.shape[0], tree.shape[1], self.length
         kept = self._mask
         m = kept.mask
@@ -456,8 +457,8 @@ class StaticTreeCache(TreeCache):
             # share one stride, which a compiled forward's guards check)
             kept.hide(length, self.capacity)
             self._dirty = length
-        if self._dirty > length:
-            kept.hide(length, self._dirty)
+        if self._dirty > length + width:
+            kept.hide(length + width, self._dirty)
         kept.write(length, tree)  # [B, N, N] the tree block
         self._dirty = length + width
         return m[:, :, :width]
