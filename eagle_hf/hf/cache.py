@@ -46,6 +46,7 @@ from .indexed import (
     regather_index_keys,
     select_index_rows,
 )
+from .models import forward_parameters
 from .recurrent import RECURRENT_TYPES, attention_layers, is_hybrid, recurrent_layers, select_recurrent_rows
 from .version import cache_kwarg
 
@@ -96,7 +97,7 @@ def cacheless_reason(target) -> str | None:
     """Why `target` keeps no transformers cache that drafts can be verified against (None: it keeps one): its
     forward takes no cache (every step recomputes the whole sequence), or it keeps its past in a format of its
     own (transformers builds it no `DynamicCache`)."""
-    parameters = inspect.signature(type(target).forward).parameters
+    parameters = forward_parameters(target)
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())  # (a wrapper's **kwargs)
     if not open_ended and not {"cache", "past_key_values"} & set(parameters):
         return "its forward takes no cache (each step recomputes the whole sequence)"

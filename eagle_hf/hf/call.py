@@ -333,7 +333,8 @@ def prepare_drafter(target, drafter: EagleDrafter) -> EagleDrafter:
                     # held weakly: the view must not keep the embedding it is filed under alive
                     object.__setattr__(view, "_target_embedding", weakref.proxy(emb))
                 placed = view
-    placed.eval()
+    if any(m.training for m in placed.modules()):  # (looking costs a quarter of setting every module's mode)
+        placed.eval()
     return placed
 
 

@@ -22,10 +22,11 @@ transformers' cache; one with `alibi` set (Falcon's option) does not read them.
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import torch
+
+from .models import forward_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def positions_unsupported_reason(target) -> str | None:
     """Why a verify forward cannot place a tree's nodes at their depths' positions (None: it can)."""
     # (not a **kwargs catch-all either: generate() passes position_ids only to a forward that names them, so plain
     # decoding of a padded row counts its positions otherwise than the loop would)
-    if "position_ids" not in inspect.signature(type(target).forward).parameters:
+    if "position_ids" not in forward_parameters(target):
         return ("its forward takes no position_ids (it counts positions by cache slot), so a draft tree's nodes "
                 "would be read at their slots, not their depths")
     if getattr(target.config.get_text_config(), "alibi", False):  # (Falcon's option)
