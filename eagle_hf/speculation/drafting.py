@@ -47,8 +47,7 @@ from .tree import COPY, EAGLE, DraftTree
 #: catch-ups of at most this many rows per row use the kept attention mask (a prompt's build their own)
 KEPT_MASK_ROWS = 64
 #: a catch-up of at most this many rows a row runs at fixed shapes where the levels do (`DraftState.graphs`): a
-#: round's, and a short prompt's (eagerly, a 48-token prompt's took a 2-core CPU about 1 ms, as long as five
-#: compiled rounds' drafting)
+#: round's, and a short prompt's (eagerly, a 48-token prompt's took a 2-core CPU about 1 ms, compiled 0.24 ms)
 FIXED_CATCH_UP = 64
 #: a catch-up of at most this many rows a row is staged to run first in the next levels' program; a longer one (a
 #: prompt's, a long accepted copy's) runs in a program of its own, so that the levels' programs are made for a
@@ -61,6 +60,9 @@ FEW_CATCH_UP = 2
 #: a prompt's catch-up reads at most this many rows per drafter forward: its activations (the drafter's MLP has
 #: the target's width) over 8k rows added ~0.7 GiB to the peak of a Llama-3.1-8B-shaped call (H200 device check)
 CATCH_UP_CHUNK = 1024
+#: bits of an int64 word a copy node's ancestors take (`TreeRequest.copy_rows`, `with_copies`): the sign bit stays
+#: clear
+COPY_BITS = 63
 
 
 # ------------------------------------------------------------------ the growth and the layout
@@ -190,7 +192,7 @@ class TreeRequest:
     def copy_rows(self) -> tuple[list[int], list[int]]:
         """The copy branches as the layout takes them (`with_copies`), flat over the rows: each copy node's token
         (a padding node's: its row's root), then each node's ancestors among the copy nodes, itself included, as
-        `copy_words` 63-bit words a node (bit j: copy node j + 1; a padding node's: none). Host lists; nothing
+        `copy_words` words of `COPY_BITS` bits a node (bit j: copy node j + 1; a padding node's: none). Host lists; nothing
         when there are no copy branches to lay out."""
         c = self.copy_width
         if not c:
@@ -206,14 +208,14 @@ class TreeRequest:
             if words == 1:
                 bits += seen[1:] + [0] * (c - n)
             else:
-                mask = (1 << 63) - 1
-                bits += [b >> (63 * w) & mask for b in seen[1:] + [0] * (c - n) for w in range(words)]
+                mask = (1 << COPY_BITS) - 1
+                bits += [b >> (COPY_BITS * w) & mask for b in seen[1:] + [0] * (c - n) for w in range(words)]
         return tokens, bits
 
 
 def copy_words(width: int) -> int:
-    """63-bit words a copy node's ancestor bits take in a layout of `width` copy nodes."""
-    return -(-width // 63)
+    """Words of `COPY_BITS` bits a copy node's ancestor bits take in a layout of `width` copy nodes."""
+    return -(-width // COPY_BITS)
 
 
 def tree_layout(kept: list[tuple], roots: torch.Tensor, k: int, width: int, min_logp: float,
@@ -377,8 +379,8 @@ def with_copies(laid: TreeLayout, tokens: torch.Tensor, bits: torch.Tensor) -> T
     rows, w = laid.tokens.shape
     c = tokens.shape[1]
     column = torch.arange(c, device=tokens.device)  # [C]
-    words = bits.gather(2, (column // 63).expand(rows, c, c))  # [B, C, C] the word holding copy node j's bit
-    own = (words >> (column % 63)) & 1  # [B, C, C] node i sees copy node j (its ancestors and itself)
+    words = bits.gather(2, (column // COPY_BITS).expand(rows, c, c))  # [B, C, C] the word holding copy node j's bit
+    own = (words >> (column % COPY_BITS)) & 1  # [B, C, C] node i sees copy node j (its ancestors and itself)
     depths = own.sum(2)  # [B, C]
     seen = own.bool() | torch.eye(c, dtype=torch.bool, device=tokens.device)  # (a padding node: itself)
     root = seen.new_ones(rows, c, 1)  # [B, C, 1] every copy node sees the root ...
