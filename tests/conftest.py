@@ -299,9 +299,10 @@ def patch_drafts(fake):
         laid, positions = laid_out(trees, layout.width, layout.positions, logits.device)
         if not layout.copy_width:
             return laid, positions
+        tokens, bits, first = layout.copy_rows()
         tokens, bits = (torch.tensor(a, device=logits.device).view(len(trees), layout.copy_width, -1)
-                        for a in layout.copy_rows())
-        laid = drafting.with_copies(laid, tokens[..., 0], bits)
+                        for a in (tokens, bits))
+        laid = drafting.with_copies(laid, tokens[..., 0], bits, torch.tensor(first, device=logits.device))
         return laid, positions[:, :1] + laid.depths
 
     return mock.patch.object(speculation, "draft_trees", draft_trees)

@@ -425,3 +425,38 @@ def test_copy_trace_records_each_round_and_the_rank_that_hit(tmp_path, monkeypat
                           {"matches": [], "branches": []}, {"matches": [1], "branches": []}]) == {
         "rounds": {"drafted": 1, "no match": 1, "matched, nothing drafted": 1},
         "hit rounds by the best branch's rank": {"rank 1": 1, "a later rank hit where the first missed": 1}}
+
+
+def test_accepted_copy_paths_are_the_first_columns_where_copies_lead():
+    """Where the last accepted draft was a copy's, the next round lays its copy branches out first: with a random
+    drafter beside copies that are right (a prompt that repeats its first half), an accepted copy path is the
+    verify's first columns and the cache's commit moves nothing (with the copies after the drafter's nodes, 10 of
+    the 14 commits moved the accepted nodes)."""
+    from unittest import mock
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eagle_hf import EagleDrafter
+    from eagle_hf.hf import cache
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=128, vocab_size=512)).eval()
+    drafter = EagleDrafter.for_target(target, eagle31=True).eval()
+    half = torch.randint(3, 512, (1, 24), generator=torch.Generator().manual_seed(1))
+    prompt = torch.cat([half, half], 1)
+    ref = target.generate(prompt, max_new_tokens=64, do_sample=False, pad_token_id=0)
+    moved, commit = [], cache.TreeCache.commit
+
+    def counted(self, past_len, index, *args, **kwargs):
+        moved.append(index is not None)
+        return commit(self, past_len, index, *args, **kwargs)
+
+    with mock.patch.object(cache.TreeCache, "commit", counted):
+        out = target.generate(prompt, max_new_tokens=64, do_sample=False, pad_token_id=0, assistant_model=drafter,
+                              draft_mode="tree", tree_depth=5, tree_top_k=4, tree_total_tokens=16,
+                              num_assistant_tokens_schedule="constant")
+    assert torch.equal(out, ref)
+    stats = eagle_hf.last_stats()
+    assert stats.accepted_by_source["copy"] > 2 * stats.cycles  # (the copies are right, the drafter is not)
+    assert sum(moved) <= 1, moved  # (the first copy path accepted, laid out after the drafter's nodes)

@@ -56,13 +56,14 @@ def test_batched_tree_mask_hides_holes_and_padding_nodes():
     assert mask[1, 0, 1:, 3].all()  # ... and the root
 
 
-def _with_copies(laid, positions, copies, roots, width):
+def _with_copies(laid, positions, copies, roots, width, first=None):
     """`with_copies` over the host's copy rows (`TreeRequest.copy_rows`), as a round lays them out: the layout
     and its verify positions."""
     request = TreeRequest(laid.tokens.shape[1], roots, [0] * len(roots), [1] * len(roots), copies, width)
-    tokens, bits = request.copy_rows()
+    tokens, bits, _ = request.copy_rows()
     rows = len(roots)
-    layout = with_copies(laid, torch.tensor(tokens).view(rows, width), torch.tensor(bits).view(rows, width, -1))
+    layout = with_copies(laid, torch.tensor(tokens).view(rows, width), torch.tensor(bits).view(rows, width, -1),
+                         None if first is None else torch.tensor(first))
     return layout, positions[:, :1] + layout.depths
 
 
@@ -88,6 +89,33 @@ def test_copy_branches_are_laid_out_after_the_drafters_nodes():
     layout, _ = _with_copies(laid, positions, [None], [7], 2)  # a row without copies
     assert layout.tokens.tolist() == [[7, 1, 2, 7, 7]] and layout.depths.tolist() == [[0, 1, 2, 0, 0]]
     assert layout.ancestors[0, 3:].int().tolist() == [[1, 0, 0, 1, 0], [1, 0, 0, 0, 1]]  # padding: root, itself
+
+
+def test_copy_branches_are_laid_out_first_where_the_row_says():
+    """Row 0 puts its copy branches right after the root, row 1 after its drafter's nodes: each is the other's
+    layout with its columns reordered, and the host's tree of the row (`_beside`) reads its nodes at those columns.
+    An accepted copy path is then the first columns: the cache's commit moves nothing."""
+    from eagle_hf.speculation.drafting import _beside
+
+    chain = DraftTree.of_lists([7, 1, 2], [-1, 0, 1], [0.0, -0.1, -0.2])
+    copies = DraftTree.of_lists([7, 3, 4, 5], [-1, 0, 1, 0], [0.0, -0.1, -0.2, -0.3])
+    laid, positions = laid_out([chain, chain], 3, [10, 10], "cpu")
+    after, _ = _with_copies(laid, positions, [copies, copies], [7, 7], 4)
+    layout, positions = _with_copies(laid, positions, [copies, copies], [7, 7], 4, first=[1, 0])
+    assert layout.tokens.tolist() == [[7, 3, 4, 5, 7, 1, 2], [7, 1, 2, 3, 4, 5, 7]]
+    assert positions.tolist() == [[10, 11, 12, 11, 10, 11, 12], [10, 11, 12, 11, 12, 11, 10]]
+    order = [0, 3, 4, 5, 6, 1, 2]  # row 0's columns: the root, the copy nodes (one a padding node), the chain
+    assert torch.equal(layout.ancestors[0], after.ancestors[0][order][:, order])
+    assert torch.equal(layout.ancestors[1], after.ancestors[1])
+    tree, columns = _beside([7, 1, 2], [-1, 0, 1], [0.0, -0.1, -0.2], copies, width=3, first=4)
+    assert columns == [0, 1, 2, 3, 5, 6]
+    assert [layout.tokens[0, c].item() for c in columns] == tree.host.tokens == [7, 3, 4, 5, 1, 2]
+    for node, column in enumerate(columns):  # each node sees its ancestors at their columns
+        seen = {columns[n] for n in tree.host.path(node)}
+        assert {c for c in range(7) if layout.ancestors[0, column, c]} == seen
+    assert accept_greedy(tree, [3, 4, 0, 9, 0, 0]) == [0, 1, 2]  # the copy path 3, 4: columns 0, 1, 2
+    tree, columns = _beside([7, 3, 8], [-1, 0, 1], [0.0, -0.1, -0.2], copies, width=3, first=4)
+    assert accept_greedy(tree, [3, 9, 0, 0, 9, 0]) == [0, 1]  # drafted by both: the copy's node, column 1
 
 
 def test_copy_branches_of_more_than_one_words_bits_are_laid_out_as_the_host_lays_out_a_tree():

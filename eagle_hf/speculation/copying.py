@@ -147,6 +147,7 @@ class CopySource:
         self.backoff = Backoff(probe_every, max_probe_every)  # when a dropped source tries again
         self.branches: list[Branch] = []  # this round's branches (the plan's, `begin_round`)
         self.tree: DraftTree | None = None  # the branches as this round's copy tree (None: no branches)
+        self.leads = False  # the last accepted draft was a copy's: a greedy layout puts the branches first
 
     def propose(self, room: int, verified: int = 1, retry_only: bool = False, retry: bool | None = None) -> Proposal:
         """This round's branches (at most `room` tokens each) on top of a tree of `verified` tokens (1: sized by

@@ -13,7 +13,8 @@ The module reads top to bottom as a round drafts:
 * **the layout** (`tree_layout`): each row's tree as the verify forward reads it (`TreeLayout`: tokens, depths,
   ancestor mask), the best nodes closed under ancestors, the greedy chain first, with a float64 part the host
   reads once, with the target's choices, after the verify; the copy branches the host knew before the round
-  after them (`with_copies`, from their tokens and ancestor bits: `TreeRequest.copy_rows`), in the same launch;
+  beside them (`with_copies`, from their tokens and ancestor bits: `TreeRequest.copy_rows`), in the same launch,
+  first where the row's last accepted draft was a copy's (an accepted copy path then needs no move in the cache);
   trees the host holds (`laid_out`) are laid out the same way;
 * **the drafter's cache** (`DraftState`): its real rows, their catch-up (`DraftState.extend`), ragged rows of a
   batch (`eagle_hf.speculation.ragged`);
@@ -180,7 +181,8 @@ class TreeRequest:
     row of the drafter's cache, in its slot order: the root token, the root's verify position, its most nodes
     (the root included; 1: the row does not draft); and where the verify reads copy branches beside the drafter's
     trees, each row's copy tree (the host knows it before the round; None: none), laid out in `copy_width` (C)
-    nodes after the W (`with_copies`)."""
+    nodes beside the W (`with_copies`): after them, or right after the root where the row's `copies_first` says
+    so (None: after them in every row)."""
 
     width: int
     roots: list[int]
@@ -188,15 +190,16 @@ class TreeRequest:
     sizes: list[int]
     copies: list[DraftTree | None] | None = None
     copy_width: int = 0
+    copies_first: list[bool] | None = None
 
-    def copy_rows(self) -> tuple[list[int], list[int]]:
+    def copy_rows(self) -> tuple[list[int], list[int], list[int]]:
         """The copy branches as the layout takes them (`with_copies`), flat over the rows: each copy node's token
         (a padding node's: its row's root), then each node's ancestors among the copy nodes, itself included, as
-        `copy_words` words of `COPY_BITS` bits a node (bit j: copy node j + 1; a padding node's: none). Host lists; nothing
-        when there are no copy branches to lay out."""
+        `copy_words` words of `COPY_BITS` bits a node (bit j: copy node j + 1; a padding node's: none), then each
+        row's order (1: its copy nodes first). Host lists; nothing when there are no copy branches to lay out."""
         c = self.copy_width
         if not c:
-            return [], []
+            return [], [], []
         tokens, bits, words = [], [], copy_words(c)
         for tree, root in zip(self.copies, self.roots):
             h = tree.host if tree is not None else None
@@ -210,7 +213,8 @@ class TreeRequest:
             else:
                 mask = (1 << COPY_BITS) - 1
                 bits += [b >> (COPY_BITS * w) & mask for b in seen[1:] + [0] * (c - n) for w in range(words)]
-        return tokens, bits
+        first = [int(f) for f in self.copies_first] if self.copies_first is not None else [0] * len(self.roots)
+        return tokens, bits, first
 
 
 def copy_words(width: int) -> int:
@@ -369,13 +373,15 @@ def ancestor_rows(parents: list[int], width: int) -> list[list[int]]:
     return rows
 
 
-def with_copies(laid: TreeLayout, tokens: torch.Tensor, bits: torch.Tensor) -> TreeLayout:
-    """The layout `laid` (W nodes a row) with each row's copy branches after its nodes: C copy nodes a row, their
+def with_copies(laid: TreeLayout, tokens: torch.Tensor, bits: torch.Tensor,
+                first: torch.Tensor | None = None) -> TreeLayout:
+    """The layout `laid` (W nodes a row) with each row's copy branches beside its nodes: C copy nodes a row, their
     tokens [B, C] and ancestor bits [B, C, words] (`TreeRequest.copy_rows`: bit j of a node, copy node j + 1 is
-    itself or an ancestor of it). A copy node sees the root, its ancestors and itself, never a drafter node; its
-    depth is its ancestors' count; a padding node (no bits) sees the root and itself, at the root's depth. The
-    host part stays the drafter's (the host holds the copies). The same on the host, the device and in a
-    program: a few fused operations, no loop."""
+    itself or an ancestor of it), after the W nodes, or, in the rows `first` [B] (0/1) says, right after the root
+    (the drafter's nodes then follow them). A copy node sees the root, its ancestors and itself, never a drafter
+    node; its depth is its ancestors' count; a padding node (no bits) sees the root and itself, at the root's
+    depth. The host part stays the drafter's (the host holds the copies). The same on the host, the device and in
+    a program: a few fused operations, no loop."""
     rows, w = laid.tokens.shape
     c = tokens.shape[1]
     column = torch.arange(c, device=tokens.device)  # [C]
@@ -387,8 +393,15 @@ def with_copies(laid: TreeLayout, tokens: torch.Tensor, bits: torch.Tensor) -> T
     drafted = seen.new_zeros(rows, c, w - 1)  # ... and no drafter node
     ancestors = torch.cat([torch.nn.functional.pad(laid.ancestors, (0, c)), torch.cat([root, drafted, seen], 2)],
                           1)  # [B, W + C, W + C]
-    return TreeLayout(torch.cat([laid.tokens, tokens], 1), torch.cat([laid.depths, depths], 1), ancestors,
-                      laid.host, real=laid.real)
+    tokens, depths = torch.cat([laid.tokens, tokens], 1), torch.cat([laid.depths, depths], 1)  # [B, W + C] each
+    if first is not None:  # row b's columns in its order: [root, copy nodes, drafter nodes] where it puts them first
+        after = torch.arange(w + c, device=tokens.device)  # [W + C] the copies after the drafter's nodes
+        before = torch.cat([after[:1], after[w:], after[1:w]])  # [W + C] the copies right after the root
+        order = torch.where(first.bool()[:, None], before, after)  # [B, W + C]
+        tokens, depths = tokens.gather(1, order), depths.gather(1, order)
+        ancestors = ancestors.gather(1, order[..., None].expand(-1, -1, w + c)).gather(2, order[:, None, :].expand(
+            -1, w + c, -1))  # [B, W + C, W + C]
+    return TreeLayout(tokens, depths, ancestors, laid.host, real=laid.real)
 
 
 @dataclass
@@ -407,6 +420,8 @@ class PendingTrees:
     copies: list[DraftTree | None]
     drafter_width: int  # W
     trees: list[DraftTree] | None = None  # the rows' trees where the host holds them (nothing to read)
+    copies_first: list[bool] | None = None  # each row's copy nodes laid out right after its root (None: after
+    # the drafter's nodes in every row: `with_copies`)
 
     @classmethod
     def on_host(cls, trees: list[DraftTree], pad: Callable[[int], int], positions: list[int], device: torch.device,
@@ -437,11 +452,13 @@ class PendingTrees:
         by_slot = dict(zip(self.slots, self.roots))
         lists = host_trees(values, [by_slot[slot] for slot in sorted(by_slot)])
         trees, columns = [], []
-        for slot, copy in zip(self.slots, self.copies):
+        first = self.copies_first or [False] * len(self.slots)
+        for slot, copy, ahead in zip(self.slots, self.copies, first):
             tokens, parents, scores = lists[slot]
             size = len(tokens) - 1
             if copy is not None and grafted:
-                tree, cols = _beside(tokens, parents, scores, copy, self.drafter_width)
+                tree, cols = _beside(tokens, parents, scores, copy, self.drafter_width,
+                                     self.width - self.drafter_width if ahead else None)
             else:
                 tree, cols = DraftTree.of_lists(tokens, parents, scores), list(range(size + 1))
                 if copy is not None:
@@ -450,9 +467,13 @@ class PendingTrees:
         return trees, columns if grafted else None
 
 
-def _beside(tokens: list[int], parents: list[int], scores: list[float], copy: DraftTree, width: int):
-    """A drafter's tree (host lists) and its copy branches laid out after its `width` columns, as one tree: (the
-    tree, each node's column). A copy node on a path the drafter drafted too marks both nodes as both's."""
+def _beside(tokens: list[int], parents: list[int], scores: list[float], copy: DraftTree, width: int,
+            first: int | None = None):
+    """A drafter's tree (host lists) and its copy branches laid out beside its `width` columns, as one tree: (the
+    tree, each node's column). A copy node on a path the drafter drafted too marks both nodes as both's. The copy
+    nodes come after the drafter's, or, where the layout put its `first` copy columns right after the root, before
+    them, in the tree as in the layout (so that of two equally long accepted paths, the copy's, needing no move in
+    the cache, is taken)."""
     size, h = len(tokens), copy.host
     sources = [EAGLE] * size
     child = {(parents[i], tokens[i]): i for i in range(1, size)}  # the drafter's nodes by (parent, token)
@@ -465,8 +486,14 @@ def _beside(tokens: list[int], parents: list[int], scores: list[float], copy: Dr
         if node is not None:
             same[j] = node
             sources[node] |= COPY
-    columns = list(range(size)) + [width - 1 + j for j in range(1, len(h.tokens))]
-    return DraftTree.of_lists(tokens, parents, scores, sources), columns
+    if first is None:
+        columns = list(range(size)) + [width - 1 + j for j in range(1, len(h.tokens))]
+        return DraftTree.of_lists(tokens, parents, scores, sources), columns
+    order = [0] + list(range(size, len(tokens))) + list(range(1, size))  # the tree's nodes in the layout's order
+    place = {node: i for i, node in enumerate(order)}
+    columns = list(range(len(h.tokens))) + [first + i for i in range(1, size)]
+    return DraftTree.of_lists([tokens[n] for n in order], [place[parents[n]] if n else -1 for n in order],
+                              [scores[n] for n in order], [sources[n] for n in order]), columns
 
 
 def number_of(t: torch.Tensor) -> torch.Tensor:
@@ -761,7 +788,7 @@ def draft_trees(drafter: EagleDrafter, state: DraftState, logits: torch.Tensor, 
     How it runs is a launch: one program over the cache's whole storage (`DraftPrograms.grow`, with the staged
     catch-up first, a batch's holes hidden by the programs' validity buffer) where the levels run at fixed shapes;
     otherwise eagerly at the round's shapes, each level under the kept mask (which hides a batch's holes). The
-    request's copy branches are laid out after the trees' W nodes either way (`with_copies`). Returns the
+    request's copy branches are laid out beside the trees' W nodes either way (`with_copies`). Returns the
     `TreeLayout` and the verify positions [B, W (+ C)]. Call it under `torch.no_grad` (the decoding loops do)."""
     min_logp = math.log(threshold) if threshold > 0 else -math.inf
     levels = max(depths, default=0)
@@ -771,9 +798,10 @@ def draft_trees(drafter: EagleDrafter, state: DraftState, logits: torch.Tensor, 
     if state.graphs is not None and choose is None:
         return state.programs(drafter).grow(logits, hidden, top_k, levels, min_logp, prune, roots, depths,
                                             state.length, layout)
-    copy_tokens, copy_bits = layout.copy_rows()
+    copy_tokens, copy_bits, copies_first = layout.copy_rows()
     host = pack(hidden.device, base=roots, depth=depths, tokens=layout.roots, position=layout.positions,
-                sizes=layout.sizes, **({"copy_tokens": copy_tokens, "copy_bits": copy_bits} if copy_tokens else {}))
+                sizes=layout.sizes, **({"copy_tokens": copy_tokens, "copy_bits": copy_bits,
+                                        "copies_first": copies_first} if copy_tokens else {}))
     state.launch_staged()
     rows, base, real_len = state.rows, host["base"][:, None], state.length  # [B, 1]
 
@@ -789,7 +817,8 @@ def draft_trees(drafter: EagleDrafter, state: DraftState, logits: torch.Tensor, 
                        torch.where(depth > 0, host["sizes"][:, None], 1))
     if copy_tokens:
         c = layout.copy_width
-        laid = with_copies(laid, host["copy_tokens"].view(rows, c), host["copy_bits"].view(rows, c, -1))
+        laid = with_copies(laid, host["copy_tokens"].view(rows, c), host["copy_bits"].view(rows, c, -1),
+                           host["copies_first"])
     return laid, host["position"][:, None] + laid.depths
 
 
@@ -1045,7 +1074,8 @@ class Levels:
     hidden states, with `ints` = (each row's root position [B], its depth [B], the first tree slot `at`): the k
     nodes of level l are written at slots ``at + (l-1)k ..``; each reads its row's real slots before `at` (the
     validity buffer) and its ancestors among the tree rows (`grow_trees`). Output: the trees' layout, W nodes a
-    row, then C copy nodes a row (`copies`; their tokens and ancestor bits follow in `ints`: `with_copies`)."""
+    row and C copy nodes beside them (`copies`; their tokens, ancestor bits and order follow in `ints`:
+    `with_copies`)."""
 
     def __init__(self, shared: DraftPrograms, k: int, levels: int, min_logp: float, prune: bool, width: int,
                  copies: int = 0):
@@ -1053,8 +1083,9 @@ class Levels:
         rows = keys.shape[0]
         self._drafter = shared._drafter  # (a weak reference: the programs and their owner form no cycle)
         # root positions [B], depths [B], at, root tokens [B], verify positions [B], sizes [B], then the copy
-        # nodes' tokens [B, C] and ancestor bits [B, C, words]
-        self.ints = Ints(5 * rows + 1 + rows * copies * (1 + copy_words(copies)), keys.device)
+        # nodes' tokens [B, C], ancestor bits [B, C, words] and each row's order [B]
+        self.ints = Ints(5 * rows + 1 + (rows * copies * (1 + copy_words(copies)) + rows if copies else 0),
+                         keys.device)
         steps = keys.new_ones(levels * k, dtype=torch.long).cumsum(0) - 1  # [levels * k] 0 ..
         self.program = Program(grow_trees, (shared.keys, shared.values, shared.valid, shared.logits, shared.hidden,
                                             self.ints.tensor, steps, shared.columns, k, levels, min_logp, prune,
@@ -1081,7 +1112,7 @@ def grow_trees(drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, 
                columns: torch.Tensor, k: int, levels: int, min_logp: float, prune: bool, width: int,
                copies: int = 0):
     """`Levels`' body: `grow_levels` over the drafter's cache storage (validity [B, C]) from the shared logits and
-    hidden states; the trees' `TreeLayout` (W nodes a row, then `copies` copy nodes: `with_copies`) and the verify
+    hidden states; the trees' `TreeLayout` (W nodes a row, `copies` copy nodes beside them: `with_copies`) and the verify
     positions [B, W (+ copies)]."""
     rows = logits.shape[0]
     base, depth, at = ints[:rows, None], ints[rows : 2 * rows, None], ints[2 * rows]
@@ -1102,6 +1133,7 @@ def grow_trees(drafter: EagleDrafter, keys: torch.Tensor, values: torch.Tensor, 
                          torch.where(depth > 0, sizes[:, None], 1))
     if copies:
         start = 5 * rows + 1
-        copy_bits = ints[start + rows * copies :].view(rows, copies, -1)  # [B, C, words]
-        layout = with_copies(layout, ints[start : start + rows * copies].view(rows, copies), copy_bits)
+        copy_bits = ints[start + rows * copies : -rows].view(rows, copies, -1)  # [B, C, words]
+        layout = with_copies(layout, ints[start : start + rows * copies].view(rows, copies), copy_bits,
+                             ints[-rows:])
     return layout, position[:, None] + layout.depths  # [B, W (+ C)] the verify positions

@@ -27,7 +27,7 @@ from .rounds import Round, RoundRecord, Timer
 from .schedule import CopyAction, DraftLengthController
 from .settings import MAX_DEPTH, DraftSettings
 from .stats import SpecDecodeStats
-from .tree import DraftTree
+from .tree import COPY, DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +193,9 @@ class Speculator:
             self._learn_drafter(record)
         if drafting and self.copy is not None and self.copy.branches:
             self.copy.update(record.taken)
+        if drafting and self.copy is not None and record.accepted:  # (whose draft was accepted first: its
+            # branches come first in the next layout)
+            self.copy.leads = bool(record.tree.host.sources[record.path[1]] & COPY)
         self.cache_row.after_cycle = drafting and record.eagle_depth > 0
         if self.listeners:
             drafts, sources = record.shown()
@@ -368,7 +371,7 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
     `marks`: the round's named marks on the timer (`eagle_hf.speculation.rounds.RoundTiming`); `positions`: each
     row's root position in the target's cache (the verify's); `pad`: the verify's width for trees of n nodes
     (default n); `choose`: the drafter's children's choice (a sampling chain's, one row); `beside`: the verify
-    reads the layout as it is, so the copy branches are laid out in it, after the drafter's nodes (else the host
+    reads the layout as it is, so the copy branches are laid out in it beside the drafter's nodes (else the host
     grafts them onto the trees it reads: `PendingTrees.settle`). The copy branches are the plan's (`plan_round`:
     cut to a static cache's room there)."""
     first = speculators[0]
@@ -397,8 +400,12 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
     width = pad(largest)  # the drafter's nodes a row, padded: one program a tree size, whatever the copies add
     if extra:  # (the copy branches after them, padded so that the verify's whole width is padded too)
         extra = pad(width + extra) - width
+    copies_first = [c is not None and sp.copy.leads for c, sp in zip(copies, speculators)]  # (where the last
+    # accepted draft was a copy's, the copies come first: an accepted copy path is then the first columns, moved
+    # nowhere)
     request = TreeRequest(width, [roots[i] for i in order], [positions[i] for i in order],
-                          [total_tokens[i] if i in drafting else 1 for i in order], [copies[i] for i in order], extra)
+                          [total_tokens[i] if i in drafting else 1 for i in order], [copies[i] for i in order], extra,
+                          [copies_first[i] for i in order])
     steps = state.steps
     grown = draft_trees(first.drafter, state, logits, hidden, [depths[i] if i in drafting else 0 for i in order],
                         s.branching, request, s.confidence_threshold, prune=s.branching > 1, choose=choose)
@@ -406,7 +413,8 @@ def draft_round(speculators: Sequence[Speculator], roots: list[int], depths: lis
         marks["drafted"] = timer.mark()
     for i in drafting:
         speculators[i].this_round.drafter_levels = state.steps - steps
-    return PendingTrees([sp.cache_row.slot for sp in speculators], roots, *grown, copies, width)
+    return PendingTrees([sp.cache_row.slot for sp in speculators], roots, *grown, copies, width,
+                        copies_first=copies_first if extra else None)
 
 
 def _catch_up(speculators: Sequence[Speculator], staged: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
