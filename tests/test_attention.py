@@ -176,3 +176,16 @@ def test_verify_forwards_with_split_keys_keep_greedy_output(monkeypatch, mode):
     out = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter, **mode)
     assert torch.equal(out, ref)
     assert calls and min(calls) >= 30  # (the committed prefix: the prompt and what was accepted)
+
+
+def test_the_text_configuration_is_read_once_per_configuration_object():
+    """`text_config` keeps each configuration's text configuration (transformers' attribute reads are slow): a
+    change to it is seen (the same object), a new configuration object is read anew."""
+    from eagle_hf.hf.models import text_config
+
+    target = tiny_target("llama")
+    assert text_config(target) is target.config.get_text_config()
+    target.config._attn_implementation = "eager"
+    assert attention.kernel_name(target) == "eager"
+    target.config = type(target.config).from_dict(target.config.to_dict())
+    assert text_config(target) is target.config

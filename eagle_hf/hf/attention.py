@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .models import text_config
+
 logger = logging.getLogger(__name__)
 
 #: the keyword a verify forward passes down to the attention function
@@ -57,7 +59,7 @@ _last_tail: tuple = (None, 0, None)
 
 def kernel_name(target) -> str:
     """The attention implementation `target`'s text layers use (transformers' name)."""
-    return getattr(target.config.get_text_config(), "_attn_implementation", None) or "sdpa"
+    return getattr(text_config(target), "_attn_implementation", None) or "sdpa"
 
 
 def kernel_unsupported_reason(name: str) -> str | None:

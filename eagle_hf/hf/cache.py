@@ -46,7 +46,7 @@ from .indexed import (
     regather_index_keys,
     select_index_rows,
 )
-from .models import forward_parameters
+from .models import forward_parameters, text_config
 from .recurrent import RECURRENT_TYPES, attention_layers, is_hybrid, recurrent_layers, select_recurrent_rows
 from .version import cache_kwarg
 
@@ -72,7 +72,7 @@ _STATIC = (StaticLayer, StaticSlidingWindowLayer, *STATIC_INDEXED)
 
 def tree_unsupported_reason(target) -> str | None:
     """Why tree verification cannot run on `target` (None when it can): it needs a plain causal mask to replace."""
-    text = target.config.get_text_config()
+    text = text_config(target)
     reason = kernel_unsupported_reason(kernel_name(target))
     if reason:
         return reason
@@ -618,7 +618,7 @@ WINDOW_BY_CACHE = ("moshi",)
 def layer_windows(target) -> dict[str, Window | None] | None:
     """Per layer type, the window its layers read (None: the whole context); None when every layer reads the
     whole context. A config without layer types whose sliding window is on (Mistral) has one type, ``""``."""
-    text = target.config.get_text_config()
+    text = text_config(target)
     window = getattr(text, "sliding_window", None) if getattr(text, "use_sliding_window", True) else None
     chunk = getattr(text, "attention_chunk_size", None)
     local = getattr(text, "window_size", None)
@@ -645,7 +645,7 @@ def windows_unsupported_reason(target) -> str | None:
     windows the model applies itself by cache slot."""
     windows = layer_windows(target) or {}
     if windows and getattr(target.config, "model_type", None) in WINDOW_BY_CACHE:
-        size = target.config.get_text_config().sliding_window
+        size = text_config(target).sliding_window
         return (f"its cache keeps its window (sliding_window={size}) and its layers "
                 "mask nothing more, while a draft tree's cache keeps every key")
     by_slot = [t for t in BY_SLOT if windows.get(t) is not None]

@@ -24,6 +24,7 @@ from ..speculation.settings import DraftSettings
 from ..speculation.speculator import DraftListener, Speculator
 from ..speculation.stats import SpecDecodeStats, merge_stats
 from .costs import controller_for
+from .models import text_config
 from .version import cache_in
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ def _model_name(name_or_path: str) -> str:
 def check_compatible(target, drafter: EagleDrafter) -> list[int]:
     """Validate that `drafter` can draft for `target`; return the boundary aux ids it reads."""
     warn_other_target(target, drafter)
-    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    text = text_config(target)
     cfg = drafter.config
     where = f"drafter {cfg.name_or_path or '(unnamed)'} and target {getattr(target, 'name_or_path', '?')}"
     if cfg.vocab_size != text.vocab_size:

@@ -117,7 +117,8 @@ def _run(self, kwargs: dict, call: EagleCall):
         if prompt_len is not None:
             call.stats.new_tokens = int(sequences.shape[-1] - prompt_len)
     _set_last(call.stats)
-    logger.info("EAGLE generate (%s): %s", call.settings.mode, call.stats.summary())
+    if logger.isEnabledFor(logging.INFO):  # (the summary's text costs a call tens of µs)
+        logger.info("EAGLE generate (%s): %s", call.settings.mode, call.stats.summary())
     why = _why_no_drafts(call)
     if why:
         logger.info("This call decoded plainly, without verifying a draft: %s", why)

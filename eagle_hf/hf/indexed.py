@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from transformers import cache_utils
 
+from .models import text_config
+
 #: transformers' cache layers that keep an indexer's keys (none in versions before indexed attention)
 DYNAMIC_INDEXED = tuple(c for c in [getattr(cache_utils, "DynamicIndexedLayer", None)] if c is not None)
 STATIC_INDEXED = tuple(c for c in [getattr(cache_utils, "StaticIndexedLayer", None)] if c is not None)
@@ -38,14 +40,14 @@ CHECKED = ("deepseek_v32",)
 
 def has_indexed_layers(target) -> bool:
     """Whether some of `target`'s layers select their keys with an indexer."""
-    return INDEXED in (getattr(target.config.get_text_config(), "layer_types", None) or ())
+    return INDEXED in (getattr(text_config(target), "layer_types", None) or ())
 
 
 def indexed_unsupported_reason(target) -> str | None:
     """Why a verify forward cannot keep `target`'s indexed layers exact (None when it can, or it has none)."""
     if not has_indexed_layers(target):
         return None
-    kind = getattr(target.config.get_text_config(), "model_type", "")
+    kind = getattr(text_config(target), "model_type", "")
     if kind in CHECKED:
         return None
     return (f"its {INDEXED} layers ({kind}) select keys with an indexer that eagle_hf has not checked under a tree "

@@ -31,6 +31,24 @@ def _parameters_of(forward) -> Mapping[str, inspect.Parameter]:
     return inspect.signature(forward).parameters
 
 
+#: id(configuration) -> (it, its text configuration), held weakly (`text_config`)
+_TEXT_CONFIGS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def text_config(model):
+    """`model`'s text configuration (``config.get_text_config()``), looked up once per configuration object: a
+    transformers configuration's attribute reads cost microseconds each, and a call's routing and loop read it
+    some fifteen times."""
+    config = model.config
+    kept = _TEXT_CONFIGS.get(id(config))
+    if kept is not None and kept[0]() is config and (text := kept[1]()) is not None:
+        return text
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    key = id(config)
+    _TEXT_CONFIGS[key] = (weakref.ref(config, lambda _, k=key: _TEXT_CONFIGS.pop(k, None)), weakref.ref(text))
+    return text
+
+
 def compiled_graphs() -> int:
     """How many graphs torch.compile has compiled in this process (read on the host: no device work)."""
     from torch._dynamo.utils import counters
@@ -78,7 +96,7 @@ def query_scale_step(target) -> int | None:
     ``1 + attn_scale * log1p(floor((x + 1) / floor_scale))``; a tree's node sits at slot length + i but at
     position length + depth, so a tree must stop short of the next step (`slots_before_step`) to be scaled as
     plain decoding scales it (a batch's holes still shift the slots, as they shift plain decoding's padding)."""
-    text = target.config.get_text_config()
+    text = text_config(target)
     nope = [not rope for rope in getattr(text, "no_rope_layers", None) or []]
     return text.floor_scale if getattr(text, "attn_temperature_tuning", False) and any(nope) else None
 

@@ -26,7 +26,7 @@ import logging
 
 import torch
 
-from .models import forward_parameters
+from .models import forward_parameters, text_config
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def positions_unsupported_reason(target) -> str | None:
     if "position_ids" not in forward_parameters(target):
         return ("its forward takes no position_ids (it counts positions by cache slot), so a draft tree's nodes "
                 "would be read at their slots, not their depths")
-    if getattr(target.config.get_text_config(), "alibi", False):  # (Falcon's option)
+    if getattr(text_config(target), "alibi", False):  # (Falcon's option)
         return ("its ALiBi bias reads cache slots, not position_ids, so a draft tree's nodes would be read at their "
                 "slots, not their depths")
     return None if _rotary(target) else probed("positions", target, _probe_positions)
@@ -55,7 +55,7 @@ def positions_unsupported_reason(target) -> str | None:
 def _rotary(target) -> bool:
     """Whether the config says the model places tokens by rotary positions (`rope_parameters`): such a model reads
     the position_ids it is given and keeps transformers' cache, so the probes have nothing to learn."""
-    text = target.config.get_text_config()
+    text = text_config(target)
     return bool(getattr(text, "rope_parameters", None) or getattr(text, "rope_theta", None))
 
 
