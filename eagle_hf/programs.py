@@ -53,16 +53,6 @@ def running() -> bool:
     return _DEPTH > 0
 
 
-@contextlib.contextmanager
-def _body():
-    global _DEPTH
-    _DEPTH += 1
-    try:
-        yield
-    finally:
-        _DEPTH -= 1
-
-
 #: graphs a function's programs compile in a process (one a `signature`: rows, widths, buckets, drafters); the
 #: programs of later signatures run eagerly, as torch.compile's recompile limit has them
 RECOMPILE_ROOM = 64
@@ -93,14 +83,17 @@ class Program:
     def __call__(self, *first) -> Any:
         """A launch; `first`: arguments before the kept ones (a module held weakly elsewhere, the same each
         launch where captured)."""
-        global LAUNCHES
+        global LAUNCHES, _DEPTH
         LAUNCHES += 1
-        with _body():
+        _DEPTH += 1  # (its body runs: `running`)
+        try:
             if self.how == "graph":
                 return self._replay(*first)
             if self.how == "compile":
                 return self._compiled(*first)
             return self.body(*first)
+        finally:
+            _DEPTH -= 1
 
     def _compiled(self, *first) -> Any:
         made = self._run is None

@@ -45,15 +45,24 @@ def text_config(model):
         return text
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     key = id(config)
-    _TEXT_CONFIGS[key] = (weakref.ref(config, lambda _, k=key: _TEXT_CONFIGS.pop(k, None)), weakref.ref(text))
+    try:
+        _TEXT_CONFIGS[key] = (weakref.ref(config, lambda _, k=key: _TEXT_CONFIGS.pop(k, None)), weakref.ref(text))
+    except TypeError:  # (a stand-in configuration that takes no weak reference: read every time)
+        pass
     return text
 
 
 def compiled_graphs() -> int:
     """How many graphs torch.compile has compiled in this process (read on the host: no device work)."""
+    return _dynamo_counters()["stats"]["unique_graphs"]
+
+
+@functools.cache
+def _dynamo_counters() -> dict:
+    """torch.compile's counters of this process (imported once: a round reads them twice)."""
     from torch._dynamo.utils import counters
 
-    return counters["stats"]["unique_graphs"]
+    return counters
 
 
 #: whether the compiled verify forward keeps a graph per width (`specialise_width`); False leaves the width to

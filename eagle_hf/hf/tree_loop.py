@@ -335,7 +335,7 @@ class TreeLoop:
         chosen, raws, scores, draws = None, [], [], []
         if self.greedy_batch:  # the target's token after each node, for every row at once
             chosen = greedy(logits)  # [B, W]
-            draws = [chosen.flatten() if known is not None else chosen.flatten().double()]
+            draws = [chosen.flatten()]  # (read with the trees' float64 part: `cat` promotes it)
         else:
             for b, (row, tree) in enumerate(zip(active, known)):
                 raw = logits[b, : tree.size].float()  # [n, V] (n = 1 for plain steps)

@@ -51,6 +51,7 @@ class CopyIndex:
         out: list[tuple[tuple[int, ...], int]] = []
         suffix = self.tokens[-self.max_ngram :]
         end = len(self.tokens)
+        seen = set()  # occurrences read at a longer match: their continuation is one of `out`'s already
         for n in range(min(self.max_ngram, len(suffix), end - 1), 0, -1):  # (the whole text: no match)
             positions = self.ends.get(tuple(suffix[len(suffix) - n :]), ())
             scanned = 0
@@ -58,6 +59,11 @@ class CopyIndex:
                 if e >= end:
                     continue  # the suffix itself
                 scanned += 1
+                if e in seen:
+                    if scanned == MAX_OCCURRENCES:
+                        break
+                    continue
+                seen.add(e)
                 cont = tuple(self.tokens[e : e + length])
                 if cont and not any(c[: len(cont)] == cont for c, _ in out):  # (not one of them, nor a prefix)
                     cut = next((i for i, (c, _) in enumerate(out) if cont[: len(c)] == c), None)
