@@ -38,7 +38,7 @@ _TEXT_CONFIGS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 def text_config(model):
     """`model`'s text configuration (``config.get_text_config()``), looked up once per configuration object: a
     transformers configuration's attribute reads cost microseconds each, and a call's routing and loop read it
-    some fifteen times."""
+    some eighteen times."""
     config = model.config
     kept = _TEXT_CONFIGS.get(id(config))
     if kept is not None and kept[0]() is config and (text := kept[1]()) is not None:
