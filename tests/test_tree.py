@@ -107,14 +107,14 @@ def test_copy_branches_are_laid_out_first_where_the_row_says():
     order = [0, 3, 4, 5, 6, 1, 2]  # row 0's columns: the root, the copy nodes (one a padding node), the chain
     assert torch.equal(layout.ancestors[0], after.ancestors[0][order][:, order])
     assert torch.equal(layout.ancestors[1], after.ancestors[1])
-    tree, columns = _beside([7, 1, 2], [-1, 0, 1], [0.0, -0.1, -0.2], copies, width=3, first=4)
+    tree, columns = _beside([7, 1, 2], [-1, 0, 1], [0.0, -0.1, -0.2], copies, width=3, copy_width=4)
     assert columns == [0, 1, 2, 3, 5, 6]
     assert [layout.tokens[0, c].item() for c in columns] == tree.host.tokens == [7, 3, 4, 5, 1, 2]
     for node, column in enumerate(columns):  # each node sees its ancestors at their columns
         seen = {columns[n] for n in tree.host.path(node)}
         assert {c for c in range(7) if layout.ancestors[0, column, c]} == seen
     assert accept_greedy(tree, [3, 4, 0, 9, 0, 0]) == [0, 1, 2]  # the copy path 3, 4: columns 0, 1, 2
-    tree, columns = _beside([7, 3, 8], [-1, 0, 1], [0.0, -0.1, -0.2], copies, width=3, first=4)
+    tree, columns = _beside([7, 3, 8], [-1, 0, 1], [0.0, -0.1, -0.2], copies, width=3, copy_width=4)
     assert accept_greedy(tree, [3, 9, 0, 0, 9, 0]) == [0, 1]  # drafted by both: the copy's node, column 1
 
 

@@ -468,12 +468,12 @@ class PendingTrees:
 
 
 def _beside(tokens: list[int], parents: list[int], scores: list[float], copy: DraftTree, width: int,
-            first: int | None = None):
+            copy_width: int | None = None):
     """A drafter's tree (host lists) and its copy branches laid out beside its `width` columns, as one tree: (the
     tree, each node's column). A copy node on a path the drafter drafted too marks both nodes as both's. The copy
-    nodes come after the drafter's, or, where the layout put its `first` copy columns right after the root, before
-    them, in the tree as in the layout (so that of two equally long accepted paths, the copy's, needing no move in
-    the cache, is taken)."""
+    nodes come after the drafter's, or, where the layout put its `copy_width` copy columns right after the root
+    (None: it did not), before them, in the tree as in the layout (so that of two equally long accepted paths, the
+    copy's, needing no move in the cache, is taken)."""
     size, h = len(tokens), copy.host
     sources = [EAGLE] * size
     child = {(parents[i], tokens[i]): i for i in range(1, size)}  # the drafter's nodes by (parent, token)
@@ -486,12 +486,12 @@ def _beside(tokens: list[int], parents: list[int], scores: list[float], copy: Dr
         if node is not None:
             same[j] = node
             sources[node] |= COPY
-    if first is None:
+    if copy_width is None:
         columns = list(range(size)) + [width - 1 + j for j in range(1, len(h.tokens))]
         return DraftTree.of_lists(tokens, parents, scores, sources), columns
     order = [0] + list(range(size, len(tokens))) + list(range(1, size))  # the tree's nodes in the layout's order
     place = {node: i for i, node in enumerate(order)}
-    columns = list(range(len(h.tokens))) + [first + i for i in range(1, size)]
+    columns = list(range(len(h.tokens))) + [copy_width + i for i in range(1, size)]
     return DraftTree.of_lists([tokens[n] for n in order], [place[parents[n]] if n else -1 for n in order],
                               [scores[n] for n in order], [sources[n] for n in order]), columns
 
@@ -997,7 +997,7 @@ class DraftPrograms:
              roots: list[int], depths: list[int], at: int, layout: TreeRequest):
         """The round's levels (`Levels`) from logits [B, Vd] and hidden [B, 1, H] (the catch-up's, or copied in),
         row b's root at position ``roots[b]``, its tree rows from slot `at`: the trees' `TreeLayout`, with the
-        request's copy branches after them, and the verify positions [B, W (+ C)]."""
+        request's copy branches beside them, and the verify positions [B, W (+ C)]."""
         key = (k, levels, min_logp, prune, layout.width, layout.copy_width)
         program = self.levels.get(key)
         if program is None:
