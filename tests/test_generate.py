@@ -530,3 +530,25 @@ def test_user_hidden_states_are_kept():
                           return_dict_in_generate=True, output_hidden_states=True)
     assert torch.equal(res.sequences, plain(target, ids, max_new_tokens=10))
     assert len(res.hidden_states) > 0 and all(h is not None for h in res.hidden_states[0])
+
+
+def test_the_loop_decodes_in_inference_mode_and_hands_back_normal_tensors():
+    """eagle_hf's loop runs its rounds in inference mode (no autograd bookkeeping on a round's small operations);
+    what it returns is made of normal tensors, as plain generate()'s: written in place, used under autograd."""
+    target, drafter = models("llama")
+    ids = prompt(6, seed=4)
+    modes = []
+    hook = target.register_forward_pre_hook(lambda module, args: modes.append(torch.is_inference_mode_enabled()))
+    try:
+        res = target.generate(ids, assistant_model=drafter, max_new_tokens=10, tree_depth=3, do_sample=False,
+                              return_dict_in_generate=True, output_scores=True, output_logits=True,
+                              output_hidden_states=True)
+    finally:
+        hook.remove()
+    assert modes and all(modes)  # the prefill and every verify forward
+    assert torch.equal(res.sequences, plain(target, ids, max_new_tokens=10))
+    outputs = [res.sequences, *res.scores, *res.logits, *(h for step in res.hidden_states for h in step)]
+    assert not any(t.is_inference() for t in outputs)
+    weight = torch.ones((), requires_grad=True)
+    (weight * res.scores[0]).sum().backward()  # (an inference tensor cannot be saved for backward)
+    res.sequences[:, -1] = 0  # (nor written in place outside inference mode)

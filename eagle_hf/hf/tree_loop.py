@@ -150,17 +150,23 @@ class TreeLoop:
 
     @torch.no_grad()
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        """Decode in inference mode: the loop's tensors are its own, and no operation of a round keeps autograd's
+        bookkeeping (version counters, view tracking): a round's host time on a CPU is mostly such small
+        operations. What leaves the loop for the caller is made a normal tensor again (`as_normal`), as plain
+        generate() returns them: the sequences here, the kept outputs in `tree_custom_generate`."""
         device = self.device
-        ids = input_ids.to(device)  # plain generate() accepts CPU inputs for an accelerator target
-        mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(device).bool()
-        buffer = ids.new_full((ids.shape[0], max(self.max_length, ids.shape[1])), self.pad)  # [B, max_length]
-        buffer[:, : ids.shape[1]] = ids
-        rows = [Row(buffer, b, ids.shape[1], sp) for b, sp in enumerate(self.speculators)]
-        try:
-            self.cache.begin(slot_limit=self.max_length + VERIFY_BUCKETS[-1])  # the longest row and a verify forward
-            return self._decode(rows, ids, mask)
-        finally:
-            self.cache.release()
+        with torch.inference_mode():
+            ids = input_ids.to(device)  # plain generate() accepts CPU inputs for an accelerator target
+            mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(device).bool()
+            buffer = ids.new_full((ids.shape[0], max(self.max_length, ids.shape[1])), self.pad)  # [B, max_length]
+            buffer[:, : ids.shape[1]] = ids
+            rows = [Row(buffer, b, ids.shape[1], sp) for b, sp in enumerate(self.speculators)]
+            try:
+                self.cache.begin(slot_limit=self.max_length + VERIFY_BUCKETS[-1])  # the longest row and a verify
+                sequences, rows = self._decode(rows, ids, mask)
+            finally:
+                self.cache.release()
+        return as_normal(sequences), rows
 
     def _decode(self, rows: list[Row], ids: torch.Tensor, mask: torch.Tensor):
         self.prefill(rows, ids, mask)
@@ -513,6 +519,12 @@ def in_lockstep(active: list[Row], outcomes: list[Outcome]) -> list[Outcome]:
     return outcomes
 
 
+def as_normal(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as a normal tensor (a copy where it was made in inference mode): one the caller may write in place
+    or use in autograd, as plain generate()'s outputs."""
+    return tensor.clone() if tensor.is_inference() else tensor
+
+
 def stack_steps(per_row: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
     """Per step [B, V]: the rows' entries; a row that had already finished gets -inf (plain decoding computes
     scores for its padding, which mean nothing)."""
@@ -544,6 +556,7 @@ def tree_custom_generate(model, input_ids, logits_processor, stopping_criteria, 
         sequences=seq,
         scores=stack_steps([e.scores for e in emitted]) if g.output_scores else None,
         logits=stack_steps([e.logits for e in emitted]) if g.output_logits else None,
-        hidden_states=tuple(emitted[0].hidden_states) if g.output_hidden_states else None,
+        hidden_states=tuple(tuple(as_normal(h) for h in step) for step in emitted[0].hidden_states)
+        if g.output_hidden_states else None,
         **cache_kwarg(None if batched else cache),  # a batch's cache has holes: it cannot continue a generate()
     )
