@@ -30,6 +30,7 @@ import eagle_hf
 from eagle_hf import EagleCompatibilityError
 from eagle_hf.drafter.capture import default_aux_layer_ids, gather_aux, hidden_state_request
 from eagle_hf.hf import EagleCandidateGenerator, routing
+from eagle_hf.hf.version import CACHE_KEY, output_cache
 from eagle_hf.speculation.tree import DraftTree
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
@@ -552,3 +553,15 @@ def test_the_loop_decodes_in_inference_mode_and_hands_back_normal_tensors():
     weight = torch.ones((), requires_grad=True)
     (weight * res.scores[0]).sum().backward()  # (an inference tensor cannot be saved for backward)
     res.sequences[:, -1] = 0  # (nor written in place outside inference mode)
+
+
+def test_plain_generate_continues_a_cache_the_loop_wrote():
+    """The cache eagle_hf's loop hands back (its new tensors made in inference mode) continues in transformers' own
+    decoding, outside inference mode, as a cache plain generate() wrote."""
+    target, drafter = models("llama")
+    ids = prompt(6, seed=5)
+    res = target.generate(ids, assistant_model=drafter, max_new_tokens=8, tree_depth=3, do_sample=False,
+                          return_dict_in_generate=True)
+    follow = torch.cat([res.sequences, prompt(3, seed=6)], 1)
+    out = target.generate(follow, max_new_tokens=6, do_sample=False, **{CACHE_KEY: output_cache(res)})
+    assert torch.equal(out, plain(target, follow, max_new_tokens=6))
